@@ -1,0 +1,166 @@
+"""Allocation of fixed-size KV blocks to requests: free queue, reference counts, prefix cache.
+
+Modelled on vLLM v1's block pool: every block has a reference count; blocks with count 0 sit
+in an LRU free queue (oldest freed is reused first); with prefix caching on, a full block
+whose K/V are computed is registered under its chained hash and can be shared by later
+requests until it is evicted from the free queue.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from mm_kv_cache_management.block_table import BlockTable
+from mm_kv_cache_management.request_state import RequestState
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised when a request needs more KV blocks than are free; nothing was allocated."""
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int  # index of this block in the KV cache tensors
+    ref_count: int = 0  # live block tables holding this block
+    block_hash: bytes | None = None  # chained content hash while registered in the prefix cache
+
+
+class BlockManager:
+    """Hands out KV blocks of ``block_size`` tokens to requests.
+
+    Args:
+        num_blocks: blocks in the KV cache (>= 1).
+        block_size: tokens per block (>= 1).
+        enable_prefix_caching: share full, computed blocks between requests by content hash.
+
+    Raises:
+        ValueError: ``num_blocks`` or ``block_size`` below 1.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}: the KV budget holds no block")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU order
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with reference count 0 (cached-but-free blocks included)."""
+        return len(self._free)
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        """ceil(num_tokens / block_size)."""
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache -------------------------------------------------------------------
+    def _cache_hits(self, req: RequestState) -> list[int]:
+        """Block ids of the longest cached prefix; never covers the last prompt token (C11)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for h in req.block_hashes(self.block_size, req.num_tokens - 1):
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def cache_full_blocks(self, req: RequestState) -> None:
+        """Register the request's full blocks whose K/V are computed under their hashes."""
+        if not self.enable_prefix_caching or req.block_table is None:
+            return
+        hashes = req.block_hashes(self.block_size, req.num_computed_tokens)
+        for block_id, h in zip(req.block_table.block_ids, hashes):
+            block = self.blocks[block_id]
+            if block.block_hash is None and h not in self._cached:
+                block.block_hash = h
+                self._cached[h] = block_id
+
+    # ---- allocation ---------------------------------------------------------------------
+    def _take_free_block(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict from the prefix cache
+            del self._cached[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id
+
+    def _touch(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def can_allocate(self, req: RequestState) -> bool:
+        """Whether ``prefill_allocate(req)`` would succeed now."""
+        hits = self._cache_hits(req)
+        fresh_hits = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        needed = self.num_blocks_needed(req.num_tokens) - len(hits)
+        return needed <= self.num_free_blocks - fresh_hits
+
+    def prefill_allocate(self, req: RequestState) -> BlockTable:
+        """Reserve blocks for all of ``req.token_ids``: ceil(len / block_size) blocks.
+
+        With prefix caching, the longest cached prefix is shared (reference count + 1) and
+        ``req.num_computed_tokens`` / ``req.num_cached_tokens`` start past it.
+
+        Raises:
+            ValueError: the request already holds blocks.
+            NoFreeBlocksError: not enough free blocks; nothing is allocated.
+        """
+        if req.block_table is not None:
+            raise ValueError(f"request {req.request_id!r} already holds blocks")
+        if not self.can_allocate(req):
+            raise NoFreeBlocksError(
+                f"request {req.request_id!r} needs {self.num_blocks_needed(req.num_tokens)} blocks "
+                f"for {req.num_tokens} tokens, only {self.num_free_blocks} free"
+            )
+        hits = self._cache_hits(req)
+        for block_id in hits:
+            self._touch(block_id)
+        fresh = [self._take_free_block() for _ in range(self.num_blocks_needed(req.num_tokens) - len(hits))]
+        num_cached = len(hits) * self.block_size
+        req.block_table = BlockTable(self.block_size, hits + fresh, num_tokens=num_cached)
+        req.num_computed_tokens = req.num_cached_tokens = num_cached
+        return req.block_table
+
+    def decode_append(self, req: RequestState) -> int:
+        """Reserve the slot of the newest token ``req.token_ids[-1]`` and return it.
+
+        A new block is taken only when the held blocks are full (a block boundary).
+
+        Raises:
+            ValueError: the request holds no blocks.
+            NoFreeBlocksError: a new block is needed and none is free; nothing changes.
+        """
+        table = req.block_table
+        if table is None:
+            raise ValueError(f"request {req.request_id!r} holds no blocks; prefill_allocate first")
+        pos = req.num_tokens - 1
+        if pos >= table.capacity:
+            if not self._free:
+                raise NoFreeBlocksError(f"no free block for token {pos} of request {req.request_id!r}")
+            table.block_ids.append(self._take_free_block())
+        table.num_tokens = max(table.num_tokens, pos + 1)
+        return table.slot(pos)
+
+    def free_request(self, req: RequestState) -> None:
+        """Give back every block of ``req`` (tail first, so the LRU evicts tails first). Idempotent."""
+        table = req.block_table
+        if table is None:
+            return
+        for block_id in reversed(table.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+        req.block_table = None
+        req.num_computed_tokens = 0

@@ -1,0 +1,33 @@
+"""Chained content hashes of full KV blocks, for prefix caching.
+
+A block's hash covers its parent block's hash, its token ids and, for every image whose
+placeholder run overlaps the block, the image's content hash and the offset of the block
+inside that run. Image pad tokens share one id, so without the image key two different
+images would map to the same K/V (handed case C12).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+
+def block_hash(
+    parent_hash: bytes | None,
+    token_ids: Sequence[int],
+    extra_keys: Sequence[tuple[str, int]] = (),
+) -> bytes:
+    """Hash of one full block (blake2b, 16 bytes).
+
+    Args:
+        parent_hash: hash of the previous block of the same request, ``None`` for block 0.
+        token_ids: the block's ``block_size`` token ids.
+        extra_keys: ``(image content hash, offset of this block's first token within the
+            image's pad run)`` for each image span the block overlaps.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent_hash or b"root")
+    h.update(b",".join(str(t).encode() for t in token_ids))
+    for content_hash, offset in extra_keys:
+        h.update(f"|img:{content_hash}@{offset}".encode())
+    return h.digest()

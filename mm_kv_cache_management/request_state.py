@@ -1,0 +1,73 @@
+"""The KV-side view of a request: its tokens, image spans, blocks and progress."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from mm_kv_cache_management.block_table import BlockTable
+from mm_kv_cache_management.hashing import block_hash
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, frozen=True)
+class ImageSpan:
+    """Where one image's placeholder tokens sit in a request's token ids."""
+
+    offset: int  # index of the first <|image_pad|> token of this image
+    length: int  # number of <|image_pad|> tokens (one per merged patch)
+    content_hash: str  # identifies the image's pixels (and resize) for prefix caching
+
+
+@dataclass(eq=False)
+class RequestState:
+    """Token ids and KV bookkeeping of one request.
+
+    ``token_ids`` holds the prompt followed by the generated tokens; ``num_computed_tokens``
+    of them have K/V in the cache. ``rope_delta`` is the M-RoPE offset (HF
+    ``get_rope_index``): decode position = context length + ``rope_delta``; 0 for text.
+    """
+
+    request_id: str  # unique per engine
+    token_ids: list[int]  # prompt ids, then generated ids
+    num_prompt_tokens: int = -1  # length of the prompt part of token_ids (-1: all of it)
+    image_spans: list[ImageSpan] = field(default_factory=list)  # sorted by offset
+    rope_delta: int = 0  # M-RoPE position offset of decode tokens
+    block_table: BlockTable | None = None  # None while no blocks are held
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens served by prefix-cache hits at admission
+    status: RequestStatus = RequestStatus.WAITING
+    _block_hashes: list[bytes] = field(default_factory=list, repr=False)  # of full blocks
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.token_ids)
+
+    def block_hashes(self, block_size: int, num_tokens: int | None = None) -> list[bytes]:
+        """Chained hashes of the full blocks among the first ``num_tokens`` tokens.
+
+        Memoised: a block's hash depends only on tokens before its end, which never change.
+        """
+        limit = self.num_tokens if num_tokens is None else num_tokens
+        num_full = limit // block_size
+        while len(self._block_hashes) < num_full:
+            i = len(self._block_hashes)
+            start, end = i * block_size, (i + 1) * block_size
+            extra = [
+                (span.content_hash, start - span.offset)
+                for span in self.image_spans
+                if span.offset < end and start < span.offset + span.length
+            ]
+            parent = self._block_hashes[-1] if i else None
+            self._block_hashes.append(block_hash(parent, self.token_ids[start:end], extra))
+        return self._block_hashes[:num_full]
