@@ -1,0 +1,63 @@
+"""mm_token_pipeline: images and chat messages to the tokens, embeddings and positions of a prompt.
+
+Scope: image loading and normalisation (``load_image``), qwen-vl-utils ``smart_resize``
+with ``min_pixels``/``max_pixels``, patchify with HF ``Qwen2VLImageProcessor``
+(``preprocess_image``), the HF vision tower (``VisionEncoder``), placeholder expansion and
+prompt ids (``build_prompt_ids``), M-RoPE positions (``get_rope_index``). Imports only
+torch, Pillow, numpy, transformers, qwen-vl-utils and the standard library; never
+``atlas_vlm`` or ``mm_kv_cache_management``.
+
+Data path of one request (shapes for the default geometry: patch 14 px, merge 2)::
+
+    from transformers import AutoTokenizer
+    import mm_token_pipeline as mtp
+
+    tok = AutoTokenizer.from_pretrained(mtp.qwen_tokenizer_dir())
+    messages = [{"role": "user", "content": [
+        {"type": "image", "image": "tests/data/images/chelsea.png"},
+        {"type": "text", "text": "Describe this image."}]}]
+    images = [mtp.load_image(src) for src in mtp.extract_images(messages)]   # RGB PIL
+    processed = [mtp.preprocess_image(im) for im in images]                   # ProcessedImage
+    ids = mtp.build_prompt_ids(tok, messages, processed)                      # [N] token ids
+    positions, rope_delta = mtp.get_rope_index(
+        ids, [p.grid_thw for p in processed],
+        image_token_id=151655, vision_start_token_id=151652)                 # [3, N], int
+    encoder = mtp.VisionEncoder.from_state_dict(vision_config, visual_state_dict,
+                                                dtype=torch.float32, device="cpu")
+    embeds = encoder.encode_images(processed)                # [num_tokens_i, out_hidden] each
+    next_pos = mtp.decode_position(len(ids), rope_delta)     # position of the first new token
+
+Errors: every bad image input raises ``ImageInputError`` (a ``ValueError``) whose message
+names the source and the cause; the caller can refuse that request before allocating any
+KV cache block, since the token count of each image (``ProcessedImage.num_tokens``) is
+known after ``preprocess_image`` and never exceeds ``max_pixels // 28**2``.
+"""
+
+from .image_io import DEFAULT_MAX_IMAGE_PIXELS, ImageInputError, load_image, to_rgb
+from .mrope import decode_position, get_rope_index
+from .processor import ProcessedImage, preprocess_image
+from .prompt import (QWEN2_5_VL_CHAT_TEMPLATE, build_prompt_ids, expand_image_pads, extract_images,
+                     qwen_tokenizer_dir)
+from .resize import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, MAX_ASPECT_RATIO, smart_resize
+from .vision import VisionEncoder
+
+__all__ = [
+    "ImageInputError",
+    "load_image",
+    "to_rgb",
+    "DEFAULT_MAX_IMAGE_PIXELS",
+    "smart_resize",
+    "MAX_ASPECT_RATIO",
+    "DEFAULT_MIN_PIXELS",
+    "DEFAULT_MAX_PIXELS",
+    "ProcessedImage",
+    "preprocess_image",
+    "expand_image_pads",
+    "build_prompt_ids",
+    "extract_images",
+    "qwen_tokenizer_dir",
+    "QWEN2_5_VL_CHAT_TEMPLATE",
+    "get_rope_index",
+    "decode_position",
+    "VisionEncoder",
+]

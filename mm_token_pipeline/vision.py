@@ -1,0 +1,104 @@
+"""Vision tower wrapper: ``VisionEncoder``.
+
+Scope: a thin ``torch.nn.Module`` around HF transformers'
+``Qwen2_5_VisionTransformerPretrainedModel`` (patch embed, windowed ViT blocks, 2x2 patch
+merger), built from a ``Qwen2_5_VLVisionConfig`` and loaded strictly from a state dict.
+The network itself is HF's code, not ours; this file adds loading checks and the split of
+the output into one embedding matrix per image.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers.modeling_utils import no_init_weights
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLConfig, Qwen2_5_VLVisionConfig
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+from .processor import ProcessedImage
+
+__all__ = ["VisionEncoder"]
+
+
+def _as_vision_config(vision_config) -> Qwen2_5_VLVisionConfig:
+    """Accept a vision config, a dict of its fields, or a full ``Qwen2_5_VLConfig``."""
+    if isinstance(vision_config, Qwen2_5_VLConfig):
+        return vision_config.vision_config
+    if isinstance(vision_config, dict):
+        return Qwen2_5_VLVisionConfig(**vision_config)
+    if isinstance(vision_config, Qwen2_5_VLVisionConfig):
+        return vision_config
+    raise TypeError(f"vision_config must be a Qwen2_5_VLVisionConfig, dict or Qwen2_5_VLConfig, got {type(vision_config)}")
+
+
+class VisionEncoder(torch.nn.Module):
+    """Qwen2.5-VL vision tower (HF ``Qwen2_5_VisionTransformerPretrainedModel``).
+
+    ``forward(pixel_values [num_patches, patch_dim], grid_thw [num_images, 3])`` returns
+    ``[sum num_tokens, out_hidden_size]``: one row per merged 2x2 patch, images in order.
+    ``patch_dim = in_channels * temporal_patch_size * patch_size**2`` (1176).
+    """
+
+    def __init__(self, vision_config, *, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None):
+        super().__init__()
+        config = _as_vision_config(vision_config)
+        kwargs = {"torch_dtype": dtype}
+        if attn_implementation is not None:
+            kwargs["attn_implementation"] = attn_implementation
+        with no_init_weights():  # weights come from a state dict; skip random init
+            self.model = Qwen2_5_VisionTransformerPretrainedModel._from_config(config, **kwargs)
+        self.config = config
+        self.spatial_merge_size = config.spatial_merge_size
+
+    @classmethod
+    def from_state_dict(cls, vision_config, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu", attn_implementation: str | None = None) -> "VisionEncoder":
+        """Build the tower and load ``state_dict`` strictly (keys WITHOUT the ``'visual.'`` prefix).
+
+        Raises:
+            ValueError: missing or unexpected keys (all listed), or a shape mismatch.
+        """
+        encoder = cls(vision_config, dtype=dtype, attn_implementation=attn_implementation)
+        expected = set(encoder.model.state_dict().keys())
+        given = set(state_dict.keys())
+        missing, unexpected = sorted(expected - given), sorted(given - expected)
+        if missing or unexpected:
+            hint = " (strip the 'visual.' prefix)" if any(k.startswith("visual.") for k in unexpected) else ""
+            raise ValueError(f"vision state dict mismatch{hint}: missing keys {missing}; unexpected keys {unexpected}")
+        try:
+            encoder.model.load_state_dict(state_dict, strict=True)
+        except RuntimeError as exc:
+            raise ValueError(f"vision state dict does not fit the config: {exc}") from exc
+        return encoder.to(device=device, dtype=dtype).eval()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Parameter dtype of the tower."""
+        return self.model.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the tower's parameters."""
+        return next(self.model.parameters()).device
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: Sequence[Sequence[int]] | torch.Tensor) -> torch.Tensor:
+        """Embeddings ``[sum_i t_i*h_i*w_i // merge**2, out_hidden_size]`` for ``[num_patches, patch_dim]`` input.
+
+        Raises:
+            ValueError: ``pixel_values`` rows differ from ``sum(t*h*w)`` of ``grid_thw``.
+        """
+        grid = torch.as_tensor(grid_thw, dtype=torch.long, device=self.device).reshape(-1, 3)  # [num_images, 3]
+        n_patches = int(grid.prod(-1).sum())
+        if pixel_values.dim() != 2 or pixel_values.shape[0] != n_patches:
+            raise ValueError(f"pixel_values {tuple(pixel_values.shape)} does not match grid_thw ({n_patches} patches)")
+        return self.model(pixel_values.to(device=self.device, dtype=self.dtype), grid_thw=grid)
+
+    @torch.no_grad()
+    def encode_images(self, images: list[ProcessedImage]) -> list[torch.Tensor]:
+        """One ``[num_tokens_i, out_hidden_size]`` tensor per image, in one batched forward."""
+        if not images:
+            return []
+        pixel_values = torch.cat([im.pixel_values for im in images], dim=0)  # [sum patches, patch_dim]
+        embeds = self.forward(pixel_values, [im.grid_thw for im in images])
+        return list(torch.split(embeds, [im.num_tokens for im in images], dim=0))
