@@ -1,0 +1,105 @@
+"""Tests of mm_token_pipeline.VisionEncoder against HF transformers' vision tower.
+
+A tiny random ``Qwen2_5_VLForConditionalGeneration`` (fp32, CPU, seed 0): our encoder,
+loaded from its ``visual`` state dict, must give bit-identical output to HF's
+``model.model.visual`` on the same pixel values, for one and for several images.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+from mm_token_pipeline import VisionEncoder, load_image, preprocess_image
+
+pytestmark = pytest.mark.vlm
+
+IMAGES = Path(__file__).parent / "data" / "images"
+MAX_PIXELS = 64 * 28 * 28  # keep the tower input small on CPU
+
+
+def tiny_config() -> Qwen2_5_VLConfig:
+    return Qwen2_5_VLConfig(
+        vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[1], in_channels=3),
+    )
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    torch.manual_seed(0)
+    return Qwen2_5_VLForConditionalGeneration(tiny_config()).eval()
+
+
+@pytest.fixture(scope="module")
+def encoder(hf_model):
+    state = hf_model.model.visual.state_dict()
+    return VisionEncoder.from_state_dict(hf_model.config.vision_config, state, dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def images():
+    names = ["chelsea.png", "no_time_for_that_tiny.gif", "camera.png"]
+    return [preprocess_image(load_image(IMAGES / n), max_pixels=MAX_PIXELS) for n in names]
+
+
+def test_single_image_identical_to_hf(hf_model, encoder, images):
+    image = images[0]
+    grid = torch.tensor([image.grid_thw])
+    with torch.no_grad():
+        ref = hf_model.model.visual(image.pixel_values, grid_thw=grid)
+        ours = encoder(image.pixel_values, [image.grid_thw])
+    assert ours.shape == (image.num_tokens, 64)
+    assert torch.equal(ours, ref)
+
+
+def test_batched_images_identical_to_hf_and_split(hf_model, encoder, images):
+    pixel_values = torch.cat([im.pixel_values for im in images])  # [sum patches, 1176]
+    grid = torch.tensor([im.grid_thw for im in images])  # [3 images, 3]
+    with torch.no_grad():
+        ref = hf_model.model.visual(pixel_values, grid_thw=grid)
+    per_image = encoder.encode_images(images)
+    assert [e.shape[0] for e in per_image] == [im.num_tokens for im in images]
+    assert torch.equal(torch.cat(per_image), ref)
+    with torch.no_grad():
+        alone = encoder.encode_images([images[1]])[0]
+    torch.testing.assert_close(alone, per_image[1], atol=1e-5, rtol=1e-5)
+
+
+def test_config_forms_and_dtype(hf_model):
+    state = hf_model.model.visual.state_dict()
+    vision_dict = hf_model.config.vision_config.to_dict()
+    for config in (hf_model.config, vision_dict):
+        enc = VisionEncoder.from_state_dict(config, state, dtype=torch.float32, device="cpu")
+        assert enc.dtype == torch.float32 and enc.device.type == "cpu"
+    enc16 = VisionEncoder.from_state_dict(hf_model.config, state, dtype=torch.bfloat16, device="cpu")
+    assert enc16.dtype == torch.bfloat16
+
+
+def test_strict_load_lists_missing_and_unexpected(hf_model):
+    state = dict(hf_model.model.visual.state_dict())
+    prefixed = {f"visual.{k}": v for k, v in state.items()}
+    with pytest.raises(ValueError, match="strip the 'visual.' prefix"):
+        VisionEncoder.from_state_dict(hf_model.config.vision_config, prefixed, dtype=torch.float32, device="cpu")
+    broken = dict(state)
+    broken.pop("merger.ln_q.weight")
+    broken["extra.weight"] = torch.zeros(1)
+    with pytest.raises(ValueError, match=r"missing keys \['merger.ln_q.weight'\]; unexpected keys \['extra.weight'\]"):
+        VisionEncoder.from_state_dict(hf_model.config.vision_config, broken, dtype=torch.float32, device="cpu")
+    wrong = dict(state)
+    wrong["merger.ln_q.weight"] = torch.zeros(7)
+    with pytest.raises(ValueError, match="does not fit"):
+        VisionEncoder.from_state_dict(hf_model.config.vision_config, wrong, dtype=torch.float32, device="cpu")
+
+
+def test_pixel_values_must_match_grid(encoder, images):
+    with pytest.raises(ValueError, match="does not match grid_thw"):
+        encoder(images[0].pixel_values[:-4], [images[0].grid_thw])
