@@ -1,0 +1,13 @@
+"""Atlas VLM: a small, exact inference engine for (vision-)language models on a paged KV cache.
+
+``LLM`` (facade) -> ``LLMEngine`` -> ``Scheduler`` / ``BlockManager`` / ``ModelRunner`` ->
+``CausalLM`` -> layers (``paged_attention``).
+"""
+
+from atlas_vlm.config import EngineConfig
+from atlas_vlm.engine import LLMEngine
+from atlas_vlm.llm import LLM
+from atlas_vlm.outputs import RequestOutput
+from atlas_vlm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]

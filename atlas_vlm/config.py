@@ -1,0 +1,66 @@
+"""``EngineConfig``: every knob of the engine in one dataclass, validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KV_CACHE_KINDS = ("paged", "contiguous")
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings (names follow vLLM).
+
+    Raises:
+        ValueError: on creation, for any out-of-range field (the message names it).
+    """
+
+    model: str  # HF model folder or .gguf file
+    kv_cache: str = "paged"  # "paged" (blocks) or "contiguous" (one max_model_len strip per request)
+    kvcache_block_size: int = 16  # tokens per KV block
+    num_kvcache_blocks: int = -1  # -1: derive from memory (below)
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the engine may use
+    kv_cache_memory: int = 1 << 30  # CPU: bytes reserved for K/V when num_kvcache_blocks == -1
+    max_model_len: int | None = None  # tokens per request (prompt + output); None: min(model max, 4096)
+    max_num_seqs: int = 64  # requests running at once
+    max_num_batched_tokens: int = 2048  # tokens computed in one step (prefill chunks + decodes)
+    enable_chunked_prefill: bool = True  # split long prompts across steps
+    enable_prefix_caching: bool = True  # share computed full blocks by content hash
+    dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on CUDA), "float32", "bfloat16", "float16"
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
+    min_pixels: int = 4 * 28 * 28  # per-image lower bound after smart_resize (pixels)
+    max_pixels: int = 16384 * 28 * 28  # per-image upper bound after smart_resize (pixels)
+    allow_http_images: bool = False  # fetch http(s) image URLs
+    seed: int = 0  # default sampling seed of requests that set none
+
+    def __post_init__(self) -> None:
+        if self.kv_cache not in KV_CACHE_KINDS:
+            raise ValueError(f"kv_cache must be one of {KV_CACHE_KINDS}, got {self.kv_cache!r}")
+        for name in ("kvcache_block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kvcache_blocks == 0 or self.num_kvcache_blocks < -1:
+            raise ValueError(f"num_kvcache_blocks must be -1 (auto) or >= 1, got {self.num_kvcache_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not 0 < self.min_pixels <= self.max_pixels:
+            raise ValueError(f"need 0 < min_pixels <= max_pixels, got {self.min_pixels} and {self.max_pixels}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            if self.torch_device().type != "cuda":
+                return torch.float32
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if self.dtype not in dtypes:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(dtypes)}, got {self.dtype!r}")
+        return dtypes[self.dtype]

@@ -1,0 +1,86 @@
+"""Pure input preparation for one engine step: ids, positions, slot mapping, block tables,
+the attention layout and which image-embedding rows land where. No model, no cache: every
+function here runs on CPU lists and is tested without weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from atlas_vlm.layers.attention import AttentionMetadata, build_attention_metadata
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [num_tokens] int64, requests one after another
+    positions: torch.Tensor  # [num_tokens] (RoPE) or [3, num_tokens] (M-RoPE) int64
+    meta: AttentionMetadata  # slot mapping, block tables, attention mask
+    logits_index: torch.Tensor  # [num_sampled] flat index of the last token of each finishing chunk
+    sampled: list[int]  # index into the step's chunks of each row of logits_index
+    mm_embeds: torch.Tensor | None  # [num_image_tokens_in_step, hidden] rows replacing pad embeddings
+    mm_token_index: torch.Tensor | None  # [num_image_tokens_in_step] flat token index of each row
+
+
+def image_rows_for_chunk(spans, embeds, start: int, end: int):
+    """Image-embedding rows that fall in tokens ``start .. end-1`` of one request.
+
+    Args:
+        spans: the request's ``ImageSpan`` list (offset, length in tokens).
+        embeds: per image ``[length_i, hidden]`` embeddings (same order as ``spans``).
+
+    Returns:
+        list of ``(first token index within the chunk, rows [n, hidden])``; a chunk boundary
+        inside a pad run takes the matching slice of that image's rows (case C13).
+    """
+    out = []
+    for span, emb in zip(spans, embeds):
+        lo, hi = max(start, span.offset), min(end, span.offset + span.length)
+        if lo < hi:
+            out.append((lo - start, emb[lo - span.offset:hi - span.offset]))
+    return out
+
+
+def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = False) -> ModelInput:
+    """Flatten one step's work into model inputs.
+
+    Args:
+        chunks: ``(request, num_new_tokens)`` pairs; the request computes tokens
+            ``num_computed_tokens .. num_computed_tokens + num_new_tokens - 1``, whose slots
+            its block table already reserves. A chunk that reaches ``request.num_tokens``
+            produces logits (its last token is sampled).
+        mrope: the model uses M-RoPE (positions ``[3, num_tokens]``).
+    """
+    ids, positions, slots, tables, q_lens, c_lens = [], [], [], [], [], []
+    logits_index, sampled, mm_rows, mm_index = [], [], [], []
+    base = 0
+    for i, (req, n) in enumerate(chunks):
+        start, end = req.num_computed_tokens, req.num_computed_tokens + n
+        if n < 1 or end > req.num_tokens:
+            raise ValueError(f"request {req.request_id!r}: cannot compute tokens {start}..{end - 1} of {req.num_tokens}")
+        ids.extend(req.token_ids[start:end])
+        pos = req.positions(start, end)
+        positions.append(pos if mrope or pos.dim() == 1 else pos[0])
+        slots.extend(req.block_table.slots(start, end))
+        tables.append(req.block_table.block_ids)
+        q_lens.append(n)
+        c_lens.append(end)
+        if end == req.num_tokens:
+            logits_index.append(base + n - 1)
+            sampled.append(i)
+        if req.image_embeds is not None:
+            for offset, rows in image_rows_for_chunk(req.image_spans, req.image_embeds, start, end):
+                mm_rows.append(rows)
+                mm_index.extend(range(base + offset, base + offset + rows.shape[0]))
+        base += n
+    if mrope:
+        positions = [p if p.dim() == 2 else p[None].expand(3, -1) for p in positions]
+    return ModelInput(
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+        positions=torch.cat(positions, dim=-1).to(device),
+        meta=build_attention_metadata(q_lens, c_lens, slots, tables, device),
+        logits_index=torch.tensor(logits_index, dtype=torch.long, device=device),
+        sampled=sampled,
+        mm_embeds=torch.cat(mm_rows).to(device) if mm_rows else None,
+        mm_token_index=torch.tensor(mm_index, dtype=torch.long, device=device) if mm_rows else None,
+    )

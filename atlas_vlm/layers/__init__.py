@@ -1,0 +1,1 @@
+"""Building blocks of the decoder: attention over KV blocks, rotary embeddings, norms."""

@@ -1,0 +1,122 @@
+"""Attention over KV blocks: the one ``paged_attention`` function every layer calls.
+
+Many requests run in one call. Their new tokens arrive flattened (``[num_tokens, ...]``, one
+request after another); their K/V are written through ``slot_mapping``, each request's
+whole context is gathered through its block table into a padded batch, and SDPA runs once
+with a mask that hides padding and future tokens. A faster kernel would sit behind the same
+signature and be tested against this one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step layout of a batch; built once per step by ``atlas_vlm.input_prep``."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with block 0
+    context_lens: list[int]  # per request: tokens in cache after this step (old + new)
+    query_lens: list[int]  # per request: new tokens this step
+    query_index: torch.Tensor  # [num_seqs, max_query_len] int64: flat token of each padded query row
+    token_index: torch.Tensor  # [num_tokens] int64: padded row (seq * max_query_len + i) of each token
+    attn_mask: torch.Tensor  # [num_seqs, 1, max_query_len, max_context_len] bool, True = attend
+
+    @property
+    def max_context_len(self) -> int:
+        return self.attn_mask.shape[-1]
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    slot_mapping: list[int],
+    block_tables: list[list[int]],
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Pure layout math for one step (no model, no cache).
+
+    Query ``i`` of a request with ``q`` new tokens and ``c`` context tokens sits at absolute
+    position ``c - q + i`` and attends keys ``0 .. c - q + i``. Padded query rows attend key
+    0 only (so SDPA never sees an all-masked row); their outputs are dropped.
+
+    Raises:
+        ValueError: lengths disagree, or a request has more new tokens than context.
+    """
+    if not (len(query_lens) == len(context_lens) == len(block_tables)) or sum(query_lens) != len(slot_mapping):
+        raise ValueError("query_lens, context_lens, block_tables and slot_mapping disagree in size")
+    if any(q < 1 or q > c for q, c in zip(query_lens, context_lens)):
+        raise ValueError(f"every request needs 1 <= query_len <= context_len, got {query_lens} / {context_lens}")
+    num_seqs, max_q, max_c = len(query_lens), max(query_lens), max(context_lens)
+    starts = torch.tensor([0] + query_lens[:-1]).cumsum(0)  # [num_seqs] first flat token of each request
+    q_lens = torch.tensor(query_lens)
+    c_lens = torch.tensor(context_lens)
+    rows = torch.arange(max_q)  # [max_q]
+    valid = rows[None, :] < q_lens[:, None]  # [num_seqs, max_q]
+    query_index = torch.where(valid, starts[:, None] + rows[None, :], 0)
+    token_index = (torch.arange(num_seqs)[:, None] * max_q + rows[None, :])[valid]  # [num_tokens]
+    query_pos = (c_lens - q_lens)[:, None] + rows[None, :]  # [num_seqs, max_q] absolute positions
+    keys = torch.arange(max_c)
+    mask = keys[None, None, :] <= query_pos[:, :, None]  # [num_seqs, max_q, max_c] causal, within length
+    mask &= valid[:, :, None] | (keys == 0)[None, None, :]
+    width = max(len(t) for t in block_tables)
+    tables = [t + [0] * (width - len(t)) for t in block_tables]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+        context_lens=list(context_lens),
+        query_lens=list(query_lens),
+        query_index=query_index.to(device),
+        token_index=token_index.to(device),
+        attn_mask=mask[:, None].to(device),
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache,
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of new tokens over their requests' cached context.
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]`` new queries (RoPE applied).
+        k, v: ``[num_tokens, num_kv_heads, head_dim]`` new keys / values (RoPE applied to k).
+        kv_cache: a ``PagedKVCache`` / ``ContiguousKVCache``, or ``None`` for a cache-free
+            full prefill (each request's context is exactly its new tokens).
+        layer: decoder layer index into the cache.
+        meta: the step's ``AttentionMetadata``.
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]``.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    if kv_cache is None:
+        if meta.query_lens != meta.context_lens:
+            raise ValueError("without a KV cache every request must be a full prefill")
+        k_ctx, v_ctx = k[meta.query_index], v[meta.query_index]  # [num_seqs, max_q, kv_heads, head_dim]
+    else:
+        kv_cache.write(layer, meta.slot_mapping, k, v)
+        k_ctx, v_ctx = kv_cache.gather_kv_for_attention(layer, meta.block_tables, meta.max_context_len)
+        k_ctx, v_ctx = k_ctx.to(q.dtype), v_ctx.to(q.dtype)
+    q_pad = q[meta.query_index]  # [num_seqs, max_q, heads, head_dim]
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2),  # [num_seqs, heads, max_q, head_dim]
+        k_ctx.transpose(1, 2),  # [num_seqs, kv_heads, max_ctx, head_dim]
+        v_ctx.transpose(1, 2),
+        attn_mask=meta.attn_mask,
+        scale=scale,
+        enable_gqa=num_heads != k.shape[1],
+    )
+    out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [num_seqs * max_q, heads, head_dim]
+    return out[meta.token_index]  # [num_tokens, heads, head_dim]

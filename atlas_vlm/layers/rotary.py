@@ -1,0 +1,62 @@
+"""Rotary position embeddings: plain RoPE (Llama, Qwen2) and Qwen2.5-VL's M-RoPE.
+
+The inverse frequencies come from transformers' ``ROPE_INIT_FUNCTIONS`` (default, llama3,
+linear, dynamic, yarn, ...), so scaled variants follow HF exactly. M-RoPE (Qwen2-VL paper,
+HF ``apply_multimodal_rotary_pos_emb``) splits the rotary channels into ``mrope_section``
+chunks taken from the temporal, height and width position rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for a step's positions.
+
+    Args:
+        hf_text_config: the HF (text) config: ``rope_theta``, ``rope_scaling``, head dim.
+        mrope_section: per-axis rotary pair counts (sums to ``head_dim // 2``), or ``None``.
+    """
+
+    def __init__(self, hf_text_config, mrope_section: list[int] | None = None):
+        super().__init__()
+        scaling = getattr(hf_text_config, "rope_scaling", None) or {}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type == "mrope":
+            rope_type = "default"
+        inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_text_config, "cpu")
+        # [head_dim // 2] fp32; a plain attribute (not a buffer) so model.to(bf16) keeps it exact
+        self.inv_freq = inv_freq.float()
+        self.mrope_section = mrope_section
+        if mrope_section is not None:
+            if 2 * sum(mrope_section) != 2 * inv_freq.numel():
+                raise ValueError(f"mrope_section {mrope_section} must sum to head_dim // 2 = {inv_freq.numel()}")
+            axis = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(list(mrope_section) * 2)])
+            self.axis_of_channel = axis  # [head_dim]: position row (t, h, w) feeding each channel
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions ``[num_tokens]`` (or ``[3, num_tokens]`` for M-RoPE) -> cos, sin ``[num_tokens, head_dim]``."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+            if self.mrope_section is not None:
+                self.axis_of_channel = self.axis_of_channel.to(positions.device)
+        freqs = positions.float()[..., None] * self.inv_freq  # [(3,) num_tokens, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [(3,) num_tokens, head_dim]
+        if self.mrope_section is not None:
+            if positions.dim() != 2 or positions.shape[0] != 3:
+                raise ValueError(f"M-RoPE needs positions of shape [3, num_tokens], got {tuple(positions.shape)}")
+            index = self.axis_of_channel[None, None, :].expand(1, *emb.shape[1:])  # [1, num_tokens, head_dim]
+            emb = emb.gather(0, index)[0]  # [num_tokens, head_dim]: channel c from axis axis_of_channel[c]
+        cos = (emb.cos() * self.attention_scaling).to(dtype)
+        sin = (emb.sin() * self.attention_scaling).to(dtype)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[num_tokens, heads, head_dim]`` by cos/sin ``[num_tokens, head_dim]`` (HF rotate_half form)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -1,0 +1,171 @@
+"""Weight loading: a Hugging Face model folder (config.json + safetensors, sharded too) or a
+GGUF file (converted once through transformers' GGUF support and cached as a folder).
+
+HF's separate q/k/v and gate/up projections are stacked into our fused ``qkv_proj`` and
+``gate_up_proj``; Qwen2.5-VL's ``visual.*`` weights are handed back for the vision tower.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoTokenizer
+
+from atlas_vlm.models import CausalLM, ModelArch
+
+_STACKED = {  # HF name part -> (our fused name part, shard index)
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model path does not exist or holds no loadable checkpoint."""
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM  # our decoder, weights loaded, in eval mode
+    hf_config: object  # the transformers config
+    tokenizer: object  # the transformers tokenizer
+    vision_state_dict: dict[str, torch.Tensor] | None  # "visual.*" weights without the prefix
+    model_dir: Path  # the folder actually loaded (the GGUF cache folder for a .gguf)
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints live: ``$ATLAS_VLM_CACHE`` or ``~/.cache/atlas_vlm``."""
+    return Path(os.environ.get("ATLAS_VLM_CACHE", Path.home() / ".cache" / "atlas_vlm"))
+
+
+def gguf_to_folder(gguf_path: Path) -> Path:
+    """Dequantize a GGUF checkpoint to an HF folder (fp32 safetensors + tokenizer), once.
+
+    Uses ``transformers``' GGUF support (``from_pretrained(..., gguf_file=...)``); the folder
+    is keyed by the file's name, size and modification time.
+    """
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / "gguf" / f"{gguf_path.stem}-{key}"
+    if (out / "config.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM
+
+    print(f"Converting {gguf_path.name} to {out} (once)...", flush=True)
+    kwargs = dict(gguf_file=gguf_path.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+    hf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, torch_dtype=torch.float32, **kwargs)
+    tmp = out.with_name(out.name + ".tmp")
+    hf_model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def _checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"model folder {model_dir} holds no *.safetensors weights")
+    return files
+
+
+def _our_name(hf_name: str) -> tuple[str | None, str, int | None]:
+    """HF tensor name -> ("text" | "visual" | None, our name, shard index or None)."""
+    name = re.sub(r"^model\.language_model\.", "model.", hf_name)
+    if name.startswith(("visual.", "model.visual.")):
+        return "visual", name.split("visual.", 1)[1], None
+    if _IGNORED.search(name):
+        return None, name, None
+    for part, (fused, shard) in _STACKED.items():
+        if f".{part}." in name:
+            return "text", name.replace(f".{part}.", f".{fused}."), shard
+    return "text", name, None
+
+
+def _load_weights(model: CausalLM, files: list[Path]) -> dict[str, torch.Tensor]:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    unexpected, visual = [], {}
+    arch = model.arch
+    qkv_sizes = [arch.num_heads * arch.head_dim] + [arch.num_kv_heads * arch.head_dim] * 2
+    for path in tqdm(files, desc="Loading safetensors", unit="file", leave=False):
+        with safe_open(str(path), framework="pt") as f:
+            for hf_name in f.keys():
+                kind, name, shard = _our_name(hf_name)
+                if kind == "visual":
+                    visual[name] = f.get_tensor(hf_name)
+                    continue
+                if kind is None:
+                    continue
+                if name not in params:
+                    unexpected.append(hf_name)
+                    continue
+                tensor = f.get_tensor(hf_name)
+                target = params[name].data
+                if shard is not None:
+                    sizes = qkv_sizes if "qkv_proj" in name else [arch.intermediate_size] * 2
+                    target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
+                    name = f"{name}#{shard}"
+                if target.shape != tensor.shape:
+                    raise ValueError(f"weight {hf_name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+                target.copy_(tensor)
+                loaded.add(name)
+    expected = set()
+    for name in params:
+        if "qkv_proj.weight" in name or "qkv_proj.bias" in name:
+            expected |= {f"{name}#{i}" for i in range(3)}
+        elif "gate_up_proj" in name:
+            expected |= {f"{name}#{i}" for i in range(2)}
+        else:
+            expected.add(name)
+    if arch.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+        loaded.discard("lm_head.weight")
+    missing = sorted(expected - loaded)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match {arch.family}: missing {missing[:8]}, unexpected {unexpected[:8]}")
+    return visual
+
+
+def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
+    """Load config, tokenizer and weights of a supported model.
+
+    Args:
+        path: an HF model folder (``config.json`` + ``*.safetensors``) or a ``.gguf`` file.
+        dtype: parameter dtype (fp32 on CPU; bf16/fp16 on CUDA).
+
+    Raises:
+        ModelNotFoundError: ``path`` does not exist or has no config/weights.
+        UnsupportedModelError: the architecture is not Llama, Qwen2 or Qwen2.5-VL.
+        ValueError: the weights do not match the config.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"model path {path} does not exist; pass an HF model folder or a .gguf file")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelNotFoundError(f"model file {path} is not a .gguf file; pass an HF model folder or a .gguf file")
+        path = gguf_to_folder(path)
+    if not (path / "config.json").exists():
+        raise ModelNotFoundError(f"model folder {path} has no config.json")
+    hf_config = AutoConfig.from_pretrained(path)
+    arch = ModelArch.from_hf_config(hf_config)
+    files = _checkpoint_files(path)
+    text_config = getattr(hf_config, "text_config", None) if arch.family == "qwen2_5_vl" else None
+    model = CausalLM(arch, text_config or hf_config)
+    visual = _load_weights(model, files)
+    model.to(device=device, dtype=dtype).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(model, hf_config, tokenizer, visual or None, path)

@@ -1,0 +1,122 @@
+"""The decoder of the Llama / Qwen2 / Qwen2.5-VL (text) family over a paged KV cache.
+
+RMSNorm, RoPE or M-RoPE, grouped-query attention through ``paged_attention``, SwiGLU MLP.
+Q/K/V and gate/up projections are fused (the loader stacks HF's separate weights). Inputs
+are flattened across requests: ``[num_tokens]`` ids, ``[num_tokens]`` or ``[3, num_tokens]``
+positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from atlas_vlm.layers.attention import AttentionMetadata, paged_attention
+from atlas_vlm.layers.rotary import RotaryEmbedding, apply_rotary
+from atlas_vlm.models.arch import ModelArch
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back, as HF ``LlamaRMSNorm`` / ``Qwen2RMSNorm``."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size, self.kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
+        self.scale = arch.head_dim**-0.5
+
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)  # [num_tokens, heads, head_dim]
+        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)  # [num_tokens, kv_heads, head_dim]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv_cache, self.layer_idx, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))  # [num_tokens, hidden]
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        self.act = ACT2FN[arch.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, layer_idx)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, arch: ModelArch, hf_text_config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rotary = RotaryEmbedding(hf_text_config, list(arch.mrope_section) if arch.mrope_section else None)
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head.
+
+    Args:
+        arch: hyper-parameters (``ModelArch.from_hf_config``).
+        hf_text_config: the HF text config, for the RoPE variant and its scaling.
+    """
+
+    def __init__(self, arch: ModelArch, hf_text_config):
+        super().__init__()
+        self.arch = arch
+        self.model = DecoderModel(arch, hf_text_config)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed(self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None = None,
+              mm_token_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings ``[num_tokens, hidden]``; rows ``mm_token_index`` replaced by ``mm_embeds``."""
+        x = self.model.embed_tokens(input_ids)
+        if mm_embeds is not None and mm_embeds.numel():
+            x = x.index_copy(0, mm_token_index, mm_embeds.to(x.dtype))
+        return x
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Embeddings ``[num_tokens, hidden]`` -> final hidden states ``[num_tokens, hidden]``."""
+        cos, sin = self.model.rotary(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` -> fp32 logits ``[n, vocab_size]``."""
+        return self.lm_head(hidden).float()

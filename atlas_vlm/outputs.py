@@ -1,0 +1,31 @@
+"""What a finished (or streaming) request hands back to the caller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """Result of one request.
+
+    ``finish_reason``: "stop" (EOS, a stop token or a stop string), "length" (max_tokens or
+    max_model_len), "abort", "error" (then ``error`` says why and nothing else is set), or
+    ``None`` while still running (streaming).
+    """
+
+    request_id: str
+    prompt: str | None  # the prompt text, when given as text
+    prompt_token_ids: list[int]  # prompt ids, image pads expanded
+    text: str = ""  # generated text so far
+    token_ids: list[int] = field(default_factory=list)  # generated ids so far
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None  # per generated token: its logprob (when asked)
+    top_logprobs: list[dict[int, float]] | None = None  # per generated token: top-k {id: logprob}
+    error: str | None = None  # why the request failed (finish_reason == "error")
+    new_token_ids: list[int] = field(default_factory=list)  # streaming: ids added by the last step
+    new_text: str = ""  # streaming: text added by the last step
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,51 @@
+"""``Request``: a request as the engine tracks it (the KV-side ``RequestState`` plus sampling,
+multimodal inputs and output bookkeeping)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from atlas_vlm.sampling_params import SamplingParams
+from mm_kv_cache_management import RequestState
+
+
+@dataclass(eq=False)
+class Request(RequestState):
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    prompt: str | None = None  # prompt text, when given as text
+    max_tokens: int = 16  # resolved generation limit (tokens)
+    images: list = field(default_factory=list)  # mm_token_pipeline.ProcessedImage per image, in order
+    mrope_positions: torch.Tensor | None = None  # [3, num_prompt_tokens] M-RoPE positions (None: text model)
+    image_embeds: list[torch.Tensor] | None = None  # per image [num_tokens_i, hidden], once encoded
+    generator: torch.Generator | None = None  # per-request sampling RNG
+    finish_reason: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    text: str = ""  # detokenized output (stop strings cut)
+    stream_sent_tokens: int = 0  # generated ids already reported to a streaming caller
+    stream_sent_chars: int = 0  # text chars already reported to a streaming caller
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    def positions(self, start: int, end: int) -> torch.Tensor:
+        """Positions of tokens ``start .. end-1``: ``[n]`` for text, ``[3, n]`` with M-RoPE.
+
+        Prompt tokens take HF ``get_rope_index`` positions; a later token ``i`` (generated,
+        or recomputed after preemption) takes ``i + rope_delta`` on all three axes.
+        """
+        if self.mrope_positions is None:
+            return torch.arange(start, end)
+        prompt_end = min(end, self.num_prompt_tokens)
+        parts = [self.mrope_positions[:, start:prompt_end]] if start < prompt_end else []
+        if end > self.num_prompt_tokens:
+            tail = torch.arange(max(start, self.num_prompt_tokens), end) + self.rope_delta
+            parts.append(tail[None].expand(3, -1))
+        return torch.cat(parts, dim=1)  # [3, n]
