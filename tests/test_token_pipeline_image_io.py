@@ -6,7 +6,10 @@ Cases C01, C04-C07 and C15 of /work/shared/cases/cases.json (expected values cop
 from __future__ import annotations
 
 import base64
+import functools
+import http.server
 import io
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +45,32 @@ def test_http_refused_unless_allowed():
     with pytest.raises(ImageInputError, match="refused") as err:
         load_image("https://example.com/cat.png")
     assert "https://example.com/cat.png" in str(err.value)
+
+
+@pytest.fixture()
+def local_http_url():
+    class QuietHandler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(QuietHandler, directory=str(IMAGES))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_http_allowed_with_byte_limit(local_http_url):
+    url = f"{local_http_url}/chelsea.png"
+    image = load_image(url, allow_http=True, http_timeout_s=5.0)
+    assert np.array_equal(np.asarray(image), np.asarray(load_image(IMAGES / "chelsea.png")))
+    with pytest.raises(ImageInputError, match="max_http_bytes") as err:
+        load_image(url, allow_http=True, max_http_bytes=1000)
+    assert url in str(err.value)
+    with pytest.raises(ImageInputError, match="download failed"):
+        load_image(f"{local_http_url}/missing.png", allow_http=True)
 
 
 def test_bad_data_uri_and_missing_file():
