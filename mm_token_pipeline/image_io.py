@@ -114,7 +114,8 @@ def load_image(
             ``PIL.Image.Image``, or an ``http(s)://`` URL (refused unless ``allow_http``).
         allow_http: permit URL downloads (urllib, ``http_timeout_s`` seconds,
             at most ``max_http_bytes`` bytes).
-        max_image_pixels: largest declared w*h accepted, checked before decoding.
+        max_image_pixels: largest declared w*h accepted, checked before decoding. Pillow's own
+            ``DecompressionBombError`` (over 2 * ``Image.MAX_IMAGE_PIXELS``) is also reported.
 
     Steps: EXIF orientation (``PIL.ImageOps.exif_transpose``), first frame of animations,
     full decode (``.load()``, so truncated data fails here), then :func:`to_rgb`.
