@@ -1,0 +1,19 @@
+"""Benchmarks of Atlas VLM against its peers, run in one process on the same prompts.
+
+``scripts/bench.py`` is the command line; each section lives in its own module and returns a
+plain dict (JSON-serialisable) and prints a markdown table:
+
+- ``text``  (issue 2): decode tokens/s, paged and contiguous cache vs HF ``generate``; KV waste.
+- ``vlm``   (issue 3): time to first token with one image vs HF Qwen2.5-VL ``generate``.
+- ``serve`` (issue 4): many requests: output tokens/s vs HF sequential, padded batches and HF
+  continuous batching; KV reserved-but-empty; decode FLOP/s vs measured GEMM peak; a VLM mix
+  with prefix + encoder caches on vs off.
+
+Results are ratios against the peers; bare times are supporting columns. Greedy decoding
+everywhere; our token ids are compared with HF's and the match is reported. No timing is
+asserted anywhere (the design's "Performance method").
+"""
+
+from atlas_vlm.bench.common import gemm_peak_flops, markdown_table
+
+__all__ = ["gemm_peak_flops", "markdown_table"]

@@ -1,0 +1,60 @@
+#!/usr/bin/env python
+"""Benchmark Atlas VLM against its peers in one process, on the same prompts; prints ratios.
+
+    python scripts/bench.py                 # all sections (text, vlm, serve), ~20 min on 2 cores
+    python scripts/bench.py --quick         # smaller sizes, a few minutes
+    python scripts/bench.py --text --serve --json results.json
+
+Sections: --text (decode tok/s paged/contiguous vs HF generate; KV waste), --vlm (time to
+first token with one image vs HF Qwen2.5-VL), --serve (many requests vs HF sequential,
+padded batches and HF continuous batching; KV reserved-but-empty; decode FLOP/s vs the
+measured GEMM peak; VLM mix with prefix + encoder caches on vs off). Logic: atlas_vlm/bench/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--text", action="store_true", help="issue 2: decode speed and KV memory (SmolLM2-135M)")
+    p.add_argument("--vlm", action="store_true", help="issue 3: time to first token with one image")
+    p.add_argument("--serve", action="store_true", help="issue 4: many requests, KV use, FLOP/s, VLM mix")
+    p.add_argument("--quick", action="store_true", help="smaller sizes for a smoke run")
+    p.add_argument("--json", metavar="PATH", help="write all results (seconds, bytes, ratios) as JSON")
+    args = p.parse_args(argv)
+    if not (args.text or args.vlm or args.serve):
+        args.text = args.vlm = args.serve = True
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import logging
+
+    import torch
+
+    from atlas_vlm.bench import serve, text, vlm
+
+    logging.basicConfig(level=logging.WARNING)
+    torch.manual_seed(0)
+    results = {"quick": args.quick, "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+    start = time.perf_counter()
+    for name, module in (("text", text), ("vlm", vlm), ("serve", serve)):
+        if getattr(args, name):
+            results[name] = module.run(quick=args.quick)
+    results["wall_s"] = time.perf_counter() - start
+    print(f"\n(total benchmark wall time {results['wall_s']:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        print(f"results written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
