@@ -1,0 +1,77 @@
+"""``scripts/generate.py`` as a user runs it: text on a model folder, images (real photos)
+at the default and at a small ``max_pixels``, and clear errors with exit code 1."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from atlas_vlm import LLM, SamplingParams
+
+REPO = Path(__file__).resolve().parent.parent
+IMAGES = REPO / "tests" / "data" / "images"
+
+
+def _cli():
+    spec = importlib.util.spec_from_file_location("generate_cli", REPO / "scripts" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.text
+def test_text_prompt_streams_the_greedy_answer(tiny_models, capsys):
+    folder = tiny_models["qwen2"][0]
+    rc = _cli().main(["--model", str(folder), "--prompt", "Hello there", "--max-tokens", "8", "--no-chat"])
+    out = capsys.readouterr()
+    expected = LLM(str(folder), num_kvcache_blocks=64).generate("Hello there", SamplingParams(temperature=0, max_tokens=8))
+    assert rc == 0
+    assert out.out == expected[0].text + "\n"
+    assert "[finish_reason=length]" in out.err
+
+
+@pytest.mark.text
+def test_missing_model_is_a_clear_error(capsys, tmp_path):
+    rc = _cli().main(["--model", str(tmp_path / "nope"), "--prompt", "hi"])
+    assert rc == 1
+    assert f"model path {tmp_path / 'nope'} does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.vlm
+@pytest.mark.parametrize("photo", ["chelsea.png", "grace_hopper.jpg", "coffee.png"])
+@pytest.mark.parametrize("max_pixels", [None, 64 * 28 * 28])
+def test_image_prompt_on_real_photos(tiny_models, capsys, photo, max_pixels):
+    folder = tiny_models["qwen2_5_vl"][0]
+    args = ["--model", str(folder), "--image", str(IMAGES / photo), "--prompt", "Describe it.", "--max-tokens", "6"]
+    if max_pixels:
+        args += ["--max-pixels", str(max_pixels)]
+    rc = _cli().main(args)
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "[finish_reason=" in out.err
+    llm = LLM(str(folder), num_kvcache_blocks=256, **({"max_pixels": max_pixels} if max_pixels else {}))
+    msgs = [{"role": "user", "content": [{"type": "image", "image": str(IMAGES / photo)},
+                                         {"type": "text", "text": "Describe it."}]}]
+    expected = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=6))[0]
+    assert out.out == expected.text + "\n"
+
+
+@pytest.mark.vlm
+def test_default_image_model_says_its_words_mean_nothing(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("ATLAS_VLM_CACHE", str(tmp_path))
+    rc = _cli().main(["--image", str(IMAGES / "chelsea.png"), "--prompt", "What is this?",
+                      "--max-tokens", "4", "--max-pixels", str(64 * 28 * 28)])
+    err = capsys.readouterr().err
+    assert rc == 0
+    assert "RANDOM weights" in err and "--model" in err
+
+
+@pytest.mark.vlm
+def test_bad_image_is_a_clear_error(tiny_models, capsys):
+    folder = tiny_models["qwen2_5_vl"][0]
+    rc = _cli().main(["--model", str(folder), "--image", str(IMAGES / "not_an_image.png"), "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "not_an_image.png" in err
