@@ -267,3 +267,48 @@ def test_mac5_freed_blocks_reused_change_nothing_for_others(family, tiny_models,
     (b_alone,), _, _ = alone["B"]
     assert outputs["B"].token_ids == b_alone.token_ids
     assert_all_free(llm)
+
+
+# ---- chunked prefill, preemption, prefix sharing: still the contiguous reference --------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prefill_and_preemption_equal_alone(family, tiny_models, contiguous):
+    """A 24-token step budget splits prompts across steps next to running decodes, and 6
+    blocks force a preemption (recompute); every request still matches running alone."""
+    llm = LLM(str(tiny_models[family][0]), kv_cache="paged", max_model_len=512, num_kvcache_blocks=6,
+              max_num_batched_tokens=24)
+    prompts = [prompt(10, 801), prompt(70, 802), prompt(30, 803)]
+    params = [greedy_params(12), greedy_params(6), greedy_params(30)]
+    outs, logits, rec = run(llm, prompts, params)
+    assert max(n for chunks in rec.chunks.values() for _, n, _ in chunks) <= 24
+    assert rec.chunks[outs[1].request_id][0][:2] == (0, 14)  # the 70-token prompt starts in step 1's leftover budget
+    assert llm.engine.scheduler.num_preemptions >= 1
+    for p, sp, out, lg in zip(prompts, params, outs, logits):
+        (a_out,), (a_logits,), _ = run(contiguous[family], [p], sp)
+        assert out.token_ids == a_out.token_ids
+        torch.testing.assert_close(lg, a_logits, atol=1e-5, rtol=1e-5)
+    assert_all_free(llm)
+
+
+def test_prefix_shared_blocks_are_ref_counted_and_exact(paged, contiguous):
+    llm = paged["qwen2"]
+    engine, bm = llm.engine, llm.engine.block_manager
+    shared = prompt(40, 901)
+    a, b = shared + prompt(5, 902), shared + prompt(9, 903)
+    (a_ref,), (a_ref_logits,), _ = run(contiguous["qwen2"], [a], greedy_params(6))
+    (b_ref,), (b_ref_logits,), _ = run(contiguous["qwen2"], [b], greedy_params(6))
+    run(llm, [a], greedy_params(6))  # fills the prefix cache with a's two full prompt blocks
+    with Recorder(llm) as rec:
+        engine.add_request(a, greedy_params(6), request_id="a2")
+        engine.add_request(b, greedy_params(6), request_id="b")
+        outs = {o.request_id: o for o in engine.step()}
+        ta, tb = engine.requests["a2"].block_table.block_ids, engine.requests["b"].block_table.block_ids
+        assert ta[:2] == tb[:2]  # both reuse the cached 32-token prefix
+        assert [bm.blocks[i].ref_count for i in ta[:2]] == [2, 2]
+        assert not set(ta[2:]) & set(tb[2:])
+        while engine.has_unfinished_requests():
+            outs.update({o.request_id: o for o in engine.step()})
+    assert rec.chunks["a2"][0][:2] == (32, 13) and rec.chunks["b"][0][:2] == (32, 17)
+    assert outs["a2"].token_ids == a_ref.token_ids and outs["b"].token_ids == b_ref.token_ids
+    torch.testing.assert_close(torch.stack(rec.logits["a2"]), a_ref_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.stack(rec.logits["b"]), b_ref_logits, atol=1e-5, rtol=1e-5)
+    assert_all_free(llm)
