@@ -145,10 +145,16 @@ class BlockManager:
         if table is None:
             raise ValueError(f"request {req.request_id!r} holds no blocks; prefill_allocate first")
         pos = req.num_tokens - 1
-        if pos >= table.capacity:
-            if not self._free:
-                raise NoFreeBlocksError(f"no free block for token {pos} of request {req.request_id!r}")
-            table.block_ids.append(self._take_free_block())
+        # Blocks missing to reach ``pos``: 1 at a boundary of a one-token step, 0 otherwise; more
+        # only if several tokens were appended since the last call. Checked before any change.
+        missing = self.num_blocks_needed(pos + 1) - len(table.block_ids)
+        if missing > 0:
+            if missing > len(self._free):
+                raise NoFreeBlocksError(
+                    f"no free block for token {pos} of request {req.request_id!r}: "
+                    f"needs {missing}, {len(self._free)} free"
+                )
+            table.block_ids.extend(self._take_free_block() for _ in range(missing))
         table.num_tokens = max(table.num_tokens, pos + 1)
         return table.slot(pos)
 
