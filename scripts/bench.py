@@ -26,6 +26,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--serve", action="store_true", help="issue 4: many requests, KV use, FLOP/s, VLM mix")
     p.add_argument("--quick", action="store_true", help="smaller sizes for a smoke run")
     p.add_argument("--json", metavar="PATH", help="write all results (seconds, bytes, ratios) as JSON")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads for every system (default: torch's choice); on a CPU shared "
+                        "with other work, 1 avoids OpenMP waits that slow small ops 10-100x")
     args = p.parse_args(argv)
     if not (args.text or args.vlm or args.serve):
         args.text = args.vlm = args.serve = True
@@ -42,6 +45,8 @@ def main(argv=None) -> int:
 
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     results = {"quick": args.quick, "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
     start = time.perf_counter()
     for name, module in (("text", text), ("vlm", vlm), ("serve", serve)):
