@@ -89,14 +89,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
             ids[diverge_at] = -1 - self.counter
         self._admit(ids, spans, computed)
 
-    @rule(data=st.data(), extra=st.integers(-8, 8), computed=st.floats(0, 1))
-    def resubmit(self, data, extra, computed):
-        """A prompt seen before (its blocks may sit free but cached), cut or extended."""
-        if not self.freed:
+    @rule(data=st.data(), extra=st.integers(-8, 8), computed=st.floats(0, 1), other_image=st.booleans())
+    def resubmit(self, data, extra, computed, other_image):
+        """A prompt seen before (its blocks may sit free but cached, or be live), cut or
+        extended; with ``other_image`` the same text and pad ids with a different picture (C12)."""
+        pool = self.freed + self.live
+        if not pool:
             return
-        old = data.draw(st.sampled_from(self.freed))
+        old = data.draw(st.sampled_from(pool))
         ids = old.token_ids[: max(1, old.num_tokens + extra)] + [7] * max(0, extra)
         spans = [s for s in old.image_spans if s.offset + s.length <= len(ids)]
+        if other_image:
+            swap = {"hashA": "hashB", "hashB": "hashA"}
+            spans = [ImageSpan(s.offset, s.length, swap[s.content_hash]) for s in spans]
         self._admit(ids, spans, computed)
 
     def _admit(self, ids, spans, computed):
