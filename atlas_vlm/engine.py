@@ -64,10 +64,11 @@ class LLMEngine:
         if not config.enable_chunked_prefill:
             budget = max(budget, self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill)
-        self.inputs = InputProcessor(self.tokenizer, self.hf_config, config)
+        self.inputs = InputProcessor(self.tokenizer, self.hf_config, config, arch.vocab_size)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, loaded.model_dir)
         self.requests: dict[str, Request] = {}
-        self._ids = itertools.count()
+        self._ids = itertools.count()  # default request ids
+        self._seeds = itertools.count()  # default seeds: engine seed + arrival index
 
     # ---- requests ---------------------------------------------------------------------
     def process_prompt(self, prompt) -> ProcessedPrompt:
@@ -121,7 +122,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         generator = torch.Generator(device=self.runner.device)
-        generator.manual_seed(params.seed if params.seed is not None else self.config.seed + len(self.requests))
+        generator.manual_seed(params.seed if params.seed is not None else self.config.seed + next(self._seeds))
         req = Request(
             request_id=request_id, token_ids=list(p.prompt_token_ids), image_spans=p.image_spans,
             rope_delta=p.rope_delta, sampling_params=params, prompt=p.prompt, max_tokens=max_tokens,
@@ -153,6 +154,7 @@ class LLMEngine:
         results = self.runner.run(sched.chunks)
         for req, n in sched.chunks:
             req.num_computed_tokens += n
+            req.block_table.num_tokens = req.num_computed_tokens
             self.block_manager.cache_full_blocks(req)
         outputs = []
         for index, token, logprob, top in results:

@@ -37,14 +37,15 @@ class InputProcessor:
         tokenizer: the model's transformers tokenizer.
         hf_config: the model's transformers config (image token ids, merge size).
         config: ``EngineConfig`` (``min_pixels``, ``max_pixels``, ``allow_http_images``).
+        vocab_size: the model's vocabulary size (embedding rows; may exceed the tokenizer's).
     """
 
-    def __init__(self, tokenizer, hf_config, config):
+    def __init__(self, tokenizer, hf_config, config, vocab_size: int):
         self.tokenizer = tokenizer
         self.hf_config = hf_config
         self.config = config
         self.is_vlm = hasattr(hf_config, "vision_config")
-        self.vocab_size = len(tokenizer)  # len() of a fast tokenizer rebuilds the vocab (~0.1-0.3 s): once
+        self.vocab_size = vocab_size  # rows of the model's embedding: the valid token ids
 
     def from_text(self, prompt: str) -> ProcessedPrompt:
         ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]

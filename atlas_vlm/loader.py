@@ -62,7 +62,7 @@ def gguf_to_folder(gguf_path: Path) -> Path:
     print(f"Converting {gguf_path.name} to {out} (once)...", flush=True)
     kwargs = dict(gguf_file=gguf_path.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
-    hf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, torch_dtype=torch.float32, **kwargs)
+    hf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
     tmp = out.with_name(out.name + ".tmp")
     hf_model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -167,5 +167,7 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
     model = CausalLM(arch, text_config or hf_config)
     visual = _load_weights(model, files)
     model.to(device=device, dtype=dtype).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    # transformers 4.57.3-4.57.x flags every local tokenizer saved by those versions as a
+    # Mistral one with a bad regex (a false positive); saying False keeps it as it is, quietly.
+    tokenizer = AutoTokenizer.from_pretrained(path, fix_mistral_regex=False)
     return LoadedModel(model, hf_config, tokenizer, visual or None, path)
