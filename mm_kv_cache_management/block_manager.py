@@ -169,4 +169,4 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
         req.block_table = None
-        req.num_computed_tokens = req.num_cached_tokens = 0
+        req.num_computed_tokens = 0
