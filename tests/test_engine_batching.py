@@ -4,8 +4,6 @@ handed cases C11-C14; random add / step / abort sequences under a small block bu
 
 from __future__ import annotations
 
-from collections import defaultdict
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _recorders import StepRecorder
 from atlas_vlm import LLM, SamplingParams
 
 IMAGES = Path(__file__).resolve().parent / "data" / "images"
@@ -25,27 +24,6 @@ def conv(image: str | None, text: str) -> list[dict]:
     if image:
         content.insert(0, {"type": "image", "image": str(IMAGES / image)})
     return [{"role": "user", "content": content}]
-
-
-@contextmanager
-def record_logits(llm):
-    """Per request id: the logits rows of every sampled step; and every step's chunks."""
-    runner = llm.engine.runner
-    original = runner.forward_logits
-    logits_by_req, steps = defaultdict(list), []
-
-    def wrapper(chunks):
-        logits, sampled = original(chunks)
-        steps.append([(req.request_id, req.num_computed_tokens, n) for req, n in chunks])
-        for row, i in enumerate(sampled):
-            logits_by_req[chunks[i][0].request_id].append(logits[row].clone())
-        return logits, sampled
-
-    runner.forward_logits = wrapper
-    try:
-        yield logits_by_req, steps
-    finally:
-        runner.forward_logits = original
 
 
 def make_llm(folder, **kwargs):
@@ -69,11 +47,11 @@ def with_mm(prompt):
 
 
 def run(llm, prompts_and_lens):
-    with record_logits(llm) as (logits, steps):
+    with StepRecorder(llm) as rec:
         prompts = [with_mm(p) for p, _ in prompts_and_lens]
         params = [SamplingParams(max_tokens=n, **GREEDY) for _, n in prompts_and_lens]
         outs = llm.generate(prompts, params, use_tqdm=False)
-    return outs, [logits[o.request_id] for o in outs], steps
+    return outs, [rec.logits[o.request_id] for o in outs], rec.steps
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +84,7 @@ def test_batched_equals_alone(vl_folder, alone, chunked, prefix, blocks):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert max(len(s) for s in steps) > 1, "requests never ran together"
     if chunked:
-        assert any(n < 48 and start > 0 for s in steps for _, start, n in s), "no prompt was split"
+        assert any(n < 48 and start > 0 for s in steps for _, start, n, _ in s), "no prompt was split"
     if blocks == 12:
         assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.block_manager.num_free_blocks == start_free
@@ -123,13 +101,13 @@ def test_c11_full_prefix_hit_recomputes_last_token(tiny_models):
     req_a = engine.requests[a]
     b = engine.add_request(prompt, params)
     req_b = engine.requests[b]
-    with record_logits(llm) as (_, steps):
+    with StepRecorder(llm) as rec:
         engine.step()
     first_block = req_a.block_table.block_ids[0]
     assert req_b.block_table.block_ids[0] == first_block
     assert bm.blocks[first_block].ref_count == 2
     assert req_b.num_cached_tokens == 16
-    assert (b, 16, 16) in steps[0]  # computed tokens 16..31, including the last prompt token
+    assert (b, 16, 16) in [c[:3] for c in rec.steps[0]]  # computed tokens 16..31, including the last prompt token
     outs = {}
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -145,7 +123,7 @@ def test_c12_different_images_never_share_blocks(vl_folder):
     first, _, _ = run(cached, [({"messages": conv("chelsea.png", text)}, 8)])
     bm = cached.engine.block_manager
     cached_hashes = {b.block_hash for b in bm.blocks if b.block_hash is not None}
-    with record_logits(cached) as (_, steps):
+    with StepRecorder(cached) as rec:
         second = cached.chat(conv("coffee.png", text), SamplingParams(max_tokens=8, **GREEDY), mm_options=MM)
     plain = make_llm(vl_folder, enable_prefix_caching=False)
     ref = plain.chat(conv("coffee.png", text), SamplingParams(max_tokens=8, **GREEDY), mm_options=MM)
@@ -153,7 +131,7 @@ def test_c12_different_images_never_share_blocks(vl_folder):
     # The shared text prefix before the image (system prompt) may hit; no block at or after
     # the image's first pad token may: the first step starts at or before the image.
     p = cached.engine.process_prompt({"messages": conv("coffee.png", text), "mm_options": MM})
-    first_step_start = steps[0][0][1]
+    first_step_start = rec.steps[0][0][1]
     assert first_step_start <= p.image_spans[0].offset - p.image_spans[0].offset % 16
     assert cached_hashes  # the first run did register blocks
     assert first[0].token_ids  # and generated
@@ -168,7 +146,7 @@ def test_c13_chunk_boundary_inside_image(vl_folder):
     llm = make_llm(vl_folder, enable_chunked_prefill=True, max_num_batched_tokens=32, enable_prefix_caching=False)
     outs, logits, steps = run(llm, [item])
     span = llm.engine.process_prompt(with_mm(item[0])).image_spans[0]
-    boundaries = [start for s in steps for _, start, _ in s]
+    boundaries = [start for s in steps for _, start, _, _ in s]
     assert any(span.offset < b < span.offset + span.length for b in boundaries), (span, boundaries)
     assert outs[0].token_ids == ref_outs[0].token_ids
     for a, b in zip(logits[0], ref_logits[0]):

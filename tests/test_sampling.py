@@ -8,32 +8,12 @@ from collections import defaultdict
 import pytest
 import torch
 
+from _recorders import StepRecorder
 from atlas_vlm import LLM, SamplingParams
 
 pytestmark = pytest.mark.text
 
 PROMPTS = [[101, 202, 303, 404, 505], list(range(1000, 1023))]
-
-
-class LogitRecorder:
-    def __init__(self, llm: LLM):
-        self.runner = llm.engine.runner
-        self.logits: dict[str, list[torch.Tensor]] = defaultdict(list)
-
-    def __enter__(self):
-        orig = self.runner.forward_logits
-
-        def recording(chunks):
-            logits, sampled = orig(chunks)
-            for row, i in enumerate(sampled):
-                self.logits[chunks[i][0].request_id].append(logits[row].clone())
-            return logits, sampled
-
-        self.runner.forward_logits = recording
-        return self
-
-    def __exit__(self, *exc):
-        del self.runner.forward_logits
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +64,7 @@ def test_top_k_1_and_tiny_top_p_equal_greedy(llm):
 
 def test_top_k_and_top_p_keep_samples_inside_the_allowed_set(llm):
     temp = 2.0
-    with LogitRecorder(llm) as rec:
+    with StepRecorder(llm) as rec:
         k_out = gen(llm, PROMPTS, SamplingParams(temperature=temp, top_k=3, seed=5, max_tokens=10, ignore_eos=True))
         p_out = gen(llm, PROMPTS, SamplingParams(temperature=temp, top_p=0.5, seed=6, max_tokens=10, ignore_eos=True))
     outside_greedy = 0
@@ -168,7 +148,7 @@ def test_max_tokens_finishes_with_length(llm, greedy_ref):
 def test_logprobs_match_recorded_logits(llm, temperature):
     k = 5
     params = SamplingParams(temperature=temperature, seed=9, max_tokens=10, ignore_eos=True, logprobs=k)
-    with LogitRecorder(llm) as rec:
+    with StepRecorder(llm) as rec:
         outs = gen(llm, PROMPTS, params)
     for out in outs:
         steps = rec.logits[out.request_id]

@@ -7,11 +7,10 @@ within atol 1e-4 (fp32, CPU), and every loaded parameter must equal HF's.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import pytest
 import torch
 
+from _recorders import StepRecorder
 from atlas_vlm import LLM, SamplingParams
 
 pytestmark = pytest.mark.text
@@ -19,33 +18,9 @@ pytestmark = pytest.mark.text
 FAMILIES = ("qwen2", "llama")
 
 
-class LogitRecorder:
-    """Wraps ``runner.forward_logits`` (instance attribute over the bound method) and keeps
-    every sampled row's fp32 logits per request id, in step order."""
-
-    def __init__(self, llm: LLM):
-        self.runner = llm.engine.runner
-        self.logits: dict[str, list[torch.Tensor]] = defaultdict(list)
-
-    def __enter__(self):
-        orig = self.runner.forward_logits
-
-        def recording(chunks):
-            logits, sampled = orig(chunks)
-            for row, i in enumerate(sampled):
-                self.logits[chunks[i][0].request_id].append(logits[row].clone())
-            return logits, sampled
-
-        self.runner.forward_logits = recording
-        return self
-
-    def __exit__(self, *exc):
-        del self.runner.forward_logits
-
-
 def greedy(llm: LLM, prompt_ids: list[int], max_tokens: int):
     """(generated ids, [max_tokens, vocab] logits of every step) of one greedy request."""
-    with LogitRecorder(llm) as rec:
+    with StepRecorder(llm) as rec:
         out = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
                            use_tqdm=False)[0]
     return out.token_ids, torch.stack(rec.logits[out.request_id])

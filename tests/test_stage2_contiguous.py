@@ -3,11 +3,10 @@ full re-prefill of the whole sequence so far (atol 1e-5), for Qwen2 and Llama.""
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import pytest
 import torch
 
+from _recorders import StepRecorder
 from atlas_vlm import LLM, SamplingParams
 from atlas_vlm.layers.attention import build_attention_metadata
 
@@ -15,33 +14,6 @@ pytestmark = pytest.mark.text
 
 FAMILIES = ("qwen2", "llama")
 MAX_MODEL_LEN = 128
-
-
-class LogitRecorder:
-    """Keeps every sampled row's logits, and every chunk's block table, per request id
-    while ``llm.generate`` runs."""
-
-    def __init__(self, llm: LLM):
-        self.runner = llm.engine.runner
-        self.logits: dict[str, list[torch.Tensor]] = defaultdict(list)
-        self.tables: dict[str, list[tuple[int, ...]]] = defaultdict(list)
-
-    def __enter__(self):
-        orig = self.runner.forward_logits
-
-        def recording(chunks):
-            for req, _ in chunks:
-                self.tables[req.request_id].append(tuple(req.block_table.block_ids))
-            logits, sampled = orig(chunks)
-            for row, i in enumerate(sampled):
-                self.logits[chunks[i][0].request_id].append(logits[row].clone())
-            return logits, sampled
-
-        self.runner.forward_logits = recording
-        return self
-
-    def __exit__(self, *exc):
-        del self.runner.forward_logits
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -76,7 +48,7 @@ def test_contiguous_layout(engines):
 def test_32_decode_steps_equal_full_reprefill(family, engines):
     llm = engines[family]
     ids = prompt(20, seed=11)
-    with LogitRecorder(llm) as rec:
+    with StepRecorder(llm) as rec:
         out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=33, ignore_eos=True), use_tqdm=False)[0]
     steps = rec.logits[out.request_id]
     assert len(steps) == len(out.token_ids) == 33  # 1 prefill + 32 decode steps
@@ -98,12 +70,12 @@ def test_two_strips_at_once_equal_full_reprefill(family, engines):
     llm = engines[family]
     prompts = [prompt(5, seed=12), prompt(41, seed=13)]
     runner = llm.engine.runner
-    with LogitRecorder(llm) as rec:
+    with StepRecorder(llm) as rec:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     model = runner.model
     seen = []
     for p, out in zip(prompts, outs):
-        (table,) = set(rec.tables[out.request_id])  # the same single strip at every step
+        (table,) = {t for _, _, t in rec.chunks[out.request_id]}  # the same single strip at every step
         assert len(table) == 1
         seen.append(table[0])
         seq = list(p)

@@ -3,11 +3,10 @@ level (block size 16) on tiny random Qwen2 and Llama models."""
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import pytest
 import torch
 
+from _recorders import StepRecorder
 from atlas_vlm import LLM, SamplingParams
 from atlas_vlm.engine import RequestTooLongError
 
@@ -16,35 +15,6 @@ pytestmark = pytest.mark.text
 FAMILIES = ("qwen2", "llama")
 BS = 16
 PAGED_BLOCKS = 64
-
-
-class Recorder:
-    """Wraps ``runner.forward_logits``: per request id, every sampled row's logits and, per
-    forward, ``(num_computed_tokens, new tokens, block ids)`` as the step saw them."""
-
-    def __init__(self, llm: LLM):
-        self.runner = llm.engine.runner
-        self.logits: dict[str, list[torch.Tensor]] = defaultdict(list)
-        self.chunks: dict[str, list[tuple[int, int, tuple[int, ...]]]] = defaultdict(list)
-        self.steps: list[list[tuple[str, tuple[int, ...]]]] = []
-
-    def __enter__(self):
-        orig = self.runner.forward_logits
-
-        def recording(chunks):
-            self.steps.append([(req.request_id, tuple(req.block_table.block_ids)) for req, _ in chunks])
-            for req, n in chunks:
-                self.chunks[req.request_id].append((req.num_computed_tokens, n, tuple(req.block_table.block_ids)))
-            logits, sampled = orig(chunks)
-            for row, i in enumerate(sampled):
-                self.logits[chunks[i][0].request_id].append(logits[row].clone())
-            return logits, sampled
-
-        self.runner.forward_logits = recording
-        return self
-
-    def __exit__(self, *exc):
-        del self.runner.forward_logits
 
 
 def greedy_params(n: int) -> SamplingParams:
@@ -58,7 +28,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 def run(llm: LLM, prompts, params):
     """(outputs, logits per output [steps, vocab], recorder)."""
-    with Recorder(llm) as rec:
+    with StepRecorder(llm) as rec:
         outs = llm.generate(prompts, params, use_tqdm=False)
     return outs, [torch.stack(rec.logits[o.request_id]) if o.finish_reason != "error" else None for o in outs], rec
 
@@ -156,7 +126,7 @@ def test_mac3_blocks_track_tokens_and_are_all_freed(family, paged):
             assert len(table) == ceil_blocks(computed + new)  # a block only when crossing a boundary
             assert table[:len(chunks[0][2])] == chunks[0][2]
     for step in rec.steps:  # no block is live in two tables within a step (distinct prompts: no sharing)
-        held = [b for _, table in step for b in table]
+        held = [b for _, _, _, table in step for b in table]
         assert len(held) == len(set(held))
     assert_all_free(llm)
 
@@ -240,7 +210,7 @@ def test_mac5_freed_blocks_reused_change_nothing_for_others(family, tiny_models,
     specs = {"A": (prompt(40, 701), 8), "B": (prompt(20, 702), 2), "C": (prompt(33, 703), 10), "D": (prompt(25, 704), 6)}
     alone = {k: run(contiguous[family], [p], greedy_params(m)) for k, (p, m) in specs.items()}
     outputs = {}
-    with Recorder(llm) as rec:
+    with StepRecorder(llm) as rec:
         for k in "ABC":
             engine.add_request(specs[k][0], greedy_params(specs[k][1]), request_id=k)
         for _ in range(2):
@@ -297,7 +267,7 @@ def test_prefix_shared_blocks_are_ref_counted_and_exact(paged, contiguous):
     (a_ref,), (a_ref_logits,), _ = run(contiguous["qwen2"], [a], greedy_params(6))
     (b_ref,), (b_ref_logits,), _ = run(contiguous["qwen2"], [b], greedy_params(6))
     run(llm, [a], greedy_params(6))  # fills the prefix cache with a's two full prompt blocks
-    with Recorder(llm) as rec:
+    with StepRecorder(llm) as rec:
         engine.add_request(a, greedy_params(6), request_id="a2")
         engine.add_request(b, greedy_params(6), request_id="b")
         outs = {o.request_id: o for o in engine.step()}
