@@ -43,7 +43,7 @@ class VisionEncoder(torch.nn.Module):
     def __init__(self, vision_config, *, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None):
         super().__init__()
         config = _as_vision_config(vision_config)
-        kwargs = {"torch_dtype": dtype}
+        kwargs = {"dtype": dtype}
         if attn_implementation is not None:
             kwargs["attn_implementation"] = attn_implementation
         with no_init_weights():  # weights come from a state dict; skip random init
