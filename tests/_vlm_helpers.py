@@ -13,10 +13,11 @@ import math
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
 import atlas_vlm.model_runner as model_runner_module
-from atlas_vlm import SamplingParams
+from atlas_vlm import LLM, SamplingParams
 
 IMAGES = Path(__file__).resolve().parent / "data" / "images"
 PIX = 28 * 28  # pixels per visual token (patch 14, merge 2)
@@ -27,6 +28,19 @@ BLOCK_SIZE = 16
 IMAGE_PAD, VISION_START = 151655, 151652
 LOGITS_ATOL = 1e-4
 CPU_FP32 = dict(device="cpu", dtype="float32")  # exactness is fp32 on CPU, like the HF reference
+
+
+# ---- fixtures (import them into a test module to use them) ---------------------------------------
+@pytest.fixture(scope="module")
+def vl(tiny_models):
+    folder, hf = tiny_models["qwen2_5_vl"]
+    return folder, hf.eval()
+
+
+@pytest.fixture(scope="module")
+def llm(vl):
+    return LLM(str(vl[0]), max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=512, kvcache_block_size=BLOCK_SIZE,
+               **CPU_FP32)
 
 
 def greedy(n: int) -> SamplingParams:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
-import torch
 
 from _recorders import StepRecorder
 from atlas_vlm import LLM, SamplingParams

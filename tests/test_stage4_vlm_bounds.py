@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from _vlm_helpers import (BLOCK_SIZE, CPU_FP32, IMAGE_PAD, IMAGES, MAX_MODEL_LEN, MEDIUM, PIX, SMALL, VISION_START,
-                          assert_matches_hf, chat, conv, greedy)
-from atlas_vlm import LLM
+from _vlm_helpers import llm, vl  # noqa: F401  (shared module-scoped fixtures)
+from _vlm_helpers import (IMAGE_PAD, IMAGES, MAX_MODEL_LEN, MEDIUM, PIX, SMALL, VISION_START, assert_matches_hf, chat,
+                          conv, greedy)
 from atlas_vlm.engine import RequestTooLongError
 from mm_token_pipeline import ImageInputError
 
@@ -27,16 +27,6 @@ pytestmark = pytest.mark.vlm
 
 
 # ---- fixtures ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def vl(tiny_models):
-    folder, hf = tiny_models["qwen2_5_vl"]
-    return folder, hf.eval()
-
-
-@pytest.fixture(scope="module")
-def llm(vl):
-    return LLM(str(vl[0]), max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=512, kvcache_block_size=BLOCK_SIZE,
-               **CPU_FP32)
 
 
 @pytest.fixture

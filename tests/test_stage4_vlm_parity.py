@@ -11,24 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _vlm_helpers import (BLOCK_SIZE, CPU_FP32, IMAGE_PAD, IMAGES, MAX_MODEL_LEN, MEDIUM, SMALL, assert_matches_hf,
-                          chat, conv, greedy)
+from _vlm_helpers import llm, vl  # noqa: F401  (shared module-scoped fixtures)
+from _vlm_helpers import CPU_FP32, IMAGE_PAD, IMAGES, MEDIUM, SMALL, assert_matches_hf, chat, conv, greedy
 from atlas_vlm import LLM
 
 pytestmark = pytest.mark.vlm
 
 
 # ---- fixtures ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def vl(tiny_models):
-    folder, hf = tiny_models["qwen2_5_vl"]
-    return folder, hf.eval()
-
-
-@pytest.fixture(scope="module")
-def llm(vl):
-    return LLM(str(vl[0]), max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=512, kvcache_block_size=BLOCK_SIZE,
-               **CPU_FP32)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import re
 
 import pytest
 import torch
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from mm_token_pipeline import decode_position, get_rope_index
 
@@ -20,22 +19,10 @@ pytestmark = pytest.mark.vlm
 IMG, VS, VE = 151655, 151652, 151653
 
 
-def tiny_config() -> Qwen2_5_VLConfig:
-    return Qwen2_5_VLConfig(
-        vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
-        image_token_id=IMG, video_token_id=151656, vision_start_token_id=VS,
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                           fullatt_block_indexes=[1], in_channels=3),
-    )
-
-
 @pytest.fixture(scope="module")
-def hf_model():
-    torch.manual_seed(0)
-    return Qwen2_5_VLForConditionalGeneration(tiny_config()).eval()
+def hf_model(tiny_models):
+    """The session's tiny random Qwen2.5-VL (tests/conftest.py)."""
+    return tiny_models["qwen2_5_vl"][1]
 
 
 def test_c09_exact():
