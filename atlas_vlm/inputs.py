@@ -67,20 +67,17 @@ class InputProcessor:
             mm_token_pipeline.ImageInputError: an image cannot be loaded or resized.
             ValueError: images sent to a text-only model.
         """
-        from mm_token_pipeline import build_prompt_ids, extract_images, load_image, preprocess_image
+        from mm_token_pipeline import build_prompt_ids, extract_image_items, load_image, preprocess_image
 
-        sources = extract_images(messages)
-        if sources and not self.is_vlm:
+        items = extract_image_items(messages)
+        if items and not self.is_vlm:
             raise ValueError("this model is text-only; it cannot take images")
         if not self.is_vlm:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             return self._finish(ProcessedPrompt(list(ids)))
         opts = {"min_pixels": self.config.min_pixels, "max_pixels": self.config.max_pixels, **(mm_options or {})}
         images = []
-        for item in _image_items(messages):
-            source = item.get("image", item.get("image_url"))
-            if isinstance(source, dict):
-                source = source.get("url")
+        for source, item in items:
             pil = load_image(source, allow_http=self.config.allow_http_images)
             images.append(preprocess_image(
                 pil,
@@ -113,11 +110,3 @@ class InputProcessor:
         )
         return p
 
-
-def _image_items(messages: list[dict]) -> list[dict]:
-    items = []
-    for msg in messages:
-        content = msg.get("content")
-        if isinstance(content, list):
-            items.extend(c for c in content if isinstance(c, dict) and c.get("type") in ("image", "image_url"))
-    return items

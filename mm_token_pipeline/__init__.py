@@ -36,7 +36,7 @@ known after ``preprocess_image`` and never exceeds ``max_pixels // 28**2``.
 from .image_io import DEFAULT_MAX_IMAGE_PIXELS, ImageInputError, load_image, to_rgb
 from .mrope import decode_position, get_rope_index
 from .processor import ProcessedImage, preprocess_image
-from .prompt import (QWEN2_5_VL_CHAT_TEMPLATE, build_prompt_ids, expand_image_pads, extract_images,
+from .prompt import (QWEN2_5_VL_CHAT_TEMPLATE, build_prompt_ids, expand_image_pads, extract_image_items, extract_images,
                      qwen_tokenizer_dir)
 from .resize import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, MAX_ASPECT_RATIO, smart_resize
 from .vision import VisionEncoder
@@ -55,6 +55,7 @@ __all__ = [
     "expand_image_pads",
     "build_prompt_ids",
     "extract_images",
+    "extract_image_items",
     "qwen_tokenizer_dir",
     "QWEN2_5_VL_CHAT_TEMPLATE",
     "get_rope_index",

@@ -17,7 +17,7 @@ import uuid
 from .processor import ProcessedImage
 
 __all__ = [
-    "QWEN2_5_VL_CHAT_TEMPLATE", "qwen_tokenizer_dir", "extract_images",
+    "QWEN2_5_VL_CHAT_TEMPLATE", "qwen_tokenizer_dir", "extract_images", "extract_image_items",
     "expand_image_pads", "build_prompt_ids",
 ]
 
@@ -63,8 +63,9 @@ def _is_image_item(item: dict) -> bool:
     return item.get("type") in ("image", "image_url") or "image" in item or "image_url" in item
 
 
-def extract_images(messages: list[dict]) -> list:
-    """Image sources of ``messages`` in prompt order (the order of ``<|image_pad|>``).
+def extract_image_items(messages: list[dict]) -> list[tuple[object, dict]]:
+    """``(source, item)`` of every image item of ``messages`` in prompt order (the order of
+    ``<|image_pad|>``); ``item`` carries per-image options such as ``max_pixels``.
 
     ``{"type": "image", "image": src}`` gives ``src``; ``{"type": "image_url",
     "image_url": {"url": src}}`` (or a bare string) gives ``src``.
@@ -72,7 +73,7 @@ def extract_images(messages: list[dict]) -> list:
     Raises:
         ValueError: an image item without a source.
     """
-    sources = []
+    found = []
     for m_idx, message in enumerate(messages):
         content = message.get("content")
         if isinstance(content, str) or content is None:
@@ -85,8 +86,13 @@ def extract_images(messages: list[dict]) -> list:
                 src = src.get("url")
             if src is None:
                 raise ValueError(f"messages[{m_idx}]: image item without a source: {item!r}")
-            sources.append(src)
-    return sources
+            found.append((src, item))
+    return found
+
+
+def extract_images(messages: list[dict]) -> list:
+    """Image sources of ``messages`` in prompt order (see :func:`extract_image_items`)."""
+    return [src for src, _ in extract_image_items(messages)]
 
 
 def expand_image_pads(token_ids: list[int], num_tokens_per_image: list[int], *, image_token_id: int) -> list[int]:

@@ -196,3 +196,14 @@ def test_per_item_max_pixels_overrides_mm_options(llm):
     # and through chat: the override changes the request (and the tokens match the direct form)
     (a, b), _ = chat(llm, [override, override], 4, MEDIUM)
     assert a.prompt_token_ids == p.prompt_token_ids and a.token_ids == b.token_ids
+
+
+def test_untyped_image_item_is_an_image(llm):
+    """``{"image": src}`` without ``"type"`` is an image for the chat template, so it must be
+    one for image loading too: same ids, pixels and tokens as the typed item."""
+    path = str(IMAGES / "chelsea.png")
+    typed = llm.engine.process_prompt({"messages": conv({"type": "image", "image": path}, text="Hi"), "mm_options": SMALL})
+    untyped = llm.engine.process_prompt({"messages": conv({"image": path}, text="Hi"), "mm_options": SMALL})
+    assert untyped.prompt_token_ids == typed.prompt_token_ids
+    assert [img.content_hash for img in untyped.images] == [img.content_hash for img in typed.images]
+    assert sum(t == IMAGE_PAD for t in untyped.prompt_token_ids) == typed.images[0].num_tokens
