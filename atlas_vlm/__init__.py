@@ -6,7 +6,7 @@
 
 from atlas_vlm.config import EngineConfig
 from atlas_vlm.engine import LLMEngine
-from atlas_vlm.llm import LLM
+from atlas_vlm.entrypoints.llm import LLM
 from atlas_vlm.outputs import RequestOutput
 from atlas_vlm.sampling_params import SamplingParams
 

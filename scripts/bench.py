@@ -8,7 +8,7 @@
 Sections: --text (decode tok/s paged/contiguous vs HF generate; KV waste), --vlm (time to
 first token with one image vs HF Qwen2.5-VL), --serve (many requests vs HF sequential,
 padded batches and HF continuous batching; KV reserved-but-empty; decode FLOP/s vs the
-measured GEMM peak; VLM mix with prefix + encoder caches on vs off). Logic: atlas_vlm/bench/.
+measured GEMM peak; VLM mix with prefix + encoder caches on vs off). Logic: benchmarks/.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -37,11 +38,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ lives beside scripts/
     import logging
 
     import torch
 
-    from atlas_vlm.bench import serve, text, vlm
+    from benchmarks import serve, text, vlm
 
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 @dataclass
 class AttentionMetadata:
-    """Per-step layout of a batch; built once per step by ``atlas_vlm.input_prep``."""
+    """Per-step layout of a batch; built once per step by ``atlas_vlm.worker.input_prep``."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with block 0

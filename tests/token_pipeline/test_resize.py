@@ -7,7 +7,6 @@ the grid of HF transformers' Qwen2VLImageProcessor.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,11 +15,11 @@ from hypothesis import strategies as st
 from PIL import Image
 from qwen_vl_utils.vision_process import smart_resize as qvu_smart_resize
 
+from helpers import IMAGES
 from mm_token_pipeline import ImageInputError, load_image, preprocess_image, smart_resize
 
 pytestmark = pytest.mark.vlm
 
-IMAGES = Path(__file__).parent / "data" / "images"
 FACTOR = 28
 
 

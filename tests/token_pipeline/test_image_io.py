@@ -10,17 +10,16 @@ import functools
 import http.server
 import io
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from helpers import IMAGES
 from mm_token_pipeline import ImageInputError, load_image, preprocess_image
 
 pytestmark = pytest.mark.vlm
 
-IMAGES = Path(__file__).parent / "data" / "images"
 
 
 def test_input_forms_give_identical_rgb():

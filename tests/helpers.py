@@ -1,24 +1,25 @@
-"""Shared helpers for the stage 4 (VLM) engine tests (test_stage4_vlm_parity.py,
-test_stage4_vlm_bounds.py): constants, conversation builders, the forward-pass recorder, the
-recorded ``chat`` call (with its MAC-V2 block accounting checks) and the HF reference.
+"""Helpers shared by the test folders (kv/, token_pipeline/, engine/, parity/): data paths,
+step recorders (through ``ModelRunner.observers``, no patching), BlockManager accounting
+helpers, and the stage 4 (VLM) fixtures, conversation builders and HF reference.
 
-A recorder wraps ``ModelRunner.forward_logits`` (and the ``prepare_inputs`` it calls) to
-capture, per step and per request, the tokens computed, the positions fed to the model, the
-blocks held and the logits of the token that was sampled.
+The recorders watch each forward through the runner's observer hook, which is called after
+the forward and before the engine advances any request, so ``num_computed_tokens`` and the
+block table are what the step saw.
 """
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
 import torch
 
-import atlas_vlm.model_runner as model_runner_module
-from atlas_vlm import LLM, SamplingParams
+from atlas_vlm import SamplingParams
+from mm_kv_cache_management import BlockManager, RequestState
 
+REPO = Path(__file__).resolve().parent.parent
 IMAGES = Path(__file__).resolve().parent / "data" / "images"
 PIX = 28 * 28  # pixels per visual token (patch 14, merge 2)
 SMALL = {"max_pixels": 64 * PIX}
@@ -28,19 +29,6 @@ BLOCK_SIZE = 16
 IMAGE_PAD, VISION_START = 151655, 151652
 LOGITS_ATOL = 1e-4
 CPU_FP32 = dict(device="cpu", dtype="float32")  # exactness is fp32 on CPU, like the HF reference
-
-
-# ---- fixtures (import them into a test module to use them) ---------------------------------------
-@pytest.fixture(scope="module")
-def vl(tiny_models):
-    folder, hf = tiny_models["qwen2_5_vl"]
-    return folder, hf.eval()
-
-
-@pytest.fixture(scope="module")
-def llm(vl):
-    return LLM(str(vl[0]), max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=512, kvcache_block_size=BLOCK_SIZE,
-               **CPU_FP32)
 
 
 def greedy(n: int) -> SamplingParams:
@@ -88,24 +76,16 @@ class Recorder:
 
 @contextmanager
 def record(llm):
+    """Record every forward of ``llm``'s runner into a ``Recorder`` while the block runs."""
     runner = llm.engine.runner
-    orig_forward = runner.forward_logits
-    orig_prepare = model_runner_module.prepare_inputs
     rec = Recorder()
-    last = {}
 
-    def prepare(chunks, *args, **kwargs):
-        inp = orig_prepare(chunks, *args, **kwargs)
-        last["inp"] = inp
-        return inp
-
-    def forward(chunks):
+    def observe(chunks, inp, logits, sampled):
         infos = [dict(rid=req.request_id, start=req.num_computed_tokens, end=req.num_computed_tokens + n,
                       num_prompt=req.num_prompt_tokens, rope_delta=req.rope_delta,
                       blocks=list(req.block_table.block_ids), req=req, step=len(rec.steps), logits=None)
                  for req, n in chunks]
-        logits, sampled = orig_forward(chunks)
-        positions = last.pop("inp").positions.cpu()
+        positions = inp.positions.cpu()
         offset = 0
         for info in infos:
             n = info["end"] - info["start"]
@@ -116,15 +96,12 @@ def record(llm):
         for info in infos:
             rec.by_request.setdefault(info["rid"], []).append(info)
         rec.steps.append(infos)
-        return logits, sampled
 
-    runner.forward_logits = forward
-    model_runner_module.prepare_inputs = prepare
+    runner.observers.append(observe)
     try:
         yield rec
     finally:
-        del runner.forward_logits
-        model_runner_module.prepare_inputs = orig_prepare
+        runner.observers.remove(observe)
 
 
 def chat(llm, convs, n_tokens, mm_options=None):
@@ -201,3 +178,73 @@ def assert_matches_hf(llm, hf, conversation, out, rec, n_tokens, mm_options=None
             expect = torch.arange(r["start"], r["end"]) + p.rope_delta
             assert torch.equal(r["positions"], expect[None].expand(3, -1))
     return p
+
+
+# ---- StepRecorder (text and engine tests) -----------------------------------------------------
+class StepRecorder:
+    """Context manager recording what each engine step computed:
+
+    - ``logits[request_id]``: a clone of every sampled logits row of that request (fp32,
+      ``[vocab]``), in step order;
+    - ``chunks[request_id]``: per forward that request took part in,
+      ``(num_computed_tokens_before, num_new_tokens, tuple(block_ids))`` as the step saw them;
+    - ``steps``: one entry per forward, the list of
+      ``(request_id, num_computed_tokens_before, num_new_tokens, tuple(block_ids))`` of its
+      chunks in batch order.
+    """
+
+    def __init__(self, llm):
+        self.runner = llm.engine.runner
+        self.logits: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self.chunks: dict[str, list[tuple[int, int, tuple[int, ...]]]] = defaultdict(list)
+        self.steps: list[list[tuple[str, int, int, tuple[int, ...]]]] = []
+
+    def _observe(self, chunks, inp, logits, sampled) -> None:
+        step = [(req.request_id, req.num_computed_tokens, n, tuple(req.block_table.block_ids))
+                for req, n in chunks]
+        self.steps.append(step)
+        for rid, computed, n, table in step:
+            self.chunks[rid].append((computed, n, table))
+        for row, i in enumerate(sampled):
+            self.logits[chunks[i][0].request_id].append(logits[row].clone())
+
+    def __enter__(self) -> StepRecorder:
+        self.runner.observers.append(self._observe)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.runner.observers.remove(self._observe)
+
+
+# ---- BlockManager accounting (kv/ tests) ------------------------------------------------------
+def make_req(rid: str, num_tokens: int, start: int = 0, image_spans=None) -> RequestState:
+    """A request whose token ids are ``start, start+1, ...`` (distinct starts: no shared prefix)."""
+    return RequestState(rid, list(range(start, start + num_tokens)), image_spans=list(image_spans or []))
+
+
+def ref_counts(bm: BlockManager) -> list[int]:
+    return [b.ref_count for b in bm.blocks]
+
+
+def snapshot(bm: BlockManager, reqs) -> tuple:
+    """Everything an allocation could touch, by value."""
+    return (
+        bm.num_free_blocks,
+        list(bm._free),
+        ref_counts(bm),
+        [b.block_hash for b in bm.blocks],
+        dict(bm._cached),
+        [
+            None
+            if r.block_table is None
+            else (list(r.block_table.block_ids), r.block_table.num_tokens, r.num_computed_tokens, r.num_cached_tokens)
+            for r in reqs
+        ],
+    )
+
+
+def compute_all(bm: BlockManager, req: RequestState) -> None:
+    """What the runner does after a forward pass: every token's K/V now stored, full blocks cached."""
+    req.num_computed_tokens = req.num_tokens
+    req.block_table.num_tokens = req.num_tokens
+    bm.cache_full_blocks(req)

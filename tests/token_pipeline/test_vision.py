@@ -7,16 +7,15 @@ loaded from its ``visual`` state dict, must give bit-identical output to HF's
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import IMAGES
 from mm_token_pipeline import VisionEncoder, load_image, preprocess_image
 
 pytestmark = pytest.mark.vlm
 
-IMAGES = Path(__file__).parent / "data" / "images"
 MAX_PIXELS = 64 * 28 * 28  # keep the tower input small on CPU
 
 

@@ -4,14 +4,11 @@ at the default and at a small ``max_pixels``, and clear errors with exit code 1.
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 
+from helpers import IMAGES, REPO
 from atlas_vlm import LLM, SamplingParams
-
-REPO = Path(__file__).resolve().parent.parent
-IMAGES = REPO / "tests" / "data" / "images"
 
 
 def _cli():

@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import pytest
 
-from _recorders import StepRecorder
+from helpers import StepRecorder
 from atlas_vlm import LLM, SamplingParams
 
 pytestmark = pytest.mark.text

@@ -21,7 +21,7 @@ import statistics
 
 import torch
 
-from atlas_vlm.bench.common import (best_of, fmt, image_path, log, markdown_table, now, section,
+from benchmarks.common import (best_of, fmt, image_path, log, markdown_table, now, section,
                                     vlm_model_path)
 
 QUESTION = "Describe this image in one sentence."

@@ -4,13 +4,14 @@ batched forward per engine step. Scheduling and stopping rules live elsewhere.""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
 from atlas_vlm.config import EngineConfig
-from atlas_vlm.input_prep import prepare_inputs
+from atlas_vlm.worker.input_prep import ModelInput, prepare_inputs
 from atlas_vlm.loader import LoadedModel
-from atlas_vlm.sampler import sample
+from atlas_vlm.worker.sampler import sample
 from mm_kv_cache_management import ContiguousKVCache, KVCacheSpec, PagedKVCache
 
 
@@ -77,6 +78,9 @@ class ModelRunner:
         self.encoder_cache: OrderedDict[str, torch.Tensor] = OrderedDict()  # image hash -> embeddings
         self.encoder_cache_size = 64  # images kept
         self.num_encoder_runs = 0  # vision-tower forwards (one per image not found in the cache)
+        # Called after each forward as observer(chunks, inputs, logits, sampled), before any
+        # request state moves on: how tests and benchmarks watch steps without patching methods.
+        self.observers: list[Callable[[list, ModelInput, torch.Tensor, list[int]], None]] = []
 
     @torch.inference_mode()
     def encode_images(self, req) -> None:
@@ -107,7 +111,10 @@ class ModelRunner:
         inp = prepare_inputs(chunks, self.device, self.mrope)
         x = self.model.embed(inp.input_ids, inp.mm_embeds, inp.mm_token_index)  # [num_tokens, hidden]
         hidden = self.model(x, inp.positions, self.kv_cache, inp.meta)
-        return self.model.compute_logits(hidden[inp.logits_index]), inp.sampled
+        logits = self.model.compute_logits(hidden[inp.logits_index])  # [num_sampled, vocab]
+        for observe in self.observers:
+            observe(chunks, inp, logits, inp.sampled)
+        return logits, inp.sampled
 
     def run(self, chunks):
         """Forward plus sampling: ``[(chunk index, token id, logprob, top logprobs)]``."""

@@ -17,8 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from _vlm_helpers import llm, vl  # noqa: F401  (shared module-scoped fixtures)
-from _vlm_helpers import (IMAGE_PAD, IMAGES, MAX_MODEL_LEN, MEDIUM, PIX, SMALL, VISION_START, assert_matches_hf, chat,
+from helpers import (IMAGE_PAD, IMAGES, MAX_MODEL_LEN, MEDIUM, PIX, SMALL, VISION_START, assert_matches_hf, chat,
                           conv, greedy)
 from atlas_vlm.engine import RequestTooLongError
 from mm_token_pipeline import ImageInputError

@@ -14,6 +14,6 @@ everywhere; our token ids are compared with HF's and the match is reported. No t
 asserted anywhere (the design's "Performance method").
 """
 
-from atlas_vlm.bench.common import gemm_peak_flops, markdown_table
+from benchmarks.common import gemm_peak_flops, markdown_table
 
 __all__ = ["gemm_peak_flops", "markdown_table"]

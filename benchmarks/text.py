@@ -17,7 +17,7 @@ import random
 
 import torch
 
-from atlas_vlm.bench.common import (compare_tokens, fmt, log, markdown_table, match_str, now, section,
+from benchmarks.common import (compare_tokens, fmt, log, markdown_table, match_str, now, section,
                                     text_model_paths)
 
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "

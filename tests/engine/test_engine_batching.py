@@ -4,17 +4,16 @@ handed cases C11-C14; random add / step / abort sequences under a small block bu
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _recorders import StepRecorder
+from helpers import IMAGES
+from helpers import StepRecorder
 from atlas_vlm import LLM, SamplingParams
 
-IMAGES = Path(__file__).resolve().parent / "data" / "images"
 PIX = 28 * 28
 GREEDY = dict(temperature=0, ignore_eos=True)
 

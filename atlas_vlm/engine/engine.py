@@ -12,13 +12,13 @@ import torch
 from transformers import GenerationConfig
 
 from atlas_vlm.config import EngineConfig
-from atlas_vlm.inputs import InputProcessor, ProcessedPrompt
+from atlas_vlm.engine.input_processor import InputProcessor, ProcessedPrompt
 from atlas_vlm.loader import load_model
-from atlas_vlm.model_runner import ModelRunner
+from atlas_vlm.worker.model_runner import ModelRunner
 from atlas_vlm.outputs import RequestOutput
 from atlas_vlm.request import Request
 from atlas_vlm.sampling_params import SamplingParams
-from atlas_vlm.scheduler import Scheduler
+from atlas_vlm.engine.scheduler import Scheduler
 from mm_kv_cache_management import BlockManager
 
 

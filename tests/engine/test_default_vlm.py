@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import IMAGES
 from atlas_vlm import LLM, SamplingParams
 from atlas_vlm.default_models import DEFAULT_VLM_VERSION, RANDOM_VLM_NOTICE, default_vlm_model
 
 pytestmark = pytest.mark.vlm
 
-IMAGES = Path(__file__).resolve().parent / "data" / "images"
 MM = {"max_pixels": 64 * 28 * 28}
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from _bm_helpers import compute_all, make_req, ref_counts, snapshot
+from helpers import compute_all, make_req, ref_counts, snapshot
 from mm_kv_cache_management import BlockManager, ImageSpan, NoFreeBlocksError, RequestState, block_hash
 
 pytestmark = pytest.mark.text

@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _vlm_helpers import llm, vl  # noqa: F401  (shared module-scoped fixtures)
-from _vlm_helpers import CPU_FP32, IMAGE_PAD, IMAGES, MEDIUM, SMALL, assert_matches_hf, chat, conv, greedy
+from helpers import CPU_FP32, IMAGE_PAD, IMAGES, MEDIUM, SMALL, assert_matches_hf, chat, conv, greedy
 from atlas_vlm import LLM
 
 pytestmark = pytest.mark.vlm

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _recorders import StepRecorder
+from helpers import StepRecorder
 from atlas_vlm import LLM, SamplingParams
 from atlas_vlm.engine import RequestTooLongError
 

@@ -13,7 +13,7 @@ Requests: seeded random token-id prompts (lengths uniform in 16..512) and output
 Output tokens/s = sum of requested output tokens / wall seconds of the whole batch
 (prefill included). Greedy tokens are compared with (b). Also: KV reserved but empty in our
 cache after every engine step; decode FLOP/s at batch >= 32 against the measured GEMM peak;
-and the VLM mix of ``atlas_vlm.bench.vlm.mix``.
+and the VLM mix of ``benchmarks.vlm.mix``.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import random
 
 import torch
 
-from atlas_vlm.bench import vlm
-from atlas_vlm.bench.common import (compare_tokens, fmt, gemm_peak_flops, log, markdown_table, match_str, now,
+from benchmarks import vlm
+from benchmarks.common import (compare_tokens, fmt, gemm_peak_flops, log, markdown_table, match_str, now,
                                     random_prompts, section, text_model_paths)
 
 

@@ -6,11 +6,11 @@ placeholder expansion, image extraction from messages, and the chat template cho
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
+from helpers import IMAGES
 from mm_token_pipeline import (
     QWEN2_5_VL_CHAT_TEMPLATE, build_prompt_ids, expand_image_pads, extract_images, load_image,
     preprocess_image, qwen_tokenizer_dir,
@@ -18,7 +18,6 @@ from mm_token_pipeline import (
 
 pytestmark = pytest.mark.vlm
 
-IMAGES = Path(__file__).parent / "data" / "images"
 IMAGE_PAD, VISION_START, VISION_END = 151655, 151652, 151653
 
 

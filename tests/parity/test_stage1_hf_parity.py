@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _recorders import StepRecorder
+from helpers import StepRecorder
 from atlas_vlm import LLM, SamplingParams
 
 pytestmark = pytest.mark.text

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atlas_vlm.input_prep import image_rows_for_chunk, prepare_inputs
+from atlas_vlm.worker.input_prep import image_rows_for_chunk, prepare_inputs
 from atlas_vlm.layers.attention import build_attention_metadata
 from atlas_vlm.request import Request
 from mm_kv_cache_management import BlockTable, ImageSpan
