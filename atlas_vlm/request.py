@@ -1,5 +1,6 @@
 """``Request``: a request as the engine tracks it (the KV-side ``RequestState`` plus sampling,
-multimodal inputs and output bookkeeping)."""
+multimodal inputs, sampled tokens and how it finished). Text and stream deltas live in the
+``OutputProcessor``'s per-request state."""
 
 from __future__ import annotations
 
@@ -20,12 +21,10 @@ class Request(RequestState):
     mrope_positions: torch.Tensor | None = None  # [3, num_prompt_tokens] M-RoPE positions (None: text model)
     image_embeds: list[torch.Tensor] | None = None  # per image [num_tokens_i, hidden], once encoded
     generator: torch.Generator | None = None  # per-request sampling RNG
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
+    error: str | None = None  # why it failed (finish_reason == "error")
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    text: str = ""  # detokenized output (stop strings cut)
-    stream_sent_tokens: int = 0  # generated ids already reported to a streaming caller
-    stream_sent_chars: int = 0  # text chars already reported to a streaming caller
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -1,23 +1,51 @@
-"""``SamplingParams``: how one request picks its next tokens and when it stops (vLLM names)."""
+"""``SamplingParams``: how one request picks its next tokens and when it stops (vLLM names).
+
+Every value is checked where it enters: on creation and again on every assignment, and the
+limits that depend on the model (vocabulary) by ``check_for_model`` when a request is added.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
+from numbers import Real
+
+# vLLM vllm/sampling_params.py: temperatures below this are treated as greedy (argmax),
+# which also keeps ``logits / temperature`` from overflowing to inf (fp32 max ~3.4e38).
+SAMPLING_EPS = 1e-5
+# vLLM ModelConfig.max_logprobs default: top logprobs per token at most.
+MAX_LOGPROBS = 20
+
+
+def is_greedy(temperature: float) -> bool:
+    """Greedy when ``temperature < SAMPLING_EPS`` (vLLM ``_SAMPLING_EPS``)."""
+    return temperature < SAMPLING_EPS
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool)
 
 
 @dataclass
 class SamplingParams:
     """Sampling and stopping rules of one request.
 
-    ``temperature == 0`` is greedy (argmax). Otherwise logits are divided by the temperature,
-    cut to the ``top_k`` best and the smallest set whose probability reaches ``top_p``, and
-    sampled with a generator seeded by ``seed`` (reproducible per request).
+    ``temperature < 1e-5`` (0 included) is greedy (argmax). Otherwise logits are divided by
+    the temperature, cut to the ``top_k`` best and the smallest set whose probability
+    reaches ``top_p``, and sampled with a generator seeded by ``seed`` (reproducible per
+    request). A ``top_k`` larger than the vocabulary keeps the whole vocabulary.
 
     Raises:
-        ValueError: on creation, naming the bad field and the allowed range.
+        ValueError: on creation or assignment, naming the bad field and the allowed range;
+            an unknown field name is refused too.
     """
 
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # < 1e-5: greedy
     top_p: float = 1.0  # nucleus mass in (0, 1]
     top_k: int = 0  # 0 or -1: off
     seed: int | None = None  # per-request RNG seed; None: the engine's seed + request index
@@ -25,28 +53,65 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # stop after emitting one of these
     stop: list[str] = field(default_factory=list)  # stop strings (excluded from the text)
     ignore_eos: bool = False  # keep going past the tokenizer's EOS
-    logprobs: int | None = None  # None: none; k >= 0: sampled token's logprob plus the top k
+    logprobs: int | None = None  # None: none; 0..MAX_LOGPROBS: sampled token's logprob plus the top k
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+            object.__setattr__(self, "stop", [self.stop])
+        if not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop", list(self.stop))
+        object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids))
+        self._validate()
+        object.__setattr__(self, "_ready", True)
+
+    def __setattr__(self, name: str, value) -> None:
+        if not getattr(self, "_ready", False):
+            object.__setattr__(self, name, value)
+            return
+        names = [f.name for f in dataclasses.fields(self)]
+        if name not in names:
+            raise ValueError(f"SamplingParams has no field {name!r}; fields: {', '.join(names)}")
+        checked = dataclasses.replace(self, **{name: value})  # runs every check on a copy
+        object.__setattr__(self, name, getattr(checked, name))
+
+    def _validate(self) -> None:
+        t = self.temperature
+        if not _is_real(t) or not math.isfinite(t) or t < 0.0:
+            raise ValueError(f"temperature must be >= 0 and finite (< {SAMPLING_EPS}: greedy), got {t!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an int, -1 or 0 (off) or >= 1, got {self.top_k!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an int >= 1 or None, got {self.max_tokens!r}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs!r}")
+        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be at most MAX_LOGPROBS={MAX_LOGPROBS} (vLLM's max_logprobs), "
+                             f"got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return is_greedy(self.temperature)
+
+
+def check_for_model(params: SamplingParams, vocab_size: int) -> None:
+    """The limits that depend on the model, checked when a request is added.
+
+    Raises:
+        ValueError: a stop token id is not a token of this model (``>= vocab_size``).
+    """
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids {bad} are not tokens of this model (vocab_size {vocab_size})")

@@ -158,6 +158,28 @@ class BlockManager:
         table.num_tokens = max(table.num_tokens, pos + 1)
         return table.slot(pos)
 
+    def commit_computed(self, req: RequestState, num_new_tokens: int) -> None:
+        """Record that the K/V of ``req``'s next ``num_new_tokens`` tokens are now stored:
+        advances ``num_computed_tokens`` and ``block_table.num_tokens`` and registers the full
+        blocks in the prefix cache. The only writer of a request's progress after a forward.
+
+        Raises:
+            ValueError: no blocks held, ``num_new_tokens < 0``, or the tokens would pass the
+                request's tokens or its reserved slots.
+        """
+        table = req.block_table
+        if table is None:
+            raise ValueError(f"request {req.request_id!r} holds no blocks; nothing can be computed")
+        end = req.num_computed_tokens + num_new_tokens
+        if num_new_tokens < 0 or end > req.num_tokens or end > table.capacity:
+            raise ValueError(
+                f"request {req.request_id!r}: cannot commit {num_new_tokens} tokens after "
+                f"{req.num_computed_tokens} ({req.num_tokens} tokens, {table.capacity} slots reserved)"
+            )
+        req.num_computed_tokens = end
+        table.num_tokens = max(table.num_tokens, end)
+        self.cache_full_blocks(req)
+
     def free_request(self, req: RequestState) -> None:
         """Give back every block of ``req`` (tail first, so the LRU evicts tails first). Idempotent."""
         table = req.block_table

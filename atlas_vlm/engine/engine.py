@@ -1,23 +1,29 @@
 """``LLMEngine``: add requests, step them together, stream what each step produced.
 
-Per step: the ``Scheduler`` picks chunks, the ``ModelRunner`` runs one batched forward and
-samples, and the engine applies stopping rules and frees finished requests' blocks.
+Per step: schedule -> run -> update -> outputs. The ``Scheduler`` picks chunks, the
+``ModelRunner`` runs one batched forward and samples, ``Scheduler.update_from_output`` moves
+requests on and finishes them, and the ``OutputProcessor`` turns new tokens into text,
+applies stop strings and builds the ``RequestOutput``s. Every public method holds one lock,
+so threads may share an engine (their calls run one at a time).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import threading
 
 import torch
 from transformers import GenerationConfig
 
 from atlas_vlm.config import EngineConfig
 from atlas_vlm.engine.input_processor import InputProcessor, ProcessedPrompt
+from atlas_vlm.engine.output_processor import OutputProcessor
 from atlas_vlm.loader import load_model
 from atlas_vlm.worker.model_runner import ModelRunner
 from atlas_vlm.outputs import RequestOutput
 from atlas_vlm.request import Request
-from atlas_vlm.sampling_params import SamplingParams
+from atlas_vlm.sampling_params import SamplingParams, check_for_model
 from atlas_vlm.engine.scheduler import Scheduler
 from mm_kv_cache_management import BlockManager
 
@@ -34,6 +40,15 @@ def _eos_token_ids(tokenizer, model_dir) -> set[int]:
         gen = None
     ids |= set(gen if isinstance(gen, list) else [gen] if gen is not None else [])
     return ids
+
+
+def _locked(method):
+    """Run ``method`` under the engine's lock (re-entrant)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return wrapper
 
 
 class LLMEngine:
@@ -63,12 +78,26 @@ class LLMEngine:
         budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             budget = max(budget, self.max_model_len)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill,
+                                   max_model_len=self.max_model_len,
+                                   eos_token_ids=_eos_token_ids(self.tokenizer, loaded.model_dir))
         self.inputs = InputProcessor(self.tokenizer, self.hf_config, config, arch.vocab_size)
-        self.eos_token_ids = _eos_token_ids(self.tokenizer, loaded.model_dir)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.vocab_size = arch.vocab_size
         self.requests: dict[str, Request] = {}
+        self._finished_outside_step: list[RequestOutput] = []  # aborts, handed out by the next step
+        self._lock = threading.RLock()
         self._ids = itertools.count()  # default request ids
         self._seeds = itertools.count()  # default seeds: engine seed + arrival index
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """Token ids that end a request (unless ``ignore_eos``); the scheduler's set."""
+        return self.scheduler.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self.scheduler.eos_token_ids = set(ids)
 
     # ---- requests ---------------------------------------------------------------------
     def process_prompt(self, prompt) -> ProcessedPrompt:
@@ -87,6 +116,7 @@ class LLMEngine:
         raise TypeError(f"a prompt is a str, a list of token ids or a dict with 'prompt', "
                         f"'prompt_token_ids' or 'messages'; got {type(prompt).__name__}")
 
+    @_locked
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Validate and queue one request; returns its id.
@@ -97,6 +127,7 @@ class LLMEngine:
             ValueError, TypeError: any other malformed input.
         """
         params = sampling_params or SamplingParams()
+        check_for_model(params, self.vocab_size)
         p = prompt if isinstance(prompt, ProcessedPrompt) else self.process_prompt(prompt)
         num_prompt = len(p.prompt_token_ids)
         if num_prompt == 0:
@@ -129,71 +160,45 @@ class LLMEngine:
             images=p.images, mrope_positions=p.mrope_positions, generator=generator,
         )
         self.requests[request_id] = req
+        self.output_processor.add_request(request_id, req.prompt, req.token_ids, params.stop)
         self.scheduler.add_request(req)
         return request_id
 
+    @_locked
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now; its blocks are freed. None if the id is unknown or finished."""
+        """Stop a request now; its blocks are freed. Returns its final output
+        (``finish_reason="abort"``, the text already streamed), which the next ``step()``
+        also hands out, so that whoever steps the engine can route it. None if the id is
+        unknown or finished."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        req.finish_reason = "abort"
-        self.scheduler.finish(req)
-        return self._output(req)
+        self.scheduler.finish(req, "abort")
+        out = self.output_processor.finish(req)
+        self._finished_outside_step.append(out)
+        return out
 
+    @_locked
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests still queued or running, or final outputs not yet handed out by ``step``."""
+        return self.scheduler.has_unfinished() or bool(self._finished_outside_step)
 
     # ---- stepping ---------------------------------------------------------------------
+    @_locked
     def step(self) -> list[RequestOutput]:
-        """Run one batched step; returns an output (with the step's new tokens) for every
-        request that produced a token or finished in it."""
+        """Run one batched step: schedule -> run -> update -> outputs. Returns an output
+        (with the step's new tokens and text) for every request that produced a token or
+        finished in it, after the outputs of requests aborted since the last step."""
+        outputs, self._finished_outside_step = self._finished_outside_step, []
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
-        results = self.runner.run(sched.chunks)
-        for req, n in sched.chunks:
-            req.num_computed_tokens += n
-            req.block_table.num_tokens = req.num_computed_tokens
-            self.block_manager.cache_full_blocks(req)
-        outputs = []
-        for index, token, logprob, top in results:
-            req = sched.chunks[index][0]
-            req.token_ids.append(token)
-            if logprob is not None:
-                req.logprobs.append(logprob)
-                req.top_logprobs.append(top)
-            self._check_stop(req, token)
-            if req.finish_reason is not None:
+            return outputs
+        runner_output = self.runner.run(sched.chunks)
+        for req, new_token_ids in self.scheduler.update_from_output(sched, runner_output):
+            out, stopped = self.output_processor.process(req, new_token_ids)
+            if stopped:  # a stop string: the output processor ended it
                 self.scheduler.finish(req)
+            if req.finish_reason is not None:
                 del self.requests[req.request_id]
-            outputs.append(self._output(req))
+            outputs.append(out)
         return outputs
-
-    def _check_stop(self, req: Request, token: int) -> None:
-        params = req.sampling_params
-        req.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
-            req.finish_reason = "stop"
-        for s in params.stop:
-            at = req.text.find(s)
-            if at != -1:
-                req.text = req.text[:at]
-                req.finish_reason = "stop"
-        if req.finish_reason is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len):
-            req.finish_reason = "length"
-
-    def _output(self, req: Request) -> RequestOutput:
-        out_ids = req.output_token_ids
-        text = req.text
-        if req.finish_reason is None and text.endswith("\ufffd"):
-            text = text.rstrip("\ufffd")  # hold back an incomplete UTF-8 character while streaming
-        new_ids, new_text = out_ids[req.stream_sent_tokens:], text[req.stream_sent_chars:]
-        req.stream_sent_tokens, req.stream_sent_chars = len(out_ids), max(req.stream_sent_chars, len(text))
-        asked = req.sampling_params.logprobs is not None
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.token_ids[:req.num_prompt_tokens],
-            text=text, token_ids=list(out_ids), finish_reason=req.finish_reason,
-            logprobs=list(req.logprobs) if asked else None, top_logprobs=list(req.top_logprobs) if asked else None,
-            new_token_ids=new_ids, new_text=new_text,
-        )

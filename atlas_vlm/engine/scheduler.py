@@ -5,6 +5,11 @@ One token budget per step (``max_num_batched_tokens``) is shared by running requ
 whose whole prompt's blocks are reserved at admission. When a decode needs a block and none
 is free, the newest running request is preempted by recompute: it gives back its blocks
 and returns to the front of the waiting queue (vLLM's policy).
+
+After the forward, ``update_from_output`` moves every scheduled request on (through the
+``BlockManager``, the only writer of allocation state), appends the sampled tokens and
+finishes requests on EOS, a stop token, ``max_tokens`` or ``max_model_len`` (vLLM
+``Scheduler.update_from_output`` / ``check_stop``); stop strings are the output processor's.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from atlas_vlm.request import Request
+from atlas_vlm.worker.sampler import SamplerOutput
 from mm_kv_cache_management import BlockManager, NoFreeBlocksError, RequestStatus
 
 
@@ -38,8 +44,11 @@ class Scheduler:
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, max_model_len: int | None = None,
+                 eos_token_ids: set[int] | None = None):
         self.block_manager = block_manager
+        self.max_model_len = max_model_len  # None: no limit here (the engine checks at entry)
+        self.eos_token_ids = set(eos_token_ids or ())
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -54,8 +63,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, req: Request) -> None:
-        """Drop a finished or aborted request and free its blocks."""
+    def finish(self, req: Request, reason: str | None = None) -> None:
+        """Drop a finished or aborted request and free its blocks (idempotent); ``reason``
+        sets ``finish_reason`` if given."""
+        if reason is not None:
+            req.finish_reason = reason
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -114,3 +126,50 @@ class Scheduler:
             out.chunks.append((req, n))
             budget -= n
         return out
+
+    # ---- after the forward ------------------------------------------------------------------
+    def _check_stop(self, req: Request, token: int) -> str | None:
+        params = req.sampling_params
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            return "stop"
+        if req.num_output_tokens >= req.max_tokens:
+            return "length"
+        if self.max_model_len is not None and req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: tuple[list[int], SamplerOutput]
+                           ) -> list[tuple[Request, list[int]]]:
+        """Apply one step's results.
+
+        Args:
+            scheduler_output: what ``schedule`` returned for the step.
+            runner_output: ``(chunk indices of the sampled rows, SamplerOutput)`` from
+                ``ModelRunner.run``.
+
+        Returns:
+            ``(request, new token ids)`` for every request that sampled a token or finished
+            in this step, in row order. A finished request is out of the queues, its blocks
+            freed and ``finish_reason`` set ("error" with ``error`` when its row failed).
+        """
+        for req, n in scheduler_output.chunks:
+            self.block_manager.commit_computed(req, n)
+        indices, sampled = runner_output
+        updates = []
+        for row, index in enumerate(indices):
+            req = scheduler_output.chunks[index][0]
+            token, error = sampled.token_ids[row], sampled.errors[row]
+            if error is not None:
+                req.error = error
+                self.finish(req, "error")
+                updates.append((req, []))
+                continue
+            req.token_ids.append(token)
+            if sampled.logprobs[row] is not None:
+                req.logprobs.append(sampled.logprobs[row])
+                req.top_logprobs.append(sampled.top_logprobs[row])
+            reason = self._check_stop(req, token)
+            if reason is not None:
+                self.finish(req, reason)
+            updates.append((req, [token]))
+        return updates

@@ -1,8 +1,13 @@
-"""``LLM``: the library facade (``from atlas_vlm import LLM, SamplingParams``)."""
+"""``LLM``: the library facade (``from atlas_vlm import LLM, SamplingParams``).
+
+Calls may overlap: several live stream iterators, or calls from several threads, share the
+engine through one ``OutputRouter`` (serialised stepping, each output to its own call).
+"""
 
 from __future__ import annotations
 
 import logging
+import queue
 from collections.abc import Iterator
 
 from tqdm.auto import tqdm
@@ -10,6 +15,7 @@ from tqdm.auto import tqdm
 from atlas_vlm.config import EngineConfig
 from atlas_vlm.default_models import default_text_model
 from atlas_vlm.engine import LLMEngine
+from atlas_vlm.entrypoints.router import OutputRouter
 from atlas_vlm.outputs import RequestOutput
 from atlas_vlm.sampling_params import SamplingParams
 
@@ -35,6 +41,7 @@ class LLM:
         self.config = EngineConfig(model=model or default_text_model(), **kwargs)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
+        self.router = OutputRouter(self.engine)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  stream: bool = False, use_tqdm: bool = True) -> list[RequestOutput] | Iterator[RequestOutput]:
@@ -49,50 +56,62 @@ class LLM:
             rejected (bad image, too long, ...) gets ``finish_reason="error"`` and ``error``
             set while the others run; a single prompt's error is raised instead.
             With ``stream=True``: an iterator of ``RequestOutput`` per request per step
-            (``new_text`` / ``new_token_ids`` hold what the step added).
+            (``new_text`` / ``new_token_ids`` hold what the step added); closing it early
+            aborts its unfinished requests. A request aborted from anywhere
+            (``llm.engine.abort_request``) ends with ``finish_reason="abort"``.
+
+        Thread-safe: calls from several threads (and several live streams) share the engine;
+        each gets exactly its own requests' outputs.
         """
         single = not isinstance(prompts, list) or (bool(prompts) and isinstance(prompts[0], int))
         prompts = [prompts] if single else prompts
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids, outputs = [], {}
+        ids, outputs, q = [], {}, queue.SimpleQueue()
         for prompt, p in zip(prompts, params):
             try:
-                ids.append(self.engine.add_request(prompt, p))
+                ids.append(self.router.add_request(prompt, p, q))
             except (ValueError, TypeError, OSError) as e:
                 if single:
+                    self._abort(ids)
                     raise
                 logger.warning("request rejected: %s", e)
                 rid = f"rejected-{len(ids)}"
                 ids.append(rid)
                 outputs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, [],
                                              finish_reason="error", error=str(e))
-        stream_iter = self._run(ids, outputs, use_tqdm and not stream and not single)
+        stream_iter = self._run(ids, outputs, q, use_tqdm and not stream and not single)
         if stream:
             return stream_iter
         for _ in stream_iter:
             pass
         return [outputs[i] for i in ids]
 
-    def _run(self, ids: list[str], outputs: dict[str, RequestOutput], use_tqdm: bool) -> Iterator[RequestOutput]:
+    def _abort(self, ids) -> None:
+        for rid in ids:
+            self.engine.abort_request(rid)
+        self.router.unregister(ids)
+
+    def _run(self, ids: list[str], outputs: dict[str, RequestOutput], q: queue.SimpleQueue,
+             use_tqdm: bool) -> Iterator[RequestOutput]:
         pending = set(ids) - set(outputs)
         bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
         bar.update(len(ids) - len(pending))
         try:
             while pending:
-                for out in self.engine.step():
-                    if out.request_id not in pending:
-                        continue
-                    outputs[out.request_id] = out
-                    if out.finished:
-                        pending.discard(out.request_id)
-                        bar.update(1)
-                    yield out
+                out = self.router.next_output(q, pending)
+                if out.request_id not in pending:
+                    continue
+                outputs[out.request_id] = out
+                if out.finished:
+                    pending.discard(out.request_id)
+                    bar.update(1)
+                yield out
         finally:
             bar.close()
-            for rid in pending:  # the caller stopped a stream early
-                self.engine.abort_request(rid)
+            self._abort(pending)  # the caller stopped a stream early
+            self.router.unregister(ids)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, *,
              mm_options: dict | None = None, stream: bool = False, use_tqdm: bool = True):

@@ -11,7 +11,7 @@ import torch
 from atlas_vlm.config import EngineConfig
 from atlas_vlm.worker.input_prep import ModelInput, prepare_inputs
 from atlas_vlm.loader import LoadedModel
-from atlas_vlm.worker.sampler import sample
+from atlas_vlm.worker.sampler import SamplerOutput, sample
 from mm_kv_cache_management import ContiguousKVCache, KVCacheSpec, PagedKVCache
 
 
@@ -116,9 +116,9 @@ class ModelRunner:
             observe(chunks, inp, logits, inp.sampled)
         return logits, inp.sampled
 
-    def run(self, chunks):
-        """Forward plus sampling: ``[(chunk index, token id, logprob, top logprobs)]``."""
+    def run(self, chunks) -> tuple[list[int], SamplerOutput]:
+        """Forward plus sampling: the indices of the chunks that sampled a token (row order)
+        and the sampler's per-row tokens, logprobs and errors."""
         logits, sampled = self.forward_logits(chunks)
         reqs = [chunks[i][0] for i in sampled]
-        tokens, logprobs, tops = sample(logits, reqs)
-        return list(zip(sampled, tokens, logprobs, tops))
+        return sampled, sample(logits, reqs)

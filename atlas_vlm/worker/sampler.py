@@ -1,56 +1,105 @@
-"""Next-token choice for the rows of a step that finished a prompt or a decode."""
+"""Next-token choice for the rows of a step that finished a prompt or a decode, vectorised
+over the batch: temperature, top-k and top-p are tensor ops on ``[num_rows, vocab]``; the
+only per-row work is the seeded draw (``torch.multinomial`` with the request's own
+generator, so a seeded request gives the same tokens alone or in any batch).
+
+A row whose logits are not usable (NaN, +inf, or no finite value) fails alone: its request
+gets an error message and the other rows are sampled as if it were not there.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from atlas_vlm.sampling_params import is_greedy
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (-inf) all but the ``top_k`` best and the smallest set with mass >= ``top_p``. ``[vocab]``."""
-    if top_k > 0 and top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
+
+@dataclass
+class SamplerOutput:
+    """Per row: the token (``None`` if the row failed), its logprob and top-k logprobs
+    (``None`` where not asked) and an error message (``None`` if fine)."""
+
+    token_ids: list[int | None]
+    logprobs: list[float | None]
+    top_logprobs: list[dict[int, float] | None]
+    errors: list[str | None]
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (-inf) in each row all but its ``top_k`` best and the smallest set with mass
+    >= ``top_p`` (HF ``TopKLogitsWarper`` then ``TopPLogitsWarper`` order).
+
+    Args:
+        logits: ``[rows, vocab]`` (temperature already applied).
+        top_k: ``[rows]`` int; values <= 0 or >= vocab keep everything.
+        top_p: ``[rows]`` float in (0, 1]; 1 keeps everything.
+    """
+    vocab = logits.shape[-1]
+    k = torch.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
+    if bool((k < vocab).any()):
+        sorted_logits = logits.sort(dim=-1, descending=True).values  # [rows, vocab]
+        kth = sorted_logits.gather(1, (k - 1)[:, None])  # [rows, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
+    use_p = top_p < 1.0
+    if bool(use_p.any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
-        cut = probs.cumsum(-1) - probs >= top_p  # tokens entirely past the nucleus
-        logits = logits.masked_fill(torch.zeros_like(cut).scatter(0, order, cut), float("-inf"))
+        cut = (probs.cumsum(-1) - probs >= top_p[:, None]) & use_p[:, None]  # entirely past the nucleus
+        logits = logits.masked_fill(torch.zeros_like(cut).scatter(1, order, cut), float("-inf"))
     return logits
 
 
-def sample(logits: torch.Tensor, requests) -> tuple[list[int], list[float | None], list[dict[int, float] | None]]:
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, requests, rows: list[int]):
+    """Raw-distribution logprobs (before temperature and filters, as vLLM reports them)."""
+    logprobs: list[float | None] = [None] * len(requests)
+    tops: list[dict[int, float] | None] = [None] * len(requests)
+    if not rows:
+        return logprobs, tops
+    idx = torch.tensor(rows, device=logits.device)
+    logp = logits[idx].log_softmax(-1)  # [n_asked, vocab]
+    chosen = logp.gather(1, tokens[idx][:, None])[:, 0].tolist()
+    ks = [requests[r].sampling_params.logprobs for r in rows]
+    values, ids = logp.topk(max(ks), dim=-1) if max(ks) > 0 else (None, None)
+    values_l, ids_l = (values.tolist(), ids.tolist()) if values is not None else (None, None)
+    for j, (r, k) in enumerate(zip(rows, ks)):
+        logprobs[r] = chosen[j]
+        tops[r] = dict(zip(ids_l[j][:k], values_l[j][:k])) if k > 0 else {}
+    return logprobs, tops
+
+
+def sample(logits: torch.Tensor, requests) -> SamplerOutput:
     """Pick one token per row.
 
     Args:
         logits: ``[num_rows, vocab]`` fp32 logits, row ``i`` for ``requests[i]``.
-        requests: objects with ``sampling_params`` and ``generator`` (``torch.Generator``).
-
-    Returns:
-        token ids, the sampled tokens' logprobs (``None`` where not asked) and top-k
-        ``{id: logprob}`` dicts (``None`` where not asked). Logprobs are of the raw model
-        distribution, before temperature and filtering (as vLLM reports them).
+        requests: objects with ``request_id``, ``sampling_params`` and ``generator``.
     """
-    greedy_ids = logits.argmax(dim=-1).tolist()
-    tokens, logprobs, tops = [], [], []
-    logp = None
-    for row, req in enumerate(requests):
-        params = req.sampling_params
-        if params.greedy:
-            token = greedy_ids[row]
-        else:
-            scaled = _filter_top_k_top_p(logits[row] / params.temperature, params.top_k, params.top_p)
-            probs = scaled.softmax(-1)
-            token = int(torch.multinomial(probs, 1, generator=req.generator).item())
-        tokens.append(token)
-        if params.logprobs is None:
-            logprobs.append(None)
-            tops.append(None)
-            continue
-        logp = logits[row].log_softmax(-1)
-        logprobs.append(float(logp[token]))
-        if params.logprobs > 0:
-            values, ids = logp.topk(params.logprobs)
-            tops.append(dict(zip(ids.tolist(), values.tolist())))
-        else:
-            tops.append({})
-    return tokens, logprobs, tops
+    num_rows = logits.shape[0]
+    bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | ~torch.isfinite(logits).any(-1)  # [rows]
+    bad_rows = bad.nonzero()[:, 0].tolist() if num_rows else []
+    if bad_rows:
+        logits = logits.masked_fill(bad[:, None], 0.0)
+    params = [r.sampling_params for r in requests]
+    tokens = logits.argmax(dim=-1)  # [rows]; greedy rows keep it
+    rows = [i for i, p in enumerate(params) if not is_greedy(p.temperature)]
+    if rows:
+        idx = torch.tensor(rows, device=logits.device)
+        dev = logits.device
+        temps = torch.tensor([params[i].temperature for i in rows], dtype=logits.dtype, device=dev)
+        top_k = torch.tensor([params[i].top_k for i in rows], device=dev)
+        top_p = torch.tensor([params[i].top_p for i in rows], dtype=logits.dtype, device=dev)
+        scaled = filter_top_k_top_p(logits[idx] / temps[:, None], top_k, top_p)
+        probs = scaled.softmax(-1)  # [n_sampled, vocab]
+        draws = [torch.multinomial(probs[j], 1, generator=requests[i].generator) for j, i in enumerate(rows)]
+        tokens = tokens.index_copy(0, idx, torch.cat(draws))
+    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+    logprobs, tops = _logprobs(logits, tokens, requests, asked)
+    token_ids: list[int | None] = tokens.tolist()
+    errors: list[str | None] = [None] * num_rows
+    for i in bad_rows:
+        token_ids[i], logprobs[i], tops[i] = None, None, None
+        errors[i] = (f"request {requests[i].request_id!r}: the model's logits are not finite "
+                     f"(NaN, +inf or no finite value); no token can be sampled")
+    return SamplerOutput(token_ids, logprobs, tops, errors)
