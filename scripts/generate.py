@@ -34,7 +34,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    """Run the CLI; returns the exit code: 0 done, 1 bad input, 130 interrupted (Ctrl-C,
+    the shell's 128 + SIGINT), with a one-line notice on stderr instead of a traceback."""
     args = parse_args(argv)
+    streaming = []  # non-empty once text went to stdout
+    try:
+        return _generate(args, streaming)
+    except KeyboardInterrupt:
+        if streaming:
+            print(flush=True)  # end the partial line of streamed text
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+
+
+def _generate(args: argparse.Namespace, streaming: list) -> int:
     from atlas_vlm import LLM, SamplingParams
     from atlas_vlm.default_models import default_text_model
 
@@ -65,6 +78,7 @@ def main(argv=None) -> int:
         finish = None
         for out in stream:
             print(out.new_text, end="", flush=True)
+            streaming.append(True)
             finish = out.finish_reason
         print()
         print(f"[finish_reason={finish}]", file=sys.stderr)

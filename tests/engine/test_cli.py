@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 
 from helpers import IMAGES, REPO
-from atlas_vlm import LLM, SamplingParams
+from atlas_vlm import LLM, RequestOutput, SamplingParams
 
 
 def _cli():
@@ -72,3 +72,33 @@ def test_bad_image_is_a_clear_error(tiny_models, capsys):
     err = capsys.readouterr().err
     assert rc == 1
     assert "not_an_image.png" in err
+
+
+class _InterruptedLLM:
+    """Stands in for ``atlas_vlm.LLM``: raises Ctrl-C while loading, or after one streamed piece."""
+
+    during_load = True
+
+    def __init__(self, *args, **kwargs):
+        if self.during_load:
+            raise KeyboardInterrupt
+
+    def chat(self, *args, **kwargs):
+        def stream():
+            yield RequestOutput("0", None, [], text="Par", new_text="Par")
+            raise KeyboardInterrupt
+        return stream()
+
+
+@pytest.mark.text
+@pytest.mark.parametrize("during_load", [True, False], ids=["loading", "mid-stream"])
+def test_ctrl_c_is_a_one_line_notice_and_exit_130(monkeypatch, capsys, during_load):
+    import atlas_vlm
+
+    monkeypatch.setattr(_InterruptedLLM, "during_load", during_load)
+    monkeypatch.setattr(atlas_vlm, "LLM", _InterruptedLLM)
+    rc = _cli().main(["--model", "unused", "--prompt", "What is the capital of France?"])
+    out = capsys.readouterr()
+    assert rc == 130
+    assert out.err == "interrupted (Ctrl-C)\n"  # one line, no traceback
+    assert out.out == ("" if during_load else "Par\n")
