@@ -244,7 +244,5 @@ def snapshot(bm: BlockManager, reqs) -> tuple:
 
 
 def compute_all(bm: BlockManager, req: RequestState) -> None:
-    """What the runner does after a forward pass: every token's K/V now stored, full blocks cached."""
-    req.num_computed_tokens = req.num_tokens
-    req.block_table.num_tokens = req.num_tokens
-    bm.cache_full_blocks(req)
+    """What the scheduler does after a forward pass: every token's K/V now stored, full blocks cached."""
+    bm.commit_computed(req, req.num_tokens - req.num_computed_tokens)

@@ -83,3 +83,18 @@ def test_chat_knows_the_capital_of_france(engines):
                                 SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert "Paris" in out[0].text
     assert out[0].finish_reason in ("stop", "length")
+
+
+def test_streamed_text_never_shows_the_stop_string(engines):
+    """Issue 7 example 1: the deltas join to exactly the final text, which is the greedy
+    text cut before the stop string; no streamed text shows a part of it."""
+    llm = engines["paged"]
+    prompt = "Here is the English alphabet: A B C"
+    chunks = list(llm.generate(prompt, SamplingParams(temperature=0, max_tokens=14, stop=["E F G"]), stream=True))
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=14), use_tqdm=False)[0].text
+    assert "E F G" in full
+    final = chunks[-1]
+    assert final.finish_reason == "stop"
+    assert "".join(c.new_text for c in chunks) == final.text == full[:full.find("E F G")]
+    assert all(final.text.startswith(c.text) and " E F" not in c.text for c in chunks)
+    assert sum((c.new_token_ids for c in chunks), []) == final.token_ids
