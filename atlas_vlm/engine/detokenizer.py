@@ -30,11 +30,17 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._backend = tokenizer.backend_tokenizer if getattr(tokenizer, "is_fast", False) else None
         self.token_ids: list[int] = []
         self.prefix_offset = 0  # window start: ids before it are text already read
         self.read_offset = 0  # ids before it have been turned into stable text
 
     def _decode(self, ids: list[int]) -> str:
+        # A fast tokenizer's ``decode`` is its Rust backend's decode, then the optional
+        # clean-up (transformers ``PreTrainedTokenizerFast._decode``); calling the backend
+        # skips the Python wrapper's per-call overhead.
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 

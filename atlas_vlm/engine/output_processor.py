@@ -31,7 +31,7 @@ def _hold_back(text: str, start: int, stops: list[str]) -> int:
     lo = max(start, len(text) - max(map(len, stops)) + 1)
     for s in range(lo, len(text)):
         tail = text[s:]
-        if any(stop.startswith(tail) for stop in stops):
+        if any(stop[0] == tail[0] and stop.startswith(tail) for stop in stops):
             return s
     return len(text)
 
