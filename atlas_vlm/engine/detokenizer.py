@@ -94,7 +94,8 @@ class CleanupStream:
         self.tail = self.tail[cut:]
         return done
 
-    def text_with(self, pending: str) -> str:
-        """The whole cleaned text if the output ended now with ``pending`` raw text after it."""
+    def tail_text(self, pending: str) -> str:
+        """The cleaned text after ``committed`` if the output ended now with ``pending`` raw
+        text after the tail: ``committed + tail_text(pending)`` is the whole cleaned text."""
         rest = self.tail + pending
-        return self.committed + (self.clean(rest) if self.enabled and rest else rest)
+        return self.clean(rest) if self.enabled and rest else rest

@@ -85,17 +85,19 @@ class OutputProcessor:
         state.cleanup.push(stable)
         stopped = False
         was_finished = req.finish_reason is not None
-        full = None
+        cut = None  # where a stop string starts in the whole text
         if state.stops:
-            full = state.cleanup.text_with(pending)
+            # search only the new text plus a look-back of the longest stop minus one
             window = max(0, before - state.max_stop_len + 1)
-            hits = [at for at in (full.find(s, window) for s in state.stops) if at != -1]
+            recent = state.cleanup.committed[window:] + state.cleanup.tail_text(pending)
+            hits = [at for at in (recent.find(s) for s in state.stops) if at != -1]
             if hits:
-                full = full[:min(hits)]
+                cut = window + min(hits)
                 stopped = not was_finished
                 req.finish_reason = "stop"
         if req.finish_reason is not None:
-            text = full if full is not None else state.cleanup.text_with(pending)
+            text = state.cleanup.committed + state.cleanup.tail_text(pending)
+            text = text if cut is None else text[:cut]
         else:
             committed = state.cleanup.committed
             text = committed[:_hold_back(committed, len(state.sent_text), state.stops)]
@@ -118,7 +120,7 @@ class OutputProcessor:
             del self.states[state.request_id]
         asked = req.sampling_params.logprobs is not None
         return RequestOutput(
-            request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
+            request_id=state.request_id, prompt=state.prompt, prompt_token_ids=list(state.prompt_token_ids),
             text=text, token_ids=list(state.token_ids), finish_reason=req.finish_reason,
             logprobs=list(req.logprobs) if asked else None,
             top_logprobs=list(req.top_logprobs) if asked else None,
