@@ -3,7 +3,7 @@ step recorders (through ``ModelRunner.observers``, no patching), BlockManager ac
 helpers, and the stage 4 (VLM) fixtures, conversation builders and HF reference.
 
 The recorders watch each forward through the runner's observer hook, which is called after
-the forward and before the engine advances any request, so ``num_computed_tokens`` and the
+the forward and before the scheduler advances any request, so ``num_computed_tokens`` and the
 block table are what the step saw.
 """
 

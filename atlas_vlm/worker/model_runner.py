@@ -79,7 +79,8 @@ class ModelRunner:
         self.encoder_cache_size = 64  # images kept
         self.num_encoder_runs = 0  # vision-tower forwards (one per image not found in the cache)
         # Called after each forward as observer(chunks, inputs, logits, sampled), before any
-        # request state moves on: how tests and benchmarks watch steps without patching methods.
+        # request state moves on and before sampling (a test may write into ``logits`` to
+        # inject a fault): how tests and benchmarks watch steps without patching methods.
         self.observers: list[Callable[[list, ModelInput, torch.Tensor, list[int]], None]] = []
 
     @torch.inference_mode()
