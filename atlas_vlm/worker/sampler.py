@@ -63,9 +63,9 @@ def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, requests, rows: list[i
     ks = [requests[r].sampling_params.logprobs for r in rows]
     values, ids = logp.topk(max(ks), dim=-1) if max(ks) > 0 else (None, None)
     values_l, ids_l = (values.tolist(), ids.tolist()) if values is not None else (None, None)
-    for j, (r, k) in enumerate(zip(rows, ks)):
+    for j, (r, k) in enumerate(zip(rows, ks, strict=True)):
         logprobs[r] = chosen[j]
-        tops[r] = dict(zip(ids_l[j][:k], values_l[j][:k])) if k > 0 else {}
+        tops[r] = dict(zip(ids_l[j][:k], values_l[j][:k], strict=True)) if k > 0 else {}
     return logprobs, tops
 
 

@@ -92,7 +92,7 @@ def test_interleaved_streams_in_one_thread(llm, alone):
         return got
 
     got, = bounded(interleaved)
-    for chunks, prompt in zip(got, PROMPTS):
+    for chunks, prompt in zip(got, PROMPTS[:3], strict=True):
         assert joined(chunks)[0] == alone[(prompt, 8)]
     assert_all_free(llm)
 
