@@ -34,3 +34,17 @@ def test_commit_computed_advances_progress_and_caches_full_blocks():
     bm.free_request(req)
     with pytest.raises(ValueError, match="holds no blocks"):
         bm.commit_computed(req, 1)
+
+
+def test_only_the_kv_package_writes_allocation_state():
+    """No module of ``atlas_vlm`` assigns a request's progress or blocks: the scheduler goes
+    through ``BlockManager`` (design rule: one owner for each piece of state)."""
+    import re
+
+    from helpers import REPO
+
+    write = re.compile(r"\.(num_computed_tokens|num_cached_tokens|block_table|block_ids|num_tokens)\s*[-+]?=(?!=)")
+    offenders = [f"{p.relative_to(REPO)}:{i}: {line.strip()}"
+                 for p in sorted((REPO / "atlas_vlm").rglob("*.py"))
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if write.search(line)]
+    assert offenders == []
