@@ -50,12 +50,15 @@ class SamplingParams:
     top_k: int = 0  # 0 or -1: off
     seed: int | None = None  # per-request RNG seed; None: the engine's seed + request index
     max_tokens: int | None = 16  # generated tokens at most; None: up to max_model_len
-    stop_token_ids: list[int] = field(default_factory=list)  # stop after emitting one of these
-    stop: list[str] = field(default_factory=list)  # stop strings (excluded from the text)
+    stop_token_ids: list[int] = field(default_factory=list)  # stop after emitting one of these (None: [])
+    stop: list[str] = field(default_factory=list)  # stop strings, excluded from the text (a str: [str]; None: [])
     ignore_eos: bool = False  # keep going past the tokenizer's EOS
     logprobs: int | None = None  # None: none; 0..MAX_LOGPROBS: sampled token's logprob plus the top k
 
     def __post_init__(self) -> None:
+        for name in ("stop", "stop_token_ids"):  # None: none (as vLLM)
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, [])
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])
         if not isinstance(self.stop, (list, tuple)):

@@ -55,6 +55,8 @@ def test_assignment_normalises_like_creation():
     p.stop = "x"
     p.temperature = 0
     assert p.stop == ["x"] and p.greedy
+    p.stop = None  # vLLM: None means no stop strings
+    assert p.stop == [] and SamplingParams(stop_token_ids=None).stop_token_ids == []
     with pytest.raises(ValueError, match=f"logprobs must be at most MAX_LOGPROBS={MAX_LOGPROBS}"):
         SamplingParams(logprobs=MAX_LOGPROBS + 1)
 
