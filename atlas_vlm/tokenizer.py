@@ -95,7 +95,12 @@ def gguf_tokenizer_settings(path: str | Path) -> GGUFTokenizerSettings:
 def apply_gguf_tokenizer_settings(tokenizer, settings: GGUFTokenizerSettings):
     """Set BOS/EOS/UNK/PAD tokens, ``add_bos_token`` / ``add_eos_token`` (the fast tokenizer's
     post-processor follows), ``clean_up_tokenization_spaces`` and the chat template of
-    ``tokenizer`` (in place) as ``settings`` state them. Returns ``tokenizer``."""
+    ``tokenizer`` (in place) as ``settings`` state them. Returns ``tokenizer``.
+
+    Raises:
+        ValueError: the tokenizer class does not follow ``add_bos_token`` / ``add_eos_token``
+            (checked by encoding ``"a"``), rather than a silently different prompt.
+    """
     for name in ("bos", "eos", "unk", "pad"):
         if name in settings.tokens:
             setattr(tokenizer, f"{name}_token", settings.tokens[name])
@@ -104,6 +109,10 @@ def apply_gguf_tokenizer_settings(tokenizer, settings: GGUFTokenizerSettings):
     tokenizer.clean_up_tokenization_spaces = settings.clean_up_tokenization_spaces
     if settings.chat_template is not None:
         tokenizer.chat_template = settings.chat_template
+    ids = tokenizer("a")["input_ids"]  # check the setting took: some tokenizer classes ignore it
+    for name, wanted, at in (("bos", settings.add_bos_token, 0), ("eos", settings.add_eos_token, -1)):
+        if name in settings.token_ids and (ids[at] == settings.token_ids[name]) != wanted:
+            raise ValueError(f"{type(tokenizer).__name__} does not follow the GGUF's add_{name}_token={wanted}")
     return tokenizer
 
 

@@ -7,6 +7,7 @@ no BOS prepended, as llama.cpp tokenizes), ``add_eos_token``, the chat template 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -15,6 +16,7 @@ import pytest
 from atlas_vlm import LLM
 from atlas_vlm.default_models import default_text_model
 from atlas_vlm.loader import eos_token_ids, gguf_to_folder
+from atlas_vlm.tokenizer import apply_gguf_tokenizer_settings, gguf_tokenizer_settings
 
 pytestmark = pytest.mark.text
 
@@ -94,3 +96,24 @@ def test_converted_folder_is_not_a_stale_one():
     config = json.loads((folder / "tokenizer_config.json").read_text())
     assert config["add_bos_token"] is False and config["eos_token"] == "<|im_end|>"
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+def test_settings_resolved_from_the_header(header):
+    s = gguf_tokenizer_settings(default_text_model())
+    assert (s.model, s.pre, s.add_bos_token, s.add_eos_token, s.clean_up_tokenization_spaces) == (
+        "gpt2", "smollm", False, False, False)
+    assert s.token_ids == {"bos": 1, "eos": 2, "unk": 0, "pad": 2}
+    assert s.tokens == {k: header["tokens"][i] for k, i in s.token_ids.items()}
+    assert s.chat_template == header["tokenizer.chat_template"]
+
+
+def test_a_tokenizer_that_ignores_add_bos_is_refused():
+    from transformers import AutoTokenizer
+
+    from mm_token_pipeline import qwen_tokenizer_dir
+
+    qwen = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())  # Qwen2TokenizerFast: no BOS post-processor
+    wants_bos = replace(gguf_tokenizer_settings(default_text_model()), tokens={"bos": "<|endoftext|>"},
+                        token_ids={"bos": 151643}, add_bos_token=True, chat_template=None)
+    with pytest.raises(ValueError, match="does not follow the GGUF's add_bos_token=True"):
+        apply_gguf_tokenizer_settings(qwen, wants_bos)
