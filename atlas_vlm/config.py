@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mm_token_pipeline import DEFAULT_HTTP_MAX_BYTES, DEFAULT_HTTP_TIMEOUT_S, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
+
 KV_CACHE_KINDS = ("paged", "contiguous")
 
 
@@ -30,9 +32,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # share computed full blocks by content hash
     dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on CUDA), "float32", "bfloat16", "float16"
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
-    min_pixels: int = 4 * 28 * 28  # per-image lower bound after smart_resize (pixels)
-    max_pixels: int = 16384 * 28 * 28  # per-image upper bound after smart_resize (pixels)
+    min_pixels: int = DEFAULT_MIN_PIXELS  # per-image lower bound after smart_resize (pixels)
+    max_pixels: int = DEFAULT_MAX_PIXELS  # per-image upper bound after smart_resize (pixels)
     allow_http_images: bool = False  # fetch http(s) image URLs
+    http_image_timeout_s: float = DEFAULT_HTTP_TIMEOUT_S  # overall deadline of one image download (s)
+    http_image_max_bytes: int = DEFAULT_HTTP_MAX_BYTES  # byte cap of one image download
     seed: int = 0  # default sampling seed of requests that set none
 
     def __post_init__(self) -> None:
@@ -47,6 +51,11 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not (isinstance(self.http_image_timeout_s, (int, float)) and self.http_image_timeout_s > 0):
+            raise ValueError(f"http_image_timeout_s must be > 0 seconds, got {self.http_image_timeout_s!r}")
+        if isinstance(self.http_image_max_bytes, bool) or not isinstance(self.http_image_max_bytes, int) \
+                or self.http_image_max_bytes < 1:
+            raise ValueError(f"http_image_max_bytes must be an int >= 1, got {self.http_image_max_bytes!r}")
         if not 0 < self.min_pixels <= self.max_pixels:
             raise ValueError(f"need 0 < min_pixels <= max_pixels, got {self.min_pixels} and {self.max_pixels}")
 

@@ -69,7 +69,7 @@ def _build_random_vlm(out_dir: Path) -> None:
     import torch
     from transformers import AutoTokenizer, GenerationConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
 
-    from mm_token_pipeline import QWEN2_5_VL_CHAT_TEMPLATE, qwen_tokenizer_dir
+    from mm_token_pipeline import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, QWEN2_5_VL_CHAT_TEMPLATE, qwen_tokenizer_dir
 
     tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
     tokenizer.chat_template = QWEN2_5_VL_CHAT_TEMPLATE
@@ -80,7 +80,7 @@ def _build_random_vlm(out_dir: Path) -> None:
                                                pad_token_id=151643)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-    Qwen2VLImageProcessor(min_pixels=4 * 28 * 28, max_pixels=16384 * 28 * 28).save_pretrained(out_dir)
+    Qwen2VLImageProcessor(min_pixels=DEFAULT_MIN_PIXELS, max_pixels=DEFAULT_MAX_PIXELS).save_pretrained(out_dir)
     (out_dir / "README.md").write_text(
         "# qwen2_5_vl-random\n\n" + RANDOM_VLM_NOTICE + "\n\nBuilt by atlas_vlm.default_models.default_vlm_model "
         f"(version {DEFAULT_VLM_VERSION}, torch.manual_seed({DEFAULT_VLM_SEED})).\n"

@@ -11,6 +11,8 @@ import hashlib
 import json
 import os
 import re
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,14 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from atlas_vlm.models import CausalLM, ModelArch
+from atlas_vlm.tokenizer import apply_gguf_tokenizer_settings, eos_token_ids, gguf_tokenizer_settings
+
+__all__ = ["GGUF_CONVERSION_VERSION", "LoadedModel", "ModelNotFoundError", "cache_dir", "eos_token_ids",
+           "gguf_to_folder", "load_model"]
+
+#: Part of the converted folder's cache key: bump when the conversion changes, so that stale
+#: folders in the cache are not reused (v2: tokenizer settings taken from the GGUF header).
+GGUF_CONVERSION_VERSION = "v2"
 
 _STACKED = {  # HF name part -> (our fused name part, shard index)
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -49,11 +59,15 @@ def cache_dir() -> Path:
 def gguf_to_folder(gguf_path: Path) -> Path:
     """Dequantize a GGUF checkpoint to an HF folder (fp32 safetensors + tokenizer), once.
 
-    Uses ``transformers``' GGUF support (``from_pretrained(..., gguf_file=...)``); the folder
-    is keyed by the file's name, size and modification time.
+    Uses ``transformers``' GGUF support (``from_pretrained(..., gguf_file=...)``), then sets the
+    tokenizer's special tokens, ``add_bos_token`` / ``add_eos_token``,
+    ``clean_up_tokenization_spaces`` and chat template, and the generation config's
+    BOS/EOS/PAD ids, as the GGUF header states them (:mod:`atlas_vlm.tokenizer`). The folder
+    is keyed by the file's path, size, modification time and ``GGUF_CONVERSION_VERSION``.
     """
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    ident = f"{GGUF_CONVERSION_VERSION}:{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:12]
     out = cache_dir() / "gguf" / f"{gguf_path.stem}-{key}"
     if (out / "config.json").exists():
         return out
@@ -61,12 +75,28 @@ def gguf_to_folder(gguf_path: Path) -> Path:
 
     print(f"Converting {gguf_path.name} to {out} (once)...", flush=True)
     kwargs = dict(gguf_file=gguf_path.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+    settings = gguf_tokenizer_settings(gguf_path)
+    tokenizer = apply_gguf_tokenizer_settings(AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs), settings)
     hf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
-    tmp = out.with_name(out.name + ".tmp")
-    hf_model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out)
+    ids = settings.token_ids
+    gen = hf_model.generation_config
+    gen.bos_token_id = ids.get("bos")
+    eos = [ids[k] for k in ("eos", "eot") if k in ids]
+    gen.eos_token_id = sorted(set(eos), key=eos.index) if len(set(eos)) > 1 else (eos[0] if eos else None)
+    gen.pad_token_id = ids.get("pad")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))  # one per process: no clash
+    try:
+        hf_model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not (out / "config.json").exists():  # not a concurrent conversion that won the race
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -1,6 +1,7 @@
 """mm_token_pipeline: images and chat messages to the tokens, embeddings and positions of a prompt.
 
-Scope: image loading and normalisation (``load_image``), qwen-vl-utils ``smart_resize``
+Scope: image loading and normalisation (``load_image``; URLs through ``fetch_url`` with an
+overall deadline and a byte cap), per-request options (``MultiModalOptions``), qwen-vl-utils ``smart_resize``
 with ``min_pixels``/``max_pixels``, patchify with HF ``Qwen2VLImageProcessor``
 (``preprocess_image``), the HF vision tower (``VisionEncoder``), placeholder expansion and
 prompt ids (``build_prompt_ids``), M-RoPE positions (``get_rope_index``). Imports only
@@ -33,8 +34,11 @@ KV cache block, since the token count of each image (``ProcessedImage.num_tokens
 known after ``preprocess_image`` and never exceeds ``max_pixels // 28**2``.
 """
 
-from .image_io import DEFAULT_MAX_IMAGE_PIXELS, ImageInputError, load_image, to_rgb
+from .http_fetch import DownloadError, fetch_url
+from .image_io import (DEFAULT_HTTP_MAX_BYTES, DEFAULT_HTTP_TIMEOUT_S, DEFAULT_MAX_IMAGE_PIXELS, ImageInputError,
+                       load_image, to_rgb)
 from .mrope import decode_position, get_rope_index
+from .options import MultiModalOptions
 from .processor import ProcessedImage, preprocess_image
 from .prompt import (QWEN2_5_VL_CHAT_TEMPLATE, build_prompt_ids, expand_image_pads, extract_image_items, extract_images,
                      qwen_tokenizer_dir)
@@ -46,6 +50,11 @@ __all__ = [
     "load_image",
     "to_rgb",
     "DEFAULT_MAX_IMAGE_PIXELS",
+    "DEFAULT_HTTP_TIMEOUT_S",
+    "DEFAULT_HTTP_MAX_BYTES",
+    "DownloadError",
+    "fetch_url",
+    "MultiModalOptions",
     "smart_resize",
     "MAX_ASPECT_RATIO",
     "DEFAULT_MIN_PIXELS",

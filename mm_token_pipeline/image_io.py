@@ -13,13 +13,15 @@ import base64
 import binascii
 import io
 import os
-import urllib.request
 import warnings
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-__all__ = ["ImageInputError", "load_image", "to_rgb", "DEFAULT_MAX_IMAGE_PIXELS"]
+from .http_fetch import DownloadError, fetch_url
+
+__all__ = ["ImageInputError", "load_image", "to_rgb", "DEFAULT_MAX_IMAGE_PIXELS", "DEFAULT_HTTP_TIMEOUT_S",
+           "DEFAULT_HTTP_MAX_BYTES"]
 
 
 class ImageInputError(ValueError):
@@ -41,6 +43,10 @@ class ImageInputError(ValueError):
 
 #: Largest declared image area accepted, in pixels (Pillow's own default bomb limit).
 DEFAULT_MAX_IMAGE_PIXELS: int = 89_478_485
+#: Default overall deadline of one image download, in seconds.
+DEFAULT_HTTP_TIMEOUT_S: float = 10.0
+#: Default byte cap of one image download (20 MiB).
+DEFAULT_HTTP_MAX_BYTES: int = 20 * 2**20
 _SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 
 
@@ -64,13 +70,9 @@ def _read_source(source, allow_http: bool, http_timeout_s: float, max_http_bytes
         if not allow_http:
             raise ImageInputError(source, "HTTP(S) download refused (allow_http=False)")
         try:
-            with urllib.request.urlopen(source, timeout=http_timeout_s) as resp:
-                data = resp.read(max_http_bytes + 1)
-        except OSError as exc:
-            raise ImageInputError(source, f"download failed ({exc})") from exc
-        if len(data) > max_http_bytes:
-            raise ImageInputError(source, f"download larger than max_http_bytes={max_http_bytes}")
-        return source, data
+            return source, fetch_url(source, timeout_s=http_timeout_s, max_bytes=max_http_bytes)
+        except DownloadError as exc:
+            raise ImageInputError(source, str(exc)) from exc
     path = source[len("file://"):] if source.startswith("file://") else source
     if not os.path.isfile(path):
         raise ImageInputError(path, "file not found")
@@ -103,8 +105,8 @@ def load_image(
     source,
     *,
     allow_http: bool = False,
-    http_timeout_s: float = 10.0,
-    max_http_bytes: int = 20 * 2**20,
+    http_timeout_s: float = DEFAULT_HTTP_TIMEOUT_S,
+    max_http_bytes: int = DEFAULT_HTTP_MAX_BYTES,
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> Image.Image:
     """Load one image as an upright 8-bit RGB ``PIL.Image`` (size w x h in pixels).
@@ -112,8 +114,10 @@ def load_image(
     Args:
         source: str path, ``file://`` URI, ``data:image/...;base64,...`` URI, bytes,
             ``PIL.Image.Image``, or an ``http(s)://`` URL (refused unless ``allow_http``).
-        allow_http: permit URL downloads (urllib, ``http_timeout_s`` seconds,
-            at most ``max_http_bytes`` bytes).
+        allow_http: permit URL downloads (see :func:`mm_token_pipeline.http_fetch.fetch_url`).
+        http_timeout_s: overall deadline of one download in seconds (connect, headers and
+            body together: a server that drips bytes is cut off at the deadline).
+        max_http_bytes: byte cap of one download (declared ``Content-Length`` or received).
         max_image_pixels: largest declared w*h accepted, checked before decoding. Pillow's own
             ``DecompressionBombError`` (over 2 * ``Image.MAX_IMAGE_PIXELS``) is also reported.
 
@@ -123,7 +127,8 @@ def load_image(
     Raises:
         ImageInputError: file not found, empty file, not an image, truncated/corrupt data,
             declared size over ``max_image_pixels`` (or Pillow's ``DecompressionBombError``),
-            bad data URI, refused or failed download. The message names the source.
+            bad data URI, refused, failed, late (``http_timeout_s``) or oversized
+            (``max_http_bytes``) download. The message names the source.
     """
     if isinstance(source, Image.Image):
         name, image = "PIL.Image", source

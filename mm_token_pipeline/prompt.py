@@ -118,11 +118,13 @@ def expand_image_pads(token_ids: list[int], num_tokens_per_image: list[int], *, 
 
 
 def build_prompt_ids(tokenizer, messages: list[dict], processed: list[ProcessedImage], *,
-                     add_generation_prompt: bool = True) -> list[int]:
+                     add_generation_prompt: bool = True, continue_final_message: bool = False,
+                     chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
     """Token ids of a chat prompt with each image expanded to its ``<|image_pad|>`` run.
 
-    The template (``tokenizer.chat_template`` if it renders images, else
-    :data:`QWEN2_5_VL_CHAT_TEMPLATE`) is rendered with every user text replaced by a unique
+    The template (``chat_template`` if given, else ``tokenizer.chat_template`` if it renders
+    images, else :data:`QWEN2_5_VL_CHAT_TEMPLATE`) is rendered by HF ``apply_chat_template``
+    (with ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``) with every user text replaced by a unique
     sentinel; template pieces are tokenized with special tokens recognised, user texts with
     ``split_special_tokens=True``, so literal ``'<|image_pad|>'`` in user text stays plain
     text (case C08). Pieces are tokenized separately: BPE never merges across a text boundary.
@@ -131,9 +133,13 @@ def build_prompt_ids(tokenizer, messages: list[dict], processed: list[ProcessedI
         tokenizer: a HF Qwen2 tokenizer (e.g. ``AutoTokenizer.from_pretrained(qwen_tokenizer_dir())``).
         messages: ``[{"role": ..., "content": str | [items]}]``, items of type image / image_url / text.
         processed: one :class:`ProcessedImage` per image item, in :func:`extract_images` order.
+        continue_final_message: end the prompt right after the last message's text (no
+            end-of-turn), as transformers' ``apply_chat_template(continue_final_message=True)``:
+            its last text item is the one continued.
 
     Raises:
-        ValueError: video items (unsupported), or image count mismatch.
+        ValueError: video items (unsupported), image count mismatch, or
+            ``add_generation_prompt`` and ``continue_final_message`` both true (transformers).
     """
     sentinel = f"@@mmtp{uuid.uuid4().hex}@@"
     texts: list[str] = []
@@ -156,11 +162,14 @@ def build_prompt_ids(tokenizer, messages: list[dict], processed: list[ProcessedI
                 item = {**item, "text": sub(item["text"])}
             items.append(item)
         masked.append({**message, "content": items})
-    template = tokenizer.chat_template
-    if not template or ("image_pad" not in template and "vision_start" not in template):
+    template = chat_template or tokenizer.chat_template
+    if chat_template is None and (not template or ("image_pad" not in template and "vision_start" not in template)):
         template = QWEN2_5_VL_CHAT_TEMPLATE
+    # the sentinel of the last text stands for it when transformers cuts after the final message
     rendered = tokenizer.apply_chat_template(masked, chat_template=template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
+                                             **(chat_template_kwargs or {}))
     ids: list[int] = []
     # split with a capture group: even pieces are template text, odd pieces are text indices
     pieces = re.split(re.escape(sentinel) + r"(\d+)" + re.escape(sentinel), rendered)

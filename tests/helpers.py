@@ -1,6 +1,7 @@
 """Helpers shared by the test folders (kv/, token_pipeline/, engine/, parity/): data paths,
 step recorders (through ``ModelRunner.observers``, no patching), BlockManager accounting
-helpers, and the stage 4 (VLM) fixtures, conversation builders and HF reference.
+helpers, a local HTTP server with slow answers, and the stage 4 (VLM) fixtures,
+conversation builders and HF reference.
 
 The recorders watch each forward through the runner's observer hook, which is called after
 the forward and before the scheduler advances any request, so ``num_computed_tokens`` and the
@@ -9,7 +10,11 @@ block table are what the step saw.
 
 from __future__ import annotations
 
+import http.server
 import math
+import queue
+import threading
+import time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
@@ -246,3 +251,69 @@ def snapshot(bm: BlockManager, reqs) -> tuple:
 def compute_all(bm: BlockManager, req: RequestState) -> None:
     """What the scheduler does after a forward pass: every token's K/V now stored, full blocks cached."""
     bm.commit_computed(req, req.num_tokens - req.num_computed_tokens)
+
+
+# ---- a local HTTP server with slow and oversized answers (image download limits) -------------
+class SlowHandler(http.server.BaseHTTPRequestHandler):
+    """``/drip-body``: headers, then 1 byte every 0.5 s (40 at most); ``/drip-headers``: the
+    status line 1 byte every 0.5 s; ``/big``: 5000 bytes, declared; ``/big-undeclared``: 5000
+    bytes, no Content-Length; anything else: a file of ``IMAGES``. ``server.drips`` gets
+    ``(path, bytes sent, finished)`` when a drip ends (finished False: the client hung up)."""
+
+    protocol_version = "HTTP/1.0"
+
+    def log_message(self, *args):
+        pass
+
+    def _drip(self, payload: bytes) -> None:
+        sent = 0
+        try:
+            for byte in payload[:40]:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                sent += 1
+                time.sleep(0.5)
+        except OSError:
+            self.server.drips.put((self.path, sent, False))
+            return
+        self.server.drips.put((self.path, sent, True))
+
+    def do_GET(self):
+        if self.path == "/drip-headers":
+            return self._drip(b"HTTP/1.0 200 OK\r\nX-Slow: " + b"a" * 64)
+        if self.path == "/drip-body":
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            return self._drip(b"x" * 1000)
+        if self.path in ("/big", "/big-undeclared"):
+            self.send_response(200)
+            if self.path == "/big":
+                self.send_header("Content-Length", "5000")
+            self.end_headers()
+            self.wfile.write(b"y" * 5000)
+            return None
+        path = IMAGES / self.path.lstrip("/")
+        if not path.is_file():
+            self.send_error(404)
+            return None
+        data = path.read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        return None
+
+
+@contextmanager
+def slow_http_server():
+    """Yield ``(base_url, server)`` of a ``SlowHandler`` server on 127.0.0.1 (a daemon thread)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowHandler)
+    server.drips = queue.Queue()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", server
+    finally:
+        server.shutdown()
+        server.server_close()

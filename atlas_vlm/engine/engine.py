@@ -9,17 +9,14 @@ so threads may share an engine (their calls run one at a time).
 
 from __future__ import annotations
 
+import copy
 import functools
-import itertools
 import threading
 
-import torch
-from transformers import GenerationConfig
-
 from atlas_vlm.config import EngineConfig
-from atlas_vlm.engine.input_processor import InputProcessor, ProcessedPrompt
+from atlas_vlm.engine.input_processor import InputProcessor, ProcessedPrompt, RequestTooLongError
 from atlas_vlm.engine.output_processor import OutputProcessor
-from atlas_vlm.loader import load_model
+from atlas_vlm.loader import eos_token_ids, load_model
 from atlas_vlm.worker.model_runner import ModelRunner
 from atlas_vlm.outputs import RequestOutput
 from atlas_vlm.request import Request
@@ -27,19 +24,7 @@ from atlas_vlm.sampling_params import SamplingParams, check_for_model
 from atlas_vlm.engine.scheduler import Scheduler
 from mm_kv_cache_management import BlockManager
 
-
-class RequestTooLongError(ValueError):
-    """A request can never fit: over ``max_model_len`` or over the whole KV capacity."""
-
-
-def _eos_token_ids(tokenizer, model_dir) -> set[int]:
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    try:
-        gen = GenerationConfig.from_pretrained(model_dir).eos_token_id
-    except OSError:
-        gen = None
-    ids |= set(gen if isinstance(gen, list) else [gen] if gen is not None else [])
-    return ids
+__all__ = ["LLMEngine", "RequestTooLongError"]
 
 
 def _locked(method):
@@ -80,15 +65,14 @@ class LLMEngine:
             budget = max(budget, self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill,
                                    max_model_len=self.max_model_len,
-                                   eos_token_ids=_eos_token_ids(self.tokenizer, loaded.model_dir))
-        self.inputs = InputProcessor(self.tokenizer, self.hf_config, config, arch.vocab_size)
+                                   eos_token_ids=eos_token_ids(self.tokenizer, loaded.model_dir))
+        self.input_processor = InputProcessor(self.tokenizer, self.hf_config, config, arch.vocab_size,
+                                              self.max_model_len, self.block_manager, self.runner.device)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = arch.vocab_size
         self.requests: dict[str, Request] = {}
         self._finished_outside_step: list[RequestOutput] = []  # aborts, handed out by the next step
         self._lock = threading.RLock()
-        self._ids = itertools.count()  # default request ids
-        self._seeds = itertools.count()  # default seeds: engine seed + arrival index
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -101,20 +85,8 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------
     def process_prompt(self, prompt) -> ProcessedPrompt:
-        """str | list[int] | {"prompt"/"prompt_token_ids"/"messages": ..., "mm_options": ...}."""
-        if isinstance(prompt, str):
-            return self.inputs.from_text(prompt)
-        if isinstance(prompt, dict):
-            if "messages" in prompt:
-                return self.inputs.from_messages(prompt["messages"], prompt.get("mm_options"))
-            if "prompt_token_ids" in prompt:
-                return self.inputs.from_token_ids(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return self.inputs.from_text(prompt["prompt"])
-        if isinstance(prompt, list):
-            return self.inputs.from_token_ids(prompt)
-        raise TypeError(f"a prompt is a str, a list of token ids or a dict with 'prompt', "
-                        f"'prompt_token_ids' or 'messages'; got {type(prompt).__name__}")
+        """Prompt ids, images and positions of any prompt form (``InputProcessor.process_prompt``)."""
+        return self.input_processor.process_prompt(prompt)
 
     @_locked
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
@@ -124,45 +96,18 @@ class LLMEngine:
         Raises (nothing is queued or allocated):
             RequestTooLongError: prompt (+ ``max_tokens``) over ``max_model_len`` or the KV capacity.
             mm_token_pipeline.ImageInputError: an image cannot be loaded or resized.
-            ValueError, TypeError: any other malformed input.
+            ValueError, TypeError: any other malformed input, or a request id already in use.
         """
-        params = sampling_params or SamplingParams()
-        check_for_model(params, self.vocab_size)
-        p = prompt if isinstance(prompt, ProcessedPrompt) else self.process_prompt(prompt)
-        num_prompt = len(p.prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("the prompt is empty")
-        if num_prompt >= self.max_model_len:
-            raise RequestTooLongError(
-                f"prompt is {num_prompt} tokens (text and image tokens together); max_model_len is "
-                f"{self.max_model_len}, which must leave room for at least one generated token"
-            )
-        max_tokens = params.max_tokens or (self.max_model_len - num_prompt)
-        if num_prompt + max_tokens > self.max_model_len:
-            raise RequestTooLongError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} "
-                f"is over max_model_len {self.max_model_len}"
-            )
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if self.block_manager.num_blocks_needed(num_prompt + max_tokens) > self.block_manager.num_blocks:
-            raise RequestTooLongError(
-                f"prompt ({num_prompt}) + max_tokens ({max_tokens}) tokens can never fit the KV cache "
-                f"({self.block_manager.num_blocks} blocks, {capacity} tokens)"
-            )
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        generator = torch.Generator(device=self.runner.device)
-        generator.manual_seed(params.seed if params.seed is not None else self.config.seed + next(self._seeds))
-        req = Request(
-            request_id=request_id, token_ids=list(p.prompt_token_ids), image_spans=p.image_spans,
-            rope_delta=p.rope_delta, sampling_params=params, prompt=p.prompt, max_tokens=max_tokens,
-            images=p.images, mrope_positions=p.mrope_positions, generator=generator,
-        )
-        self.requests[request_id] = req
-        self.output_processor.add_request(request_id, req.prompt, req.token_ids, params.stop)
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = copy.deepcopy(sampling_params)  # the caller may change theirs later (vLLM clones too)
+        req = self.input_processor.process(prompt, sampling_params, request_id)
+        check_for_model(req.sampling_params, self.vocab_size)
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.output_processor.add_request(req.request_id, req.prompt, req.token_ids, req.sampling_params.stop)
         self.scheduler.add_request(req)
-        return request_id
+        return req.request_id
 
     @_locked
     def abort_request(self, request_id: str) -> RequestOutput | None:

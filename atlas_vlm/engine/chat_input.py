@@ -1,0 +1,136 @@
+"""Chat prompts, as vLLM's ``LLM.chat`` takes them, to prompt token ids (and images).
+
+The chat prompt dict (the one interface ``LLM.chat``, the server and ``LLM.generate`` share)::
+
+    {"messages": [...],                    # OpenAI / qwen-vl-utils style messages
+     "add_generation_prompt": True,         # open an assistant turn at the end
+     "continue_final_message": False,       # end inside the last message (assistant prefill)
+     "chat_template": None,                 # a Jinja template overriding the tokenizer's
+     "chat_template_kwargs": None,          # extra variables for the template
+     "mm_options": None}                    # MultiModalOptions | dict | None
+
+Rules (vLLM ``vllm/entrypoints/chat_utils.py`` and transformers ``apply_chat_template``):
+text-only templates get the "string" content format (text parts joined with ``"\\n"``,
+``None`` -> ``""``); the Qwen2.5-VL path keeps item lists. ``add_generation_prompt`` and
+``continue_final_message`` both true is an error (transformers raises it; vLLM's server
+refuses it too). Every key, role, content type and option is checked; none is ignored.
+"""
+
+from __future__ import annotations
+
+from mm_token_pipeline import MultiModalOptions
+from mm_token_pipeline.messages import check_messages, content_type, to_string_content
+
+#: Keys of a chat prompt dict, with their defaults.
+CHAT_PROMPT_DEFAULTS = {
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+    "chat_template": None,
+    "chat_template_kwargs": None,
+    "mm_options": None,
+}
+#: ``apply_chat_template`` arguments that ``chat_template_kwargs`` may not set (each has its
+#: own key in the prompt dict, or would change what ``apply_chat_template`` returns).
+_RESERVED_TEMPLATE_KWARGS = {
+    "add_generation_prompt", "continue_final_message", "chat_template", "conversation", "messages",
+    "tokenize", "return_dict", "return_tensors", "padding", "truncation", "max_length",
+    "tokenizer_kwargs", "return_assistant_tokens_mask",
+}
+
+
+def parse_chat_prompt(prompt: dict) -> dict:
+    """The chat prompt dict with defaults filled in and every value checked.
+
+    Raises:
+        ValueError: an unknown key (named), both ``add_generation_prompt`` and
+            ``continue_final_message`` true, a reserved ``chat_template_kwargs`` key, or bad
+            messages / ``mm_options`` (see ``check_messages``, ``MultiModalOptions``).
+        TypeError: a value of the wrong type (named).
+    """
+    unknown = sorted(str(k) for k in prompt if k != "messages" and k not in CHAT_PROMPT_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in a chat prompt; allowed: "
+                         f"{['messages', *CHAT_PROMPT_DEFAULTS]}")
+    p = {**CHAT_PROMPT_DEFAULTS, **prompt}
+    for name in ("add_generation_prompt", "continue_final_message"):
+        if not isinstance(p[name], bool):
+            raise TypeError(f"{name} must be a bool, got {p[name]!r}")
+    if p["add_generation_prompt"] and p["continue_final_message"]:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be True: "
+                         "continue_final_message continues the last message, add_generation_prompt "
+                         "opens a new assistant turn (set add_generation_prompt=False)")
+    if p["chat_template"] is not None and not isinstance(p["chat_template"], str):
+        raise TypeError(f"chat_template must be a str (Jinja) or None, got {type(p['chat_template']).__name__}")
+    kwargs = p["chat_template_kwargs"]
+    if kwargs is not None:
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise TypeError(f"chat_template_kwargs must be a dict with str keys or None, got {kwargs!r:.60}")
+        reserved = sorted(k for k in kwargs if k in _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {reserved}; use the chat prompt's own keys")
+    check_messages(p["messages"])
+    if p["continue_final_message"] and not _has_text(p["messages"][-1]):
+        raise ValueError("continue_final_message needs text in the last message to continue")
+    p["mm_options"] = MultiModalOptions.from_value(p["mm_options"])
+    return p
+
+
+def _has_text(message: dict) -> bool:
+    content = message.get("content")
+    if isinstance(content, str):
+        return True
+    return any(content_type(item) == "text" for item in content or [])
+
+
+class ChatInput:
+    """Chat prompt -> ``ProcessedPrompt`` for one model.
+
+    Args:
+        tokenizer: the model's transformers tokenizer (its ``chat_template`` is the default).
+        config: ``EngineConfig`` (``min_pixels``/``max_pixels`` defaults, ``allow_http_images``,
+            ``http_image_timeout_s``, ``http_image_max_bytes``).
+        is_vlm: the model takes images (Qwen2.5-VL path).
+    """
+
+    def __init__(self, tokenizer, config, is_vlm: bool):
+        self.tokenizer = tokenizer
+        self.config = config
+        self.is_vlm = is_vlm
+
+    def process(self, prompt: dict) -> tuple[list[int], list]:
+        """``(prompt token ids, processed images)`` of a chat prompt dict (see the module
+        docstring); image pads are expanded, one ``ProcessedImage`` per image item in order.
+
+        Per-image ``min_pixels`` / ``max_pixels`` in a content item override ``mm_options``,
+        which override the engine's ``min_pixels`` / ``max_pixels``.
+
+        Raises:
+            ValueError, TypeError: see :func:`parse_chat_prompt`; images sent to a text-only model.
+            mm_token_pipeline.ImageInputError: an image cannot be loaded, fetched or resized.
+        """
+        p = parse_chat_prompt(prompt)
+        template_args = dict(add_generation_prompt=p["add_generation_prompt"],
+                             continue_final_message=p["continue_final_message"],
+                             chat_template=p["chat_template"], **(p["chat_template_kwargs"] or {}))
+        if not self.is_vlm:
+            ids = self.tokenizer.apply_chat_template(to_string_content(p["messages"]), tokenize=True,
+                                                     return_dict=False, **template_args)
+            return list(ids), []
+        from mm_token_pipeline import build_prompt_ids, extract_image_items, load_image, preprocess_image
+
+        engine_opts = MultiModalOptions(min_pixels=self.config.min_pixels, max_pixels=self.config.max_pixels)
+        request_opts = p["mm_options"].merged_over(engine_opts)
+        images = []
+        for index, (source, item) in enumerate(extract_image_items(p["messages"])):
+            item_opts = {k: item[k] for k in ("min_pixels", "max_pixels") if k in item}
+            opts = MultiModalOptions.from_value(item_opts, where=f"image {index}").merged_over(request_opts)
+            min_pixels, max_pixels = opts.resolved()
+            pil = load_image(source, allow_http=self.config.allow_http_images,
+                             http_timeout_s=self.config.http_image_timeout_s,
+                             max_http_bytes=self.config.http_image_max_bytes)
+            images.append(preprocess_image(pil, min_pixels=min_pixels, max_pixels=max_pixels))
+        ids = build_prompt_ids(self.tokenizer, p["messages"], images,
+                               add_generation_prompt=p["add_generation_prompt"],
+                               continue_final_message=p["continue_final_message"],
+                               chat_template=p["chat_template"], chat_template_kwargs=p["chat_template_kwargs"])
+        return list(ids), images
