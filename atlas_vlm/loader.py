@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from atlas_vlm.models import CausalLM, ModelArch
+from atlas_vlm.models.registry import model_class, resolve_family, text_config_of
 
 _STACKED = {  # HF name part -> (our fused name part, shard index)
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -148,7 +149,7 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
 
     Raises:
         ModelNotFoundError: ``path`` does not exist or has no config/weights.
-        UnsupportedModelError: the architecture is not Llama, Qwen2 or Qwen2.5-VL.
+        UnsupportedModelError: the architecture is not in ``registry.SUPPORTED_ARCHITECTURES``.
         ValueError: the weights do not match the config.
     """
     path = Path(path).expanduser()
@@ -163,8 +164,8 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
     hf_config = AutoConfig.from_pretrained(path)
     arch = ModelArch.from_hf_config(hf_config)
     files = _checkpoint_files(path)
-    text_config = getattr(hf_config, "text_config", None) if arch.family == "qwen2_5_vl" else None
-    model = CausalLM(arch, text_config or hf_config)
+    family = resolve_family(hf_config)
+    model = model_class(family)(arch, text_config_of(hf_config, family))
     visual = _load_weights(model, files)
     model.to(device=device, dtype=dtype).eval()
     # transformers 4.57.3-4.57.x flags every local tokenizer saved by those versions as a
