@@ -140,21 +140,27 @@ def _load_weights(model: CausalLM, files: list[Path]) -> dict[str, torch.Tensor]
     return visual
 
 
-def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
+def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               revision: str | None = None) -> LoadedModel:
     """Load config, tokenizer and weights of a supported model.
 
     Args:
-        path: an HF model folder (``config.json`` + ``*.safetensors``) or a ``.gguf`` file.
+        path: an HF model folder (``config.json`` + ``*.safetensors``), a ``.gguf`` file, or a
+            Hub id ``ORG/NAME`` (``atlas_vlm.hub.resolve_model_path``; a local path wins).
         dtype: parameter dtype (fp32 on CPU; bf16/fp16 on CUDA).
+        revision: Hub branch / tag / commit for a Hub id.
 
     Raises:
         ModelNotFoundError: ``path`` does not exist or has no config/weights.
         UnsupportedModelError: the architecture is not in ``registry.SUPPORTED_ARCHITECTURES``.
         ValueError: the weights do not match the config.
     """
-    path = Path(path).expanduser()
+    from atlas_vlm.hub import resolve_model_path
+
+    path = resolve_model_path(path, revision)
     if not path.exists():
-        raise ModelNotFoundError(f"model path {path} does not exist; pass an HF model folder or a .gguf file")
+        raise ModelNotFoundError(f"model path {path} does not exist; pass an HF model folder, a .gguf file "
+                                 f"or a Hugging Face Hub id ORG/NAME")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelNotFoundError(f"model file {path} is not a .gguf file; pass an HF model folder or a .gguf file")
