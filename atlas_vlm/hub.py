@@ -48,12 +48,13 @@ def hub_cache_dir() -> str | None:
     return None
 
 
-def resolve_model_path(model: str | os.PathLike, revision: str | None = None) -> Path:
+def resolve_model_path(model: str | os.PathLike, revision: str | None = None, *, config_only: bool = False) -> Path:
     """A local model folder / ``.gguf`` for ``model``.
 
     Args:
         model: a local path (returned as is when it exists) or a Hub id ``ORG/NAME``.
         revision: branch, tag or commit of the Hub repo (``None``: ``main``).
+        config_only: fetch ``config.json`` alone (the memory planner needs nothing else).
 
     Returns:
         the path (for a Hub id, the snapshot folder in the Hub cache).
@@ -74,7 +75,7 @@ def resolve_model_path(model: str | os.PathLike, revision: str | None = None) ->
     rev = f" (revision {revision})" if revision else ""
     get = f"huggingface-cli download {repo_id}" + (f" --revision {revision}" if revision else "")
     try:
-        folder = snapshot_download(repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS,
+        folder = snapshot_download(repo_id, revision=revision, allow_patterns=["config.json"] if config_only else HUB_ALLOW_PATTERNS,
                                    cache_dir=hub_cache_dir(), local_files_only=offline)
     except LocalEntryNotFoundError as exc:
         how = (f"HF_HUB_OFFLINE is set: unset it to download, or fetch it first with `{get}`" if offline
