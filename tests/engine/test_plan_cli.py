@@ -61,3 +61,19 @@ def test_bad_input_is_a_clear_error(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     assert main(["plan", "--model", "nobody/nothing"]) == 2
     assert "huggingface-cli download nobody/nothing" in capsys.readouterr().err
+
+
+def test_plan_a_hub_id_from_the_cache_offline(capsys, tmp_path, monkeypatch, tiny_models):
+    """A Hub id that is not a chain model: its config.json comes from huggingface_hub's cache."""
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--tiny-org--tiny-qwen3"
+    (repo / "snapshots" / rev).mkdir(parents=True)
+    (repo / "snapshots" / rev / "config.json").write_text((tiny_models["qwen3"][0] / "config.json").read_text())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["plan", "--model", "tiny-org/tiny-qwen3", "--dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "KV per token                    768 bytes" in out  # 2 layers x 2 (K, V) x 2 kv heads x 24 x 4 bytes
+    assert "none (text-only model)" in out
