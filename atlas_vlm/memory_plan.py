@@ -27,6 +27,7 @@ from mm_kv_cache_management import KVCacheSpec, PagedKVCache
 GiB = 1 << 30
 ACTIVATION_RESERVE_BYTES = 512 << 20  # decoder activations of one engine step (the engine's reserve)
 RUNTIME_OVERHEAD_BYTES = 512 << 20  # CUDA context + allocator slack: an estimate (the engine measures it)
+VISION_PEAK_FACTOR = 2  # measured peak / live-tensor sum of a ViT forward, rounded up (vision_activation_peak)
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
 TORCH_DTYPES = {2: torch.bfloat16, 4: torch.float32}
 
@@ -77,13 +78,19 @@ def vision_activation_peak(hf_config, max_pixels: int, dtype_bytes: int) -> int:
     """Estimated peak activation bytes of the vision tower on one image of ``max_pixels``.
 
     ``N`` patches (Qwen: ``max_pixels // patch_size**2``; SmolVLM: tiles * patches per
-    tile) of width ``d`` with MLP width ``I``: the largest live set inside one ViT block is
-    taken as the residual stream, its normed copy, q/k/v (3d) and the MLP's two ``I``-wide
-    tensors (gate and up for Qwen2.5-VL's gated MLP; fc1 output and its activation
-    otherwise): ``N * (5 d + 2 I) * dtype_bytes``. Assumption: attention runs through fused
-    SDPA (flash / memory-efficient: transformers' default ``sdpa`` on CUDA), which never
-    materialises the ``[heads, N, N]`` score matrix; eager attention would add
-    ``2 * heads * N**2 * dtype_bytes`` per image. Source: the block structure of HF
+    tile) of width ``d`` with MLP width ``I``: the tensors live at once inside one ViT block
+    are taken as the residual stream, its normed copy, q/k/v (3d) and the MLP's two
+    ``I``-wide tensors (gate and up for Qwen2.5-VL's gated MLP; fc1 output and its
+    activation otherwise): ``N * (5 d + 2 I) * dtype_bytes``, times ``VISION_PEAK_FACTOR``
+    (2) for allocator workspace and short-lived temporaries. Calibration (CPU, fp32, the
+    real-width Qwen2.5-VL-3B tower with random weights, peak RSS growth of the forward,
+    ``benchmarks/vision_peak.py``): 64x80 patches: 401 MB (depth 2) and 462 MB (depth 1)
+    against a 271 MB live-tensor sum; 70x70 patches: 517 MB against 260 MB (519 MB
+    planned). So the factor sits at the top of the measured 1.5-2.0 range, with no margin
+    beyond it. Not measured on CUDA. Assumption: attention runs
+    through fused SDPA (flash / memory-efficient: transformers' default ``sdpa``), which
+    never materialises the ``[heads, N, N]`` score matrix; eager attention would add
+    ``2 * heads * N**2 * dtype_bytes``. Source: the block structure of HF
     ``Qwen2_5_VLVisionBlock`` / ``Qwen3VLVisionBlock`` / ``SmolVLMEncoderLayer``.
     """
     v = getattr(hf_config, "vision_config", None)
@@ -96,7 +103,7 @@ def vision_activation_peak(hf_config, max_pixels: int, dtype_bytes: int) -> int:
         d = v.embed_dim if v.model_type == "qwen2_vl" else v.hidden_size
         inter = int(d * v.mlp_ratio) if v.model_type == "qwen2_vl" else v.intermediate_size
         n = max_pixels // v.patch_size**2
-    return n * (5 * d + 2 * inter) * dtype_bytes
+    return VISION_PEAK_FACTOR * n * (5 * d + 2 * inter) * dtype_bytes
 
 
 @dataclass(frozen=True)

@@ -38,10 +38,10 @@ VISUAL_TOKENS = {
     "SmolVLM2-2.2B-Instruct": (3 * 3 + 1) * (384 // 14) ** 2 // 3**2,  # 810: side 1001 -> 3x3 tiles + global, 81 each
     "Qwen2.5-0.5B-Instruct": 0,
 }
-VISION_PEAK = {  # N patches x (5 d + 2 I) x 2 bytes
-    "Qwen3-VL-4B-Instruct": (P // 16**2) * (5 * 1024 + 2 * 4096) * 2,  # 104,366,080
-    "Qwen2.5-VL-3B-Instruct": (P // 14**2) * (5 * 1280 + 2 * 3420) * 2,  # 135,577,600
-    "SmolVLM2-2.2B-Instruct": 10 * 27**2 * (5 * 1152 + 2 * 4304) * 2,  # 209,485,440
+VISION_PEAK = {  # 2 (VISION_PEAK_FACTOR) x N patches x (5 d + 2 I) x 2 bytes
+    "Qwen3-VL-4B-Instruct": 2 * (P // 16**2) * (5 * 1024 + 2 * 4096) * 2,  # 208,732,160
+    "Qwen2.5-VL-3B-Instruct": 2 * (P // 14**2) * (5 * 1280 + 2 * 3420) * 2,  # 271,155,200
+    "SmolVLM2-2.2B-Instruct": 2 * 10 * 27**2 * (5 * 1152 + 2 * 4304) * 2,  # 418,970,880
     "Qwen2.5-0.5B-Instruct": 0,
 }
 

@@ -27,8 +27,8 @@ def test_plan_a_local_folder_and_options(capsys, tiny_models):
     out = capsys.readouterr().out
     assert "KV per token                    512 bytes" in out  # 2 layers x 2 (K, V) x 2 kv heads x 16 x 4 bytes
     assert "(64 visual tokens per image)" in out
-    # weights 78,422,912 bytes (fp32); vision peak: 256 patches x (5 x 32 + 2 x 64) x 4 bytes
-    budget = int(2 * GiB * 0.9) - (78_422_912 + (512 << 20)) - ((512 << 20) + 256 * 288 * 4)
+    # weights 78,422,912 bytes (fp32); vision peak: 2 x 256 patches x (5 x 32 + 2 x 64) x 4 bytes
+    budget = int(2 * GiB * 0.9) - (78_422_912 + (512 << 20)) - ((512 << 20) + 2 * 256 * 288 * 4)
     assert f"blocks (num_kvcache_blocks=-1)  {budget // 8192:,} " in out
 
 
