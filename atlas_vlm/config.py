@@ -19,7 +19,8 @@ class EngineConfig:
         ValueError: on creation, for any out-of-range field (the message names it).
     """
 
-    model: str  # HF model folder or .gguf file
+    model: str  # HF model folder, .gguf file or Hugging Face Hub id ORG/NAME
+    revision: str | None = None  # Hub branch / tag / commit when model is a Hub id (None: main)
     kv_cache: str = "paged"  # "paged" (blocks) or "contiguous" (one max_model_len strip per request)
     kvcache_block_size: int = 16  # tokens per KV block
     num_kvcache_blocks: int = -1  # -1: derive from memory (below)

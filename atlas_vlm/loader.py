@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from atlas_vlm.models import CausalLM, ModelArch
+from atlas_vlm.models.registry import model_class, resolve_family, text_config_of
 from atlas_vlm.tokenizer import apply_gguf_tokenizer_settings, eos_token_ids, gguf_tokenizer_settings
 
 __all__ = ["GGUF_CONVERSION_VERSION", "LoadedModel", "ModelNotFoundError", "cache_dir", "eos_token_ids",
@@ -169,21 +170,27 @@ def _load_weights(model: CausalLM, files: list[Path]) -> dict[str, torch.Tensor]
     return visual
 
 
-def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
+def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               revision: str | None = None) -> LoadedModel:
     """Load config, tokenizer and weights of a supported model.
 
     Args:
-        path: an HF model folder (``config.json`` + ``*.safetensors``) or a ``.gguf`` file.
+        path: an HF model folder (``config.json`` + ``*.safetensors``), a ``.gguf`` file, or a
+            Hub id ``ORG/NAME`` (``atlas_vlm.hub.resolve_model_path``; a local path wins).
         dtype: parameter dtype (fp32 on CPU; bf16/fp16 on CUDA).
+        revision: Hub branch / tag / commit for a Hub id.
 
     Raises:
         ModelNotFoundError: ``path`` does not exist or has no config/weights.
-        UnsupportedModelError: the architecture is not Llama, Qwen2 or Qwen2.5-VL.
+        UnsupportedModelError: the architecture is not in ``registry.SUPPORTED_ARCHITECTURES``.
         ValueError: the weights do not match the config.
     """
-    path = Path(path).expanduser()
+    from atlas_vlm.hub import resolve_model_path
+
+    path = resolve_model_path(path, revision)
     if not path.exists():
-        raise ModelNotFoundError(f"model path {path} does not exist; pass an HF model folder or a .gguf file")
+        raise ModelNotFoundError(f"model path {path} does not exist; pass an HF model folder, a .gguf file "
+                                 f"or a Hugging Face Hub id ORG/NAME")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelNotFoundError(f"model file {path} is not a .gguf file; pass an HF model folder or a .gguf file")
@@ -193,8 +200,8 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
     hf_config = AutoConfig.from_pretrained(path)
     arch = ModelArch.from_hf_config(hf_config)
     files = _checkpoint_files(path)
-    text_config = getattr(hf_config, "text_config", None) if arch.family == "qwen2_5_vl" else None
-    model = CausalLM(arch, text_config or hf_config)
+    family = resolve_family(hf_config)
+    model = model_class(family)(arch, text_config_of(hf_config, family))
     visual = _load_weights(model, files)
     model.to(device=device, dtype=dtype).eval()
     # transformers 4.57.3-4.57.x flags every local tokenizer saved by those versions as a

@@ -1,8 +1,9 @@
 """Vision tower wrapper: ``VisionEncoder``.
 
-Scope: a thin ``torch.nn.Module`` around HF transformers'
+Scope: a thin ``torch.nn.Module`` around HF transformers' Qwen vision towers: Qwen2.5-VL's
 ``Qwen2_5_VisionTransformerPretrainedModel`` (patch embed, windowed ViT blocks, 2x2 patch
-merger), built from a ``Qwen2_5_VLVisionConfig`` and loaded strictly from a state dict.
+merger) or Qwen2-VL's ``Qwen2VisionTransformerPretrainedModel`` (the same without window
+attention), picked from the vision config's class, and loaded strictly from a state dict.
 The network itself is HF's code, not ours; this file adds loading checks and the split of
 the output into one embedding matrix per image.
 """
@@ -15,25 +16,40 @@ import torch
 from transformers.modeling_utils import no_init_weights
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLConfig, Qwen2_5_VLVisionConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLConfig, Qwen2VLVisionConfig
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from .processor import ProcessedImage
 
 __all__ = ["VisionEncoder"]
 
 
-def _as_vision_config(vision_config) -> Qwen2_5_VLVisionConfig:
-    """Accept a vision config, a dict of its fields, or a full ``Qwen2_5_VLConfig``."""
-    if isinstance(vision_config, Qwen2_5_VLConfig):
+# vision config class -> HF tower class (transformers 4.57.6 names)
+_TOWERS = {
+    Qwen2_5_VLVisionConfig: Qwen2_5_VisionTransformerPretrainedModel,
+    Qwen2VLVisionConfig: Qwen2VisionTransformerPretrainedModel,
+}
+
+
+def _as_vision_config(vision_config) -> Qwen2_5_VLVisionConfig | Qwen2VLVisionConfig:
+    """Accept a vision config, a dict of its fields (``model_type`` "qwen2_vl" selects
+    Qwen2-VL; otherwise Qwen2.5-VL), or a full ``Qwen2_5_VLConfig`` / ``Qwen2VLConfig``."""
+    if isinstance(vision_config, (Qwen2_5_VLConfig, Qwen2VLConfig)):
         return vision_config.vision_config
     if isinstance(vision_config, dict):
-        return Qwen2_5_VLVisionConfig(**vision_config)
-    if isinstance(vision_config, Qwen2_5_VLVisionConfig):
+        fields = {k: v for k, v in vision_config.items() if k != "model_type"}
+        if vision_config.get("model_type") == "qwen2_vl":
+            return Qwen2VLVisionConfig(**fields)
+        return Qwen2_5_VLVisionConfig(**fields)
+    if isinstance(vision_config, tuple(_TOWERS)):
         return vision_config
-    raise TypeError(f"vision_config must be a Qwen2_5_VLVisionConfig, dict or Qwen2_5_VLConfig, got {type(vision_config)}")
+    raise TypeError(f"vision_config must be a Qwen2_5_VLVisionConfig, Qwen2VLVisionConfig, dict or a full "
+                    f"Qwen2-VL / Qwen2.5-VL config, got {type(vision_config)}")
 
 
 class VisionEncoder(torch.nn.Module):
-    """Qwen2.5-VL vision tower (HF ``Qwen2_5_VisionTransformerPretrainedModel``).
+    """Qwen2.5-VL or Qwen2-VL vision tower (HF ``Qwen2_5_VisionTransformerPretrainedModel`` /
+    ``Qwen2VisionTransformerPretrainedModel``, chosen by the vision config's class).
 
     ``forward(pixel_values [num_patches, patch_dim], grid_thw [num_images, 3])`` returns
     ``[sum num_tokens, out_hidden_size]``: one row per merged 2x2 patch, images in order.
@@ -47,7 +63,7 @@ class VisionEncoder(torch.nn.Module):
         if attn_implementation is not None:
             kwargs["attn_implementation"] = attn_implementation
         with no_init_weights():  # weights come from a state dict; skip random init
-            self.model = Qwen2_5_VisionTransformerPretrainedModel._from_config(config, **kwargs)
+            self.model = _TOWERS[type(config)]._from_config(config, **kwargs)
         self.config = config
         self.spatial_merge_size = config.spatial_merge_size
 

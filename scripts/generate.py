@@ -18,7 +18,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", required=True, help="user message (sent through the chat template)")
     p.add_argument("--image", action="append", default=[], help="image path or URI; repeat for several")
-    p.add_argument("--model", default=None, help="HF model folder or .gguf file (default: embedded)")
+    p.add_argument("--model", default=None,
+                   help="HF model folder, .gguf file or Hub id ORG/NAME (default: embedded)")
+    p.add_argument("--revision", default=None, help="Hub branch / tag / commit for a Hub id")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -57,7 +59,7 @@ def _generate(args: argparse.Namespace, streaming: list) -> int:
 
         print(RANDOM_VLM_NOTICE, file=sys.stderr)
         model = default_vlm_model()
-    kwargs = dict(kv_cache=args.kv_cache, kvcache_block_size=args.block_size)
+    kwargs = dict(kv_cache=args.kv_cache, kvcache_block_size=args.block_size, revision=args.revision)
     if args.max_model_len:
         kwargs["max_model_len"] = args.max_model_len
     for name in ("max_pixels", "min_pixels"):

@@ -27,7 +27,9 @@ class LLM:
     """Load a model and generate.
 
     Args:
-        model: HF model folder or ``.gguf`` file; ``None`` uses the embedded SmolLM2-135M-Instruct.
+        model: HF model folder, ``.gguf`` file or Hub id ``ORG/NAME`` (fetched through
+            ``huggingface_hub``'s cache; ``revision=`` picks a branch/tag/commit); ``None`` uses
+            the embedded SmolLM2-135M-Instruct.
         **kwargs: any ``EngineConfig`` field (``kv_cache="paged" | "contiguous"``,
             ``kvcache_block_size``, ``max_model_len``, ``max_pixels``, ``allow_http_images``,
             ``http_image_timeout_s``, ``http_image_max_bytes``, ...).

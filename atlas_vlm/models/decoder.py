@@ -1,6 +1,8 @@
-"""The decoder of the Llama / Qwen2 / Qwen2.5-VL (text) family over a paged KV cache.
+"""The decoder of the Llama / Qwen2 / Qwen3 / Qwen2-VL / Qwen2.5-VL (text) family over a
+paged KV cache.
 
-RMSNorm, RoPE or M-RoPE, grouped-query attention through ``paged_attention``, SwiGLU MLP.
+RMSNorm, RoPE or M-RoPE, grouped-query attention through ``paged_attention`` (with Qwen3's
+per-head q/k RMSNorm before RoPE when ``arch.qk_norm``), SwiGLU MLP.
 Q/K/V and gate/up projections are fused (the loader stacks HF's separate weights). Inputs
 are flattened across requests: ``[num_tokens]`` ids, ``[num_tokens]`` or ``[3, num_tokens]``
 positions.
@@ -41,11 +43,20 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
         self.scale = arch.head_dim**-0.5
+        if arch.qk_norm:  # Qwen3 (HF Qwen3Attention): RMSNorm over head_dim, before RoPE
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)  # [num_tokens, heads, head_dim]
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)  # [num_tokens, kv_heads, head_dim]
+        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, heads, head_dim]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, kv_heads, head_dim]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache, self.layer_idx, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))  # [num_tokens, hidden]

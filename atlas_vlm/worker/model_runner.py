@@ -12,23 +12,30 @@ from atlas_vlm.config import EngineConfig
 from atlas_vlm.worker.input_prep import ModelInput, prepare_inputs
 from atlas_vlm.loader import LoadedModel
 from atlas_vlm.worker.sampler import SamplerOutput, sample
-from mm_kv_cache_management import ContiguousKVCache, KVCacheSpec, PagedKVCache
+from atlas_vlm.memory_plan import kv_cache_spec, num_kv_blocks
+from mm_kv_cache_management import ContiguousKVCache, PagedKVCache
 
 
 class KVBudgetError(ValueError):
     """The KV memory budget cannot hold a single block."""
 
 
-def kv_cache_budget_bytes(config: EngineConfig, device: torch.device) -> int:
+def kv_cache_budget_bytes(config: EngineConfig, device: torch.device, hf_config=None) -> int:
     """Bytes the KV cache may take: ``kv_cache_memory`` on CPU; on CUDA
-    ``gpu_memory_utilization`` of the device minus what is already allocated (weights) and a
-    reserve for activations of one ``max_num_batched_tokens`` step."""
+    ``memory_plan.kv_cache_budget``: ``gpu_memory_utilization`` of the device minus what is
+    already allocated (weights of the decoder and the vision tower, measured) minus the
+    activation reserve (``ACTIVATION_RESERVE_BYTES`` + the vision tower's peak at
+    ``config.max_pixels``, ``memory_plan.vision_activation_peak``)."""
     if device.type != "cuda":
         return config.kv_cache_memory
+    from atlas_vlm import memory_plan
+
     free, total = torch.cuda.mem_get_info(device)
-    used = total - free
-    activation_reserve = 512 * 2**20
-    return max(0, int(total * config.gpu_memory_utilization) - used - activation_reserve)
+    dtype_bytes = torch.empty((), dtype=config.torch_dtype()).element_size()
+    reserve = memory_plan.ACTIVATION_RESERVE_BYTES
+    if hf_config is not None:
+        reserve += memory_plan.vision_activation_peak(hf_config, config.max_pixels, dtype_bytes)
+    return memory_plan.kv_cache_budget(total, config.gpu_memory_utilization, total - free, reserve)
 
 
 class ModelRunner:
@@ -49,13 +56,20 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         self.mrope = self.model.arch.mrope_section is not None
         arch = self.model.arch
-        spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim, self.dtype)
+        self.vision = None  # built before the KV cache so the CUDA budget sees its weights
+        if loaded.vision_state_dict is not None:
+            from mm_token_pipeline import VisionEncoder
+
+            self.vision = VisionEncoder.from_state_dict(
+                loaded.hf_config.vision_config, loaded.vision_state_dict, dtype=self.dtype, device=self.device
+            )
+        spec = kv_cache_spec(arch.num_layers, arch.num_kv_heads, arch.head_dim, self.dtype)
         contiguous = config.kv_cache == "contiguous"
         self.block_size = max_model_len if contiguous else config.kvcache_block_size
-        budget = kv_cache_budget_bytes(config, self.device)
+        budget = kv_cache_budget_bytes(config, self.device, loaded.hf_config)
         num_blocks = config.num_kvcache_blocks
         if num_blocks == -1:
-            num_blocks = PagedKVCache.num_blocks_for_budget(budget, spec, self.block_size)
+            num_blocks = num_kv_blocks(budget, spec, self.block_size)
         if num_blocks < 1:
             unit = "strip" if contiguous else "block"
             raise KVBudgetError(
@@ -68,13 +82,6 @@ class ModelRunner:
         else:
             self.kv_cache = PagedKVCache(spec, num_blocks, self.block_size, device=self.device)
         self.num_blocks = num_blocks
-        self.vision = None
-        if loaded.vision_state_dict is not None:
-            from mm_token_pipeline import VisionEncoder
-
-            self.vision = VisionEncoder.from_state_dict(
-                loaded.hf_config.vision_config, loaded.vision_state_dict, dtype=self.dtype, device=self.device
-            )
         self.encoder_cache: OrderedDict[str, torch.Tensor] = OrderedDict()  # image hash -> embeddings
         self.encoder_cache_size = 64  # images kept
         self.num_encoder_runs = 0  # vision-tower forwards (one per image not found in the cache)

@@ -39,8 +39,9 @@ def test_missing_model_is_a_clear_error(capsys, tmp_path):
 @pytest.mark.vlm
 @pytest.mark.parametrize("photo", ["chelsea.png", "grace_hopper.jpg", "coffee.png"])
 @pytest.mark.parametrize("max_pixels", [None, 64 * 28 * 28])
-def test_image_prompt_on_real_photos(tiny_models, capsys, photo, max_pixels):
-    folder = tiny_models["qwen2_5_vl"][0]
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+def test_image_prompt_on_real_photos(tiny_models, capsys, photo, max_pixels, family):
+    folder = tiny_models[family][0]
     args = ["--model", str(folder), "--image", str(IMAGES / photo), "--prompt", "Describe it.", "--max-tokens", "6"]
     if max_pixels:
         args += ["--max-pixels", str(max_pixels)]

@@ -53,9 +53,9 @@ def run(llm, prompts_and_lens):
     return outs, [rec.logits[o.request_id] for o in outs], rec.steps
 
 
-@pytest.fixture(scope="module")
-def vl_folder(tiny_models):
-    return tiny_models["qwen2_5_vl"][0]
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl"])
+def vl_folder(tiny_models, request):
+    return tiny_models[request.param][0]
 
 
 @pytest.fixture(scope="module")

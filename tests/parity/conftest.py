@@ -1,4 +1,5 @@
-"""Fixtures of the stage 4 (VLM) parity tests: the tiny random Qwen2.5-VL and an engine on it."""
+"""Fixtures of the stage 4 (VLM) parity tests: each tiny random M-RoPE VLM (Qwen2.5-VL and
+Qwen2-VL, ``VL_FAMILIES``) and an engine on it; every stage 4 test runs once per family."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ from helpers import BLOCK_SIZE, CPU_FP32, MAX_MODEL_LEN
 from atlas_vlm import LLM
 
 
-@pytest.fixture(scope="module")
-def vl(tiny_models):
-    folder, hf = tiny_models["qwen2_5_vl"]
+VL_FAMILIES = ("qwen2_5_vl", "qwen2_vl")  # same prompt format, M-RoPE and image tokens; different towers
+
+
+@pytest.fixture(scope="module", params=VL_FAMILIES)
+def vl(tiny_models, request):
+    folder, hf = tiny_models[request.param]
     return folder, hf.eval()
 
 

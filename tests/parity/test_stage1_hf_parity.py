@@ -1,6 +1,6 @@
 """Stage 1: base correctness against Hugging Face ``transformers`` on the same weights.
 
-Tiny random Qwen2 and Llama models (``tiny_models`` fixture) are loaded through our real
+Tiny random Qwen2, Llama and Qwen3 (q/k norm, explicit head_dim) models (``tiny_models`` fixture) are loaded through our real
 loader; one-token prefill, one decode step and a longer prefill must give HF's logits
 within atol 1e-4 (fp32, CPU), and every loaded parameter must equal HF's.
 """
@@ -15,7 +15,8 @@ from atlas_vlm import LLM, SamplingParams
 
 pytestmark = pytest.mark.text
 
-FAMILIES = ("qwen2", "llama")
+FAMILIES = ("qwen2", "llama", "qwen3")
+TIED = ("llama", "qwen3")  # tie_word_embeddings in the tiny configs
 
 
 def greedy(llm: LLM, prompt_ids: list[int], max_tokens: int):
@@ -97,11 +98,11 @@ def test_loaded_parameters_equal_hf(family, engines, tiny_models):
     assert torch.equal(ours["model.norm.weight"], theirs["model.norm.weight"])
     lm_head = engines[family].engine.runner.model.lm_head.weight
     assert torch.equal(lm_head, theirs["lm_head.weight"])
-    if family == "llama":  # tie_word_embeddings: one tensor
+    if family in TIED:  # tie_word_embeddings: one tensor
         assert lm_head.data_ptr() == ours["model.embed_tokens.weight"].data_ptr()
     else:
         assert lm_head.data_ptr() != ours["model.embed_tokens.weight"].data_ptr()
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     for i in range(cfg.num_hidden_layers):
         p, h = f"model.layers.{i}.", f"model.layers.{i}."
         qkv = ours[p + "self_attn.qkv_proj.weight"]
@@ -116,12 +117,18 @@ def test_loaded_parameters_equal_hf(family, engines, tiny_models):
         assert torch.equal(ours[p + "mlp.gate_up_proj.weight"],
                            torch.cat([theirs[h + "mlp.gate_proj.weight"], theirs[h + "mlp.up_proj.weight"]]))
         assert torch.equal(ours[p + "mlp.down_proj.weight"], theirs[h + "mlp.down_proj.weight"])
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        norms = ("input_layernorm", "post_attention_layernorm")
+        if family == "qwen3":
+            norms += ("self_attn.q_norm", "self_attn.k_norm")
+            assert ours[p + "self_attn.q_norm.weight"].shape == (head_dim,)
+        for norm in norms:
             assert torch.equal(ours[p + f"{norm}.weight"], theirs[h + f"{norm}.weight"])
-    expected = {"model.embed_tokens.weight", "model.norm.weight"} | (set() if family == "llama" else {"lm_head.weight"})
+    expected = {"model.embed_tokens.weight", "model.norm.weight"} | (set() if family in TIED else {"lm_head.weight"})
     per_layer = {"self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight",
                  "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"}
     if family == "qwen2":
         per_layer.add("self_attn.qkv_proj.bias")
+    if family == "qwen3":
+        per_layer |= {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
     expected |= {f"model.layers.{i}.{n}" for i in range(cfg.num_hidden_layers) for n in per_layer}
     assert set(ours) == expected

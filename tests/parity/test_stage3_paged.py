@@ -1,5 +1,5 @@
 """Stage 3: the paged KV cache against the contiguous reference, plus MAC-1..MAC-5 at engine
-level (block size 16) on tiny random Qwen2 and Llama models."""
+level (block size 16) on tiny random Qwen2, Llama and Qwen3 models."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from atlas_vlm.engine import RequestTooLongError
 
 pytestmark = pytest.mark.text
 
-FAMILIES = ("qwen2", "llama")
+FAMILIES = ("qwen2", "llama", "qwen3")
 BS = 16
 PAGED_BLOCKS = 64
 
@@ -72,7 +72,7 @@ def test_mac1_prefill_paged_equals_contiguous(family, paged, contiguous):
 
 
 # ---- MAC-2 --------------------------------------------------------------------------------
-@pytest.mark.parametrize(("family", "length"), [("qwen2", 1), ("qwen2", 47), ("llama", 17)])
+@pytest.mark.parametrize(("family", "length"), [("qwen2", 1), ("qwen2", 47), ("llama", 17), ("qwen3", 33)])
 def test_mac2_32_decode_steps_paged_equals_contiguous_and_hf(family, length, paged, contiguous, tiny_models):
     ids = prompt(length, seed=200 + length)
     (p_out,), (p_logits,), _ = run(paged[family], [ids], greedy_params(32))

@@ -1,6 +1,7 @@
 """Tests of mm_token_pipeline.VisionEncoder against HF transformers' vision tower.
 
-A tiny random ``Qwen2_5_VLForConditionalGeneration`` (fp32, CPU, seed 0): our encoder,
+A tiny random ``Qwen2_5_VLForConditionalGeneration`` and ``Qwen2VLForConditionalGeneration``
+(fp32, CPU, seed 0; every test runs for both): our encoder,
 loaded from its ``visual`` state dict, must give bit-identical output to HF's
 ``model.model.visual`` on the same pixel values, for one and for several images.
 """
@@ -19,10 +20,10 @@ pytestmark = pytest.mark.vlm
 MAX_PIXELS = 64 * 28 * 28  # keep the tower input small on CPU
 
 
-@pytest.fixture(scope="module")
-def hf_model(tiny_models):
-    """The session's tiny random Qwen2.5-VL (tests/conftest.py)."""
-    return tiny_models["qwen2_5_vl"][1]
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl"])
+def hf_model(tiny_models, request):
+    """The session's tiny random Qwen2.5-VL / Qwen2-VL (tests/conftest.py)."""
+    return tiny_models[request.param][1]
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +90,13 @@ def test_strict_load_lists_missing_and_unexpected(hf_model):
 def test_pixel_values_must_match_grid(encoder, images):
     with pytest.raises(ValueError, match="does not match grid_thw"):
         encoder(images[0].pixel_values[:-4], [images[0].grid_thw])
+
+
+def test_tower_class_follows_the_vision_config(hf_model, encoder):
+    """Qwen2-VL gets its own tower (no window attention), Qwen2.5-VL its windowed one: the
+    same class as HF's ``model.visual``, from the config object and from its dict form."""
+    assert type(encoder.model) is type(hf_model.model.visual)
+    as_dict = VisionEncoder(hf_model.config.vision_config.to_dict())
+    assert type(as_dict.model) is type(hf_model.model.visual)
+    with pytest.raises(TypeError, match="vision_config must be"):
+        VisionEncoder(42)

@@ -1,0 +1,131 @@
+"""``atlas-vlm plan``: print a ``memory_plan.plan`` for one model, or the ``--matrix`` of the
+four chain models over 8-80 GiB GPUs. Configs come from a local folder, the bundled copies
+of the chain models' public configs (``atlas_vlm/data/configs``), or the Hub (config.json
+only, through huggingface_hub's cache; ``HF_HUB_OFFLINE`` honoured)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from atlas_vlm.memory_plan import GiB, MemoryPlan, plan
+
+BUNDLED_CONFIGS = Path(__file__).resolve().parent.parent / "data" / "configs"
+CHAIN = ("Qwen/Qwen3-VL-4B-Instruct", "Qwen/Qwen2.5-VL-3B-Instruct", "HuggingFaceTB/SmolVLM2-2.2B-Instruct",
+         "Qwen/Qwen2.5-0.5B-Instruct")  # the brief's fallback chain, largest first
+MATRIX_GIB = (8, 12, 16, 24, 48, 80)
+_UNITS = {"": GiB, "gib": GiB, "g": GiB, "gb": 10**9, "mib": 1 << 20, "m": 1 << 20, "mb": 10**6, "b": 1}
+
+
+def parse_bytes(text: str) -> int:
+    """``"24GiB"``, ``"24G"`` (GiB), ``"24GB"`` (10**9), ``"512MiB"``, ``"80"`` (GiB) -> bytes.
+
+    Raises:
+        ValueError: not a number with one of those units.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"--gpu-memory must look like 24GiB, 24GB, 512MiB or 80 (GiB), got {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _bytes_arg(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:  # argparse shows an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def load_config(model: str, revision: str | None = None):
+    """A transformers config for ``model``: a local folder, a bundled chain config (by Hub id
+    or name), or the Hub's ``config.json``.
+
+    Raises:
+        atlas_vlm.loader.ModelNotFoundError: none of those has it.
+    """
+    from transformers import AutoConfig
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return AutoConfig.from_pretrained(path)
+    bundled = BUNDLED_CONFIGS / model.split("/")[-1]
+    if (bundled / "config.json").exists() and revision is None:
+        return AutoConfig.from_pretrained(bundled)
+    from atlas_vlm.hub import resolve_model_path
+
+    return AutoConfig.from_pretrained(resolve_model_path(model, revision, config_only=True))
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def format_plan(p: MemoryPlan) -> str:
+    """The plan as aligned ``label  value`` lines."""
+    rows = [
+        ("model", p.model),
+        ("dtype", f"{p.dtype_bytes} bytes per parameter / KV element"),
+        ("weights", f"{_gib(p.weight_bytes)} ({p.weight_bytes:,} bytes; vision tower {_gib(p.vision_weight_bytes)})"),
+        ("vision activation peak", f"{_gib(p.vision_peak_bytes)} at max_pixels={p.max_pixels:,} "
+                                   f"({p.image_tokens} visual tokens per image)" if p.image_tokens
+                                   else "none (text-only model)"),
+        ("KV per token", f"{p.kv_bytes_per_token:,} bytes"),
+        (f"KV per block ({p.block_size} tokens)", f"{p.kv_bytes_per_block:,} bytes"),
+        ("GPU memory", f"{_gib(p.gpu_memory)} x gpu_memory_utilization {p.gpu_memory_utilization}"),
+        ("KV budget", f"{_gib(p.kv_budget_bytes)} ({p.kv_budget_bytes:,} bytes)"),
+        ("blocks (num_kvcache_blocks=-1)", f"{p.num_blocks:,} ({p.num_blocks * p.block_size:,} tokens)"),
+        (f"sequences of L={p.max_model_len}", f"{p.max_num_seqs:,} at once ({p.blocks_per_seq} blocks each"
+                                              + (", one image each)" if p.image_tokens else ")")),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def format_matrix(args) -> str:
+    """One row per chain model: weights, KV bytes per token, then per GPU size
+    ``sequences (blocks)`` for sequences of ``max_model_len`` tokens with one image each."""
+    head = f"{'model':<38} {'weights':>10} {'KV/token':>9} " + " ".join(f"{f'{g} GiB':>14}" for g in MATRIX_GIB)
+    lines = [f"sequences of L={args.max_model_len or 4096} tokens (one image at max_pixels={args.max_pixels:,}) "
+             f"held at once (KV blocks of {args.block_size}), {args.dtype}, "
+             f"gpu_memory_utilization={args.gpu_memory_utilization}", head]
+    for model in CHAIN:
+        cfg = load_config(model)
+        cells, first = [], None
+        for g in MATRIX_GIB:
+            p = plan(cfg, model=model, gpu_memory=g * GiB, gpu_memory_utilization=args.gpu_memory_utilization,
+                     max_model_len=args.max_model_len or 4096, max_pixels=args.max_pixels, dtype=args.dtype,
+                     block_size=args.block_size)
+            first = first or p
+            cells.append(f"{p.max_num_seqs if p.num_blocks else '-':>5} {f'({p.num_blocks})':>8}")
+        lines.append(f"{model:<38} {_gib(first.weight_bytes):>10} {first.kv_bytes_per_token:>9,} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def add_parser(subparsers) -> None:
+    """Register the ``plan`` subcommand."""
+    p = subparsers.add_parser("plan", help="KV memory plan of a model from its config.json (no weights)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="model folder, Hub id ORG/NAME, or a chain model's name")
+    p.add_argument("--revision", default=None, help="Hub branch / tag / commit")
+    p.add_argument("--gpu-memory", type=_bytes_arg, default=24 * GiB, help="device memory (default 24GiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-model-len", type=int, default=None, help="L, tokens per sequence (default min(model, 4096))")
+    p.add_argument("--max-pixels", type=int, default=1280 * 28 * 28, help="pixels of the one image per sequence")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--block-size", type=int, default=16, help="kvcache_block_size")
+    p.add_argument("--matrix", action="store_true", help="the four chain models on 8/12/16/24/48/80 GiB")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    if args.matrix:
+        print(format_matrix(args))
+        return 0
+    if not args.model:
+        raise ValueError("plan needs --model M (or --matrix)")
+    cfg = load_config(args.model, args.revision)
+    print(format_plan(plan(cfg, model=args.model, gpu_memory=args.gpu_memory,
+                           gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+                           max_pixels=args.max_pixels, dtype=args.dtype, block_size=args.block_size)))
+    return 0

@@ -1,0 +1,163 @@
+"""KV memory planner: what a model needs on a GPU, from ``config.json`` alone (no weights).
+
+One source of truth for KV sizing: the engine's ``ModelRunner`` calls ``kv_cache_budget``,
+``kv_cache_spec`` and ``num_kv_blocks`` below with measured figures; ``plan`` calls them
+with figures computed from the config. Figures, for a dtype of ``b`` bytes:
+
+- weights: ``(text_params + vision_params) * b`` (``models.param_count``, exact HF counts).
+- KV per token: ``2 (K, V) * num_layers * num_kv_heads * head_dim * b``
+  (``KVCacheSpec.bytes_per_token``); per block: that times ``kvcache_block_size``.
+- vision activation peak at ``max_pixels``: see ``vision_activation_peak``.
+- KV budget (CUDA, ``num_kvcache_blocks=-1``): ``int(total * gpu_memory_utilization)``
+  minus what is in use (weights + ``RUNTIME_OVERHEAD_BYTES``, measured by the engine) minus
+  the activation reserve (``ACTIVATION_RESERVE_BYTES`` + the vision peak); blocks: the
+  budget floor-divided by the bytes of one block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from atlas_vlm.models.param_count import head_dim, num_kv_heads, text_config, text_params, vision_params
+from mm_kv_cache_management import KVCacheSpec, PagedKVCache
+
+GiB = 1 << 30
+ACTIVATION_RESERVE_BYTES = 512 << 20  # decoder activations of one engine step (the engine's reserve)
+RUNTIME_OVERHEAD_BYTES = 512 << 20  # CUDA context + allocator slack: an estimate (the engine measures it)
+VISION_PEAK_FACTOR = 2  # measured peak / live-tensor sum of a ViT forward, rounded up (vision_activation_peak)
+DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
+TORCH_DTYPES = {2: torch.bfloat16, 4: torch.float32}
+
+
+def kv_cache_spec(num_layers: int, num_kv_heads_: int, head_dim_: int, dtype: torch.dtype) -> KVCacheSpec:
+    """The KV shape of one token (``bytes_per_token`` = 2 * layers * kv_heads * head_dim * elem)."""
+    return KVCacheSpec(num_layers, num_kv_heads_, head_dim_, dtype)
+
+
+def num_kv_blocks(budget_bytes: int, spec: KVCacheSpec, block_size: int) -> int:
+    """Whole blocks of ``block_size`` tokens in ``budget_bytes`` (``PagedKVCache.num_blocks_for_budget``)."""
+    return PagedKVCache.num_blocks_for_budget(max(0, int(budget_bytes)), spec, block_size)
+
+
+def kv_cache_budget(total_bytes: int, gpu_memory_utilization: float, used_bytes: int, reserve_bytes: int) -> int:
+    """KV bytes on a device of ``total_bytes``: ``int(total * utilization) - used - reserve``, at least 0."""
+    return max(0, int(total_bytes * gpu_memory_utilization) - int(used_bytes) - int(reserve_bytes))
+
+
+def visual_tokens_per_image(hf_config, max_pixels: int) -> int:
+    """Most visual tokens one image can take at ``max_pixels``.
+
+    Qwen2-VL / 2.5-VL / 3-VL: ``max_pixels // (patch_size * spatial_merge_size)**2``
+    (``smart_resize`` keeps ``h * w <= max_pixels`` on multiples of that factor).
+    SmolVLM (Idefics3 processor): a square of side ``min(sqrt(max_pixels), size.longest_edge)``
+    is cut into ``ceil(side / tile)**2`` tiles of ``tile = max_image_size.longest_edge`` pixels
+    plus one global view when there is more than one tile; each tile gives
+    ``(image_size // patch_size)**2 // scale_factor**2`` tokens.
+    """
+    v = hf_config.vision_config
+    if v.model_type in ("smolvlm_vision", "idefics3_vision"):
+        tiles, per_tile, _ = _smolvlm_tiles(hf_config, max_pixels)
+        return tiles * per_tile // hf_config.scale_factor**2
+    return max_pixels // (v.patch_size * v.spatial_merge_size) ** 2
+
+
+def _smolvlm_tiles(hf_config, max_pixels: int) -> tuple[int, int, int]:
+    """(tiles incl. the global view, patches per tile, tile side in pixels)."""
+    v = hf_config.vision_config
+    tile = (getattr(v, "max_image_size", None) or {}).get("longest_edge", v.image_size)
+    longest = (getattr(v, "size", None) or {}).get("longest_edge", 4 * tile)
+    side = min(math.isqrt(max_pixels), longest)
+    n = math.ceil(side / tile)
+    return n * n + (1 if n > 1 else 0), (v.image_size // v.patch_size) ** 2, tile
+
+
+def vision_activation_peak(hf_config, max_pixels: int, dtype_bytes: int) -> int:
+    """Estimated peak activation bytes of the vision tower on one image of ``max_pixels``.
+
+    ``N`` patches (Qwen: ``max_pixels // patch_size**2``; SmolVLM: tiles * patches per
+    tile) of width ``d`` with MLP width ``I``: the tensors live at once inside one ViT block
+    are taken as the residual stream, its normed copy, q/k/v (3d) and the MLP's two
+    ``I``-wide tensors (gate and up for Qwen2.5-VL's gated MLP; fc1 output and its
+    activation otherwise): ``N * (5 d + 2 I) * dtype_bytes``, times ``VISION_PEAK_FACTOR``
+    (2) for allocator workspace and short-lived temporaries. Calibration (CPU, fp32, the
+    real-width Qwen2.5-VL-3B tower with random weights, peak RSS growth of the forward,
+    ``benchmarks/vision_peak.py``): 64x80 patches: 401 MB (depth 2) and 462 MB (depth 1)
+    against a 271 MB live-tensor sum; 70x70 patches: 517 MB against 260 MB (519 MB
+    planned). So the factor sits at the top of the measured 1.5-2.0 range, with no margin
+    beyond it. Not measured on CUDA. Assumption: attention runs
+    through fused SDPA (flash / memory-efficient: transformers' default ``sdpa``), which
+    never materialises the ``[heads, N, N]`` score matrix; eager attention would add
+    ``2 * heads * N**2 * dtype_bytes``. Source: the block structure of HF
+    ``Qwen2_5_VLVisionBlock`` / ``Qwen3VLVisionBlock`` / ``SmolVLMEncoderLayer``.
+    """
+    v = getattr(hf_config, "vision_config", None)
+    if v is None:
+        return 0
+    if v.model_type in ("smolvlm_vision", "idefics3_vision"):
+        tiles, per_tile, _ = _smolvlm_tiles(hf_config, max_pixels)
+        n, d, inter = tiles * per_tile, v.hidden_size, v.intermediate_size
+    else:
+        d = v.embed_dim if v.model_type == "qwen2_vl" else v.hidden_size
+        inter = int(d * v.mlp_ratio) if v.model_type == "qwen2_vl" else v.intermediate_size
+        n = max_pixels // v.patch_size**2
+    return VISION_PEAK_FACTOR * n * (5 * d + 2 * inter) * dtype_bytes
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What ``plan`` computed (bytes unless named otherwise)."""
+
+    model: str
+    dtype_bytes: int
+    weight_bytes: int  # text + vision parameters * dtype_bytes
+    vision_weight_bytes: int
+    vision_peak_bytes: int  # vision_activation_peak at max_pixels
+    kv_bytes_per_token: int
+    kv_bytes_per_block: int
+    block_size: int
+    gpu_memory: int
+    gpu_memory_utilization: float
+    kv_budget_bytes: int
+    num_blocks: int  # what num_kvcache_blocks=-1 gets
+    max_model_len: int  # L: tokens of one sequence (prompt with its image + output)
+    max_pixels: int
+    image_tokens: int  # visual tokens of one image at max_pixels (0: text-only model)
+    max_num_seqs: int  # sequences of L tokens (each with one image) held at once; 0 if L < image_tokens
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_utilization: float = 0.9,
+         max_model_len: int | None = None, max_pixels: int = 1280 * 28 * 28, dtype: str = "bf16",
+         block_size: int = 16) -> MemoryPlan:
+    """Plan one model on one GPU (see the module docstring for every formula).
+
+    Args:
+        hf_config: a transformers config (``AutoConfig.from_pretrained(folder)``).
+        max_model_len: L; ``None``: ``min(max_position_embeddings, 4096)`` as the engine.
+
+    Raises:
+        ValueError: unknown ``dtype``, or a vision tower without a formula.
+    """
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    b = DTYPE_BYTES[dtype]
+    text = text_config(hf_config)
+    vis = vision_params(hf_config) * b
+    weights = text_params(hf_config) * b + vis
+    peak = vision_activation_peak(hf_config, max_pixels, b)
+    spec = kv_cache_spec(text.num_hidden_layers, num_kv_heads(text), head_dim(text), TORCH_DTYPES[b])
+    budget = kv_cache_budget(gpu_memory, gpu_memory_utilization, weights + RUNTIME_OVERHEAD_BYTES,
+                             ACTIVATION_RESERVE_BYTES + peak)
+    blocks = num_kv_blocks(budget, spec, block_size)
+    length = max_model_len or min(text.max_position_embeddings, 4096)
+    image_tokens = visual_tokens_per_image(hf_config, max_pixels) if vis else 0
+    seqs = blocks // -(-length // block_size) if length >= image_tokens else 0
+    return MemoryPlan(model, b, weights, vis, peak, spec.bytes_per_token, spec.bytes_per_token * block_size,
+                      block_size, gpu_memory, gpu_memory_utilization, budget, blocks, length, max_pixels,
+                      image_tokens, seqs)

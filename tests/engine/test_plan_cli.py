@@ -1,0 +1,79 @@
+"""``atlas-vlm plan``: one model's plan and the four-model ``--matrix``, from config.json alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from atlas_vlm.entrypoints.cli import main
+from atlas_vlm.entrypoints.plan import CHAIN, parse_bytes
+from atlas_vlm.memory_plan import GiB
+
+pytestmark = pytest.mark.text
+
+
+def test_plan_one_model(capsys):
+    assert main(["plan", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--gpu-memory", "24GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "KV per token                    12,288 bytes" in out
+    assert "KV per block (16 tokens)        196,608 bytes" in out
+    assert "blocks (num_kvcache_blocks=-1)  107,477 (1,719,632 tokens)" in out  # see test_memory_plan
+    assert "sequences of L=4096             419 at once" in out
+
+
+def test_plan_a_local_folder_and_options(capsys, tiny_models):
+    folder = tiny_models["qwen2_5_vl"][0]
+    assert main(["plan", "--model", str(folder), "--gpu-memory", "2GiB", "--dtype", "fp32",
+                 "--max-model-len", "512", "--max-pixels", str(64 * 28 * 28)]) == 0
+    out = capsys.readouterr().out
+    assert "KV per token                    512 bytes" in out  # 2 layers x 2 (K, V) x 2 kv heads x 16 x 4 bytes
+    assert "(64 visual tokens per image)" in out
+    # weights 78,422,912 bytes (fp32); vision peak: 2 x 256 patches x (5 x 32 + 2 x 64) x 4 bytes
+    budget = int(2 * GiB * 0.9) - (78_422_912 + (512 << 20)) - ((512 << 20) + 2 * 256 * 288 * 4)
+    assert f"blocks (num_kvcache_blocks=-1)  {budget // 8192:,} " in out
+
+
+def test_matrix_prints_the_four_models_on_six_gpus(capsys):
+    assert main(["plan", "--matrix"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = lines[1]
+    for g in (8, 12, 16, 24, 48, 80):
+        assert f"{g} GiB" in header
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert list(rows) == list(CHAIN)
+    assert rows["Qwen/Qwen3-VL-4B-Instruct"][4:6] == ["-", "(0)"]  # 8 GiB cannot hold 8.27 GiB of weights
+    assert rows["Qwen/Qwen2.5-0.5B-Instruct"][3] == "12,288"
+    assert rows["Qwen/Qwen2.5-0.5B-Instruct"][10:12] == ["419", "(107477)"]  # 24 GiB column
+
+
+@pytest.mark.parametrize(("text", "value"), [("24GiB", 24 * GiB), ("24G", 24 * GiB), ("80", 80 * GiB),
+                                             ("24GB", 24 * 10**9), ("512MiB", 512 << 20), ("1.5GiB", 3 * GiB // 2)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+def test_bad_input_is_a_clear_error(capsys, tmp_path, monkeypatch):
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "x", "--gpu-memory", "lots"])
+    assert "--gpu-memory must look like 24GiB" in capsys.readouterr().err
+    assert main(["plan"]) == 2
+    assert "plan needs --model" in capsys.readouterr().err
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    assert main(["plan", "--model", "nobody/nothing"]) == 2
+    assert "huggingface-cli download nobody/nothing" in capsys.readouterr().err
+
+
+def test_plan_a_hub_id_from_the_cache_offline(capsys, tmp_path, monkeypatch, tiny_models):
+    """A Hub id that is not a chain model: its config.json comes from huggingface_hub's cache."""
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--tiny-org--tiny-qwen3"
+    (repo / "snapshots" / rev).mkdir(parents=True)
+    (repo / "snapshots" / rev / "config.json").write_text((tiny_models["qwen3"][0] / "config.json").read_text())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["plan", "--model", "tiny-org/tiny-qwen3", "--dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "KV per token                    768 bytes" in out  # 2 layers x 2 (K, V) x 2 kv heads x 24 x 4 bytes
+    assert "none (text-only model)" in out
