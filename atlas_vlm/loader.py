@@ -20,6 +20,9 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from atlas_vlm.models import CausalLM, ModelArch
+from atlas_vlm.models.qwen3_vl import Qwen3VLForCausalLM  # models-vl branch (issue 9)
+
+_MODEL_CLASSES = {"qwen3_vl": Qwen3VLForCausalLM}  # family -> decoder class (default CausalLM)
 
 _STACKED = {  # HF name part -> (our fused name part, shard index)
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -163,8 +166,8 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
     hf_config = AutoConfig.from_pretrained(path)
     arch = ModelArch.from_hf_config(hf_config)
     files = _checkpoint_files(path)
-    text_config = getattr(hf_config, "text_config", None) if arch.family == "qwen2_5_vl" else None
-    model = CausalLM(arch, text_config or hf_config)
+    text_config = getattr(hf_config, "text_config", None) if arch.family in ("qwen2_5_vl", "qwen3_vl") else None
+    model = _MODEL_CLASSES.get(arch.family, CausalLM)(arch, text_config or hf_config)
     visual = _load_weights(model, files)
     model.to(device=device, dtype=dtype).eval()
     # transformers 4.57.3-4.57.x flags every local tokenizer saved by those versions as a

@@ -149,8 +149,9 @@ def hf_reference(hf, p, n_tokens):
 def assert_rope_matches_hf(hf, p):
     """MAC-V3: our prompt positions and rope_delta equal HF ``get_rope_index``."""
     kwargs = hf_inputs(p)
-    pos, delta = hf.model.get_rope_index(kwargs["input_ids"], kwargs.get("image_grid_thw"), None, None,
-                                         kwargs["attention_mask"])
+    # keywords: Qwen2.5-VL's signature has second_per_grid_ts, Qwen3-VL's does not
+    pos, delta = hf.model.get_rope_index(kwargs["input_ids"], image_grid_thw=kwargs.get("image_grid_thw"),
+                                         attention_mask=kwargs["attention_mask"])
     assert p.mrope_positions.shape == (3, len(p.prompt_token_ids))
     assert torch.equal(p.mrope_positions.long(), pos[:, 0].long())
     assert p.rope_delta == int(delta.reshape(-1)[0])

@@ -68,6 +68,7 @@ class InputProcessor:
             ValueError: images sent to a text-only model.
         """
         from mm_token_pipeline import build_prompt_ids, extract_image_items, load_image, preprocess_image
+        from mm_token_pipeline.qwen3_vl import image_kwargs  # models-vl branch (issue 9): patch 16 etc.
 
         items = extract_image_items(messages)
         if items and not self.is_vlm:
@@ -83,6 +84,7 @@ class InputProcessor:
                 pil,
                 min_pixels=item.get("min_pixels", opts["min_pixels"]),
                 max_pixels=item.get("max_pixels", opts["max_pixels"]),
+                **image_kwargs(self.hf_config),
             ))
         ids = build_prompt_ids(self.tokenizer, messages, images)
         return self._finish(ProcessedPrompt(list(ids), images=images))

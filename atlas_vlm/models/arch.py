@@ -8,7 +8,11 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    # ---- models-vl branch (issue 9): Qwen3-VL
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    # ---- end models-vl
 }
+_VLM_FAMILIES = ("qwen2_5_vl", "qwen3_vl")  # decoder hyper-parameters under hf_config.text_config
 
 
 class UnsupportedModelError(ValueError):
@@ -35,6 +39,7 @@ class ModelArch:
     tie_word_embeddings: bool  # tie_word_embeddings
     max_position_embeddings: int  # max_position_embeddings
     mrope_section: tuple[int, ...] | None  # rope_scaling["mrope_section"] (Qwen2.5-VL)
+    mrope_interleaved: bool = False  # M-RoPE sections interleaved, not in blocks (Qwen3-VL)
 
     @classmethod
     def from_hf_config(cls, hf_config) -> "ModelArch":
@@ -46,13 +51,14 @@ class ModelArch:
         archs = list(getattr(hf_config, "architectures", None) or [])
         family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if family is None:
-            family = {"llama": "llama", "qwen2": "qwen2", "qwen2_5_vl": "qwen2_5_vl"}.get(hf_config.model_type)
+            family = {"llama": "llama", "qwen2": "qwen2", "qwen2_5_vl": "qwen2_5_vl",
+                      "qwen3_vl": "qwen3_vl"}.get(hf_config.model_type)
         if family is None:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or hf_config.model_type!r}; "
                 f"Atlas VLM runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        text = getattr(hf_config, "text_config", None) if family == "qwen2_5_vl" else None
+        text = getattr(hf_config, "text_config", None) if family in _VLM_FAMILIES else None
         text = text or hf_config
         scaling = getattr(text, "rope_scaling", None) or {}
         attention_bias = bool(getattr(text, "attention_bias", False))
@@ -66,11 +72,12 @@ class ModelArch:
             num_kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
             head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
             rms_norm_eps=text.rms_norm_eps,
-            qkv_bias=True if family != "llama" else attention_bias,
-            o_bias=attention_bias if family == "llama" else False,
+            qkv_bias=True if family in ("qwen2", "qwen2_5_vl") else attention_bias,
+            o_bias=attention_bias if family in ("llama", "qwen3_vl") else False,
             mlp_bias=bool(getattr(text, "mlp_bias", False)),
             hidden_act=text.hidden_act,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             max_position_embeddings=text.max_position_embeddings,
             mrope_section=tuple(scaling["mrope_section"]) if "mrope_section" in scaling else None,
+            mrope_interleaved=family == "qwen3_vl",  # HF Qwen3-VL always interleaves
         )

@@ -71,8 +71,10 @@ class ModelRunner:
         self.vision = None
         if loaded.vision_state_dict is not None:
             from mm_token_pipeline import VisionEncoder
+            from mm_token_pipeline.qwen3_vl import Qwen3VLVisionEncoder  # models-vl branch (issue 9)
 
-            self.vision = VisionEncoder.from_state_dict(
+            encoder_cls = Qwen3VLVisionEncoder if loaded.hf_config.model_type == "qwen3_vl" else VisionEncoder
+            self.vision = encoder_cls.from_state_dict(
                 loaded.hf_config.vision_config, loaded.vision_state_dict, dtype=self.dtype, device=self.device
             )
         self.encoder_cache: OrderedDict[str, torch.Tensor] = OrderedDict()  # image hash -> embeddings
@@ -110,7 +112,10 @@ class ModelRunner:
             self.encode_images(req)
         inp = prepare_inputs(chunks, self.device, self.mrope)
         x = self.model.embed(inp.input_ids, inp.mm_embeds, inp.mm_token_index)  # [num_tokens, hidden]
-        hidden = self.model(x, inp.positions, self.kv_cache, inp.meta)
+        # Qwen3-VL's DeepStack adds image rows inside the decoder (models-vl branch, issue 9)
+        mm = dict(mm_embeds=inp.mm_embeds, mm_token_index=inp.mm_token_index) \
+            if getattr(self.model, "takes_mm_in_forward", False) else {}
+        hidden = self.model(x, inp.positions, self.kv_cache, inp.meta, **mm)
         logits = self.model.compute_logits(hidden[inp.logits_index])  # [num_sampled, vocab]
         for observe in self.observers:
             observe(chunks, inp, logits, inp.sampled)
