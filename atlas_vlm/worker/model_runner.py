@@ -86,20 +86,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def encode_images(self, req) -> None:
-        """Fill ``req.image_embeds`` (per image ``[num_tokens, hidden]``), reusing cached images."""
-        if req.image_embeds is not None or not req.images:
+        """Fill ``req.image_embeds``: per image ``[num_tokens, hidden]`` (Qwen3-VL: with its
+        DeepStack columns), reusing cached images. An image whose tokens are all computed
+        already (a prefix-cache hit covering it) needs no features and stays ``None`` until
+        a recompute (preemption) reaches it again (models-vl branch, issue 9)."""
+        if not req.images:
             return
-        missing = [img for img in req.images if img.content_hash not in self.encoder_cache]
+        embeds = list(req.image_embeds) if req.image_embeds is not None else [None] * len(req.images)
+        needed = [i for i, (span, emb) in enumerate(zip(req.image_spans, embeds))
+                  if emb is None and span.offset + span.length > req.num_computed_tokens]
+        missing = list({req.images[i].content_hash: req.images[i] for i in needed
+                        if req.images[i].content_hash not in self.encoder_cache}.values())
         if missing:
             if self.vision is None:
                 raise ValueError("this model has no vision tower; it cannot take images")
             for img, emb in zip(missing, self.vision.encode_images(missing)):
                 self.encoder_cache[img.content_hash] = emb
                 self.num_encoder_runs += 1
-        embeds = []
-        for img in req.images:
-            self.encoder_cache.move_to_end(img.content_hash)
-            embeds.append(self.encoder_cache[img.content_hash])
+        for i in needed:
+            self.encoder_cache.move_to_end(req.images[i].content_hash)
+            embeds[i] = self.encoder_cache[req.images[i].content_hash]
         req.image_embeds = embeds
         while len(self.encoder_cache) > self.encoder_cache_size:
             self.encoder_cache.popitem(last=False)
