@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from atlas_vlm.models import CausalLM, ModelArch
+from atlas_vlm.models.arch import VLM_FAMILIES
 from atlas_vlm.models.qwen3_vl import Qwen3VLForCausalLM  # models-vl branch (issue 9)
 
 _MODEL_CLASSES = {"qwen3_vl": Qwen3VLForCausalLM}  # family -> decoder class (default CausalLM)
@@ -86,7 +87,9 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
 
 def _our_name(hf_name: str) -> tuple[str | None, str, int | None]:
     """HF tensor name -> ("text" | "visual" | None, our name, shard index or None)."""
-    name = re.sub(r"^model\.language_model\.", "model.", hf_name)
+    name = re.sub(r"^model\.(language_model|text_model)\.", "model.", hf_name)  # text_model: SmolVLM
+    if name.startswith(("model.vision_model.", "model.connector.")):  # SmolVLM tower + connector
+        return "visual", name[len("model."):], None
     if name.startswith(("visual.", "model.visual.")):
         return "visual", name.split("visual.", 1)[1], None
     if _IGNORED.search(name):
@@ -166,7 +169,7 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
     hf_config = AutoConfig.from_pretrained(path)
     arch = ModelArch.from_hf_config(hf_config)
     files = _checkpoint_files(path)
-    text_config = getattr(hf_config, "text_config", None) if arch.family in ("qwen2_5_vl", "qwen3_vl") else None
+    text_config = getattr(hf_config, "text_config", None) if arch.family in VLM_FAMILIES else None
     model = _MODEL_CLASSES.get(arch.family, CausalLM)(arch, text_config or hf_config)
     visual = _load_weights(model, files)
     model.to(device=device, dtype=dtype).eval()

@@ -58,3 +58,58 @@ def build_tiny_qwen3_vl(out_dir: Path, seed: int = 0):
     tokenizer.chat_template = QWEN3_VL_CHAT_TEMPLATE
     tokenizer.save_pretrained(out_dir)
     return model
+
+
+SMOLVLM_TILE = 64  # pixels per tile side (vision image_size) of the tiny SmolVLM
+SMOLVLM_SEQ_LEN = 16  # <image> tokens per tile: (64 / 8)**2 patches / scale_factor**2
+
+
+def smolvlm_tokenizer():
+    """The Qwen2.5 tokenizer plus SmolVLM's special tokens (``<fake_token_around_image>``,
+    ``<image>``, ``<global-img>``, ``<end_of_utterance>``, ``<row_i_col_j>`` for i, j <= 6),
+    with ``<end_of_utterance>`` as EOS as in SmolVLM2. Ids 151665.. stay under the vocab."""
+    from mm_token_pipeline import qwen_tokenizer_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
+    extra = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
+    extra += [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+    tokenizer.add_special_tokens({"additional_special_tokens": extra}, replace_additional_special_tokens=False)
+    tokenizer.eos_token = "<end_of_utterance>"
+    return tokenizer
+
+
+def build_tiny_smolvlm(out_dir: Path, seed: int = 0):
+    """Save a random tiny SmolVLM2 (``SmolVLMForConditionalGeneration``: SigLIP tower of 64 px
+    tiles, patch 8, pixel shuffle x2, Llama decoder) with its ``SmolVLMProcessor``
+    (longest edge 4 tiles, SmolVLM2's chat template); return the HF model."""
+    from transformers import (SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMImageProcessor,
+                              SmolVLMProcessor, SmolVLMVideoProcessor)
+    from transformers.models.smolvlm.processing_smolvlm import DEFAULT_CHAT_TEMPLATE
+
+    tokenizer = smolvlm_tokenizer()
+    torch.manual_seed(seed)
+    eos = tokenizer.convert_tokens_to_ids("<end_of_utterance>")
+    config = SmolVLMConfig(
+        text_config=dict(model_type="llama", vocab_size=QWEN_VOCAB, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=4096, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         pad_token_id=151643, bos_token_id=151643, eos_token_id=eos),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=SMOLVLM_TILE, patch_size=8),
+        scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids("<image>"), pad_token_id=151643,
+        eos_token_id=eos, architectures=["SmolVLMForConditionalGeneration"],
+    )
+    model = SmolVLMForConditionalGeneration(config)
+    _scale_weights(model, seed)
+    model.eval()
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = 151643
+    model.save_pretrained(out_dir)
+    image_processor = SmolVLMImageProcessor(size={"longest_edge": 4 * SMOLVLM_TILE},
+                                            max_image_size={"longest_edge": SMOLVLM_TILE},
+                                            image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    processor = SmolVLMProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                 video_processor=SmolVLMVideoProcessor(), image_seq_len=SMOLVLM_SEQ_LEN,
+                                 chat_template=DEFAULT_CHAT_TEMPLATE)
+    processor.save_pretrained(out_dir)
+    return model

@@ -76,6 +76,8 @@ class InputProcessor:
         if not self.is_vlm:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             return self._finish(ProcessedPrompt(list(ids)))
+        if getattr(self.hf_config, "model_type", None) == "smolvlm":  # models-vl branch (issue 9)
+            return self._finish(self._smolvlm_messages(messages, items, mm_options or {}))
         opts = {"min_pixels": self.config.min_pixels, "max_pixels": self.config.max_pixels, **(mm_options or {})}
         images = []
         for source, item in items:
@@ -88,6 +90,29 @@ class InputProcessor:
             ))
         ids = build_prompt_ids(self.tokenizer, messages, images)
         return self._finish(ProcessedPrompt(list(ids), images=images))
+
+    def _smolvlm_messages(self, messages, items, mm_options: dict) -> ProcessedPrompt:
+        """SmolVLM2: ids and tiles from the checkpoint's HF processor (loaded once from the
+        tokenizer's folder); the bound is a longest edge (``longest_edge``, or ``max_pixels``
+        mapped to one, per image item, then ``mm_options``, then the engine's ``max_pixels``)."""
+        from transformers import AutoProcessor
+
+        from mm_token_pipeline import load_image
+        from mm_token_pipeline.smolvlm import longest_edge_for, smolvlm_prompt
+
+        if getattr(self, "_hf_processor", None) is None:
+            self._hf_processor = AutoProcessor.from_pretrained(self.tokenizer.name_or_path, fix_mistral_regex=False)
+        proc = self._hf_processor
+        tile, default = proc.image_processor.max_image_size["longest_edge"], proc.image_processor.size["longest_edge"]
+        edges, pils = [], []
+        for source, item in items:
+            opts = {"max_pixels": self.config.max_pixels, **mm_options, **item}
+            edges.append(longest_edge_for(opts.get("max_pixels"), opts.get("longest_edge"), tile=tile, default=default))
+            pils.append(load_image(source, allow_http=self.config.allow_http_images))
+        if len(set(edges)) > 1:
+            raise ValueError(f"SmolVLM resizes all images of a prompt alike; got per-image longest edges {edges}")
+        ids, tiles = smolvlm_prompt(proc, messages, pils, edges[0] if edges else default)
+        return ProcessedPrompt(list(ids), images=tiles)
 
     def _finish(self, p: ProcessedPrompt) -> ProcessedPrompt:
         if not self.is_vlm:
@@ -103,6 +128,8 @@ class InputProcessor:
                 f"{sum(img.num_tokens for img in p.images)}; pass images through chat messages"
             )
         p.image_spans = _image_spans(p.prompt_token_ids, p.images, image_token_id)
+        if getattr(cfg, "model_type", None) == "smolvlm":  # 1-D RoPE: no M-RoPE positions (models-vl)
+            return p
         p.mrope_positions, p.rope_delta = get_rope_index(
             p.prompt_token_ids,
             [img.grid_thw for img in p.images],

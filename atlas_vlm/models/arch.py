@@ -8,11 +8,12 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
-    # ---- models-vl branch (issue 9): Qwen3-VL
+    # ---- models-vl branch (issue 9): Qwen3-VL, SmolVLM2 (Llama decoder)
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "SmolVLMForConditionalGeneration": "smolvlm",
     # ---- end models-vl
 }
-_VLM_FAMILIES = ("qwen2_5_vl", "qwen3_vl")  # decoder hyper-parameters under hf_config.text_config
+VLM_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "smolvlm")  # decoder hyper-parameters under hf_config.text_config
 
 
 class UnsupportedModelError(ValueError):
@@ -52,13 +53,13 @@ class ModelArch:
         family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if family is None:
             family = {"llama": "llama", "qwen2": "qwen2", "qwen2_5_vl": "qwen2_5_vl",
-                      "qwen3_vl": "qwen3_vl"}.get(hf_config.model_type)
+                      "qwen3_vl": "qwen3_vl", "smolvlm": "smolvlm"}.get(hf_config.model_type)
         if family is None:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or hf_config.model_type!r}; "
                 f"Atlas VLM runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        text = getattr(hf_config, "text_config", None) if family in _VLM_FAMILIES else None
+        text = getattr(hf_config, "text_config", None) if family in VLM_FAMILIES else None
         text = text or hf_config
         scaling = getattr(text, "rope_scaling", None) or {}
         attention_bias = bool(getattr(text, "attention_bias", False))
@@ -73,7 +74,7 @@ class ModelArch:
             head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
             rms_norm_eps=text.rms_norm_eps,
             qkv_bias=True if family in ("qwen2", "qwen2_5_vl") else attention_bias,
-            o_bias=attention_bias if family in ("llama", "qwen3_vl") else False,
+            o_bias=attention_bias if family in ("llama", "qwen3_vl", "smolvlm") else False,
             mlp_bias=bool(getattr(text, "mlp_bias", False)),
             hidden_act=text.hidden_act,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),

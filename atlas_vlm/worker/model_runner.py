@@ -72,10 +72,13 @@ class ModelRunner:
         if loaded.vision_state_dict is not None:
             from mm_token_pipeline import VisionEncoder
             from mm_token_pipeline.qwen3_vl import Qwen3VLVisionEncoder  # models-vl branch (issue 9)
+            from mm_token_pipeline.smolvlm import SmolVLMVisionEncoder
 
-            encoder_cls = Qwen3VLVisionEncoder if loaded.hf_config.model_type == "qwen3_vl" else VisionEncoder
+            kind = loaded.hf_config.model_type
+            encoder_cls = {"qwen3_vl": Qwen3VLVisionEncoder, "smolvlm": SmolVLMVisionEncoder}.get(kind, VisionEncoder)
             self.vision = encoder_cls.from_state_dict(
-                loaded.hf_config.vision_config, loaded.vision_state_dict, dtype=self.dtype, device=self.device
+                loaded.hf_config if kind == "smolvlm" else loaded.hf_config.vision_config,  # connector: full config
+                loaded.vision_state_dict, dtype=self.dtype, device=self.device,
             )
         self.encoder_cache: OrderedDict[str, torch.Tensor] = OrderedDict()  # image hash -> embeddings
         self.encoder_cache_size = 64  # images kept
