@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import CPU_FP32, IMAGE_PAD, IMAGES, LOGITS_ATOL, assert_matches_hf, chat, conv, hf_inputs
+from helpers import (CPU_FP32, IMAGE_PAD, IMAGES, LOGITS_ATOL, assert_matches_hf, chat, conv, hf_inputs,
+                     hf_reference)
 from tiny_vlms import QWEN3_VL_PIX, build_tiny_qwen3_vl
 from atlas_vlm import LLM
 
@@ -173,3 +174,24 @@ def test_interleaved_mrope_equals_hf_tables():
     torch.testing.assert_close(sin, sin_hf[0], atol=0, rtol=0)
     blocks = RotaryEmbedding(cfg, [24, 20, 20])  # the Qwen2.5-VL layout is a different table
     assert not torch.allclose(blocks(positions, torch.float32)[0], cos_hf[0])
+
+
+def test_preemption_recomputes_images_with_their_deepstack_rows(q3, hf):
+    """Too few blocks for both requests (prompts of 68 and 70 tokens take 5 blocks each of
+    the 10; decoding 24 more needs 2 more each): one is preempted and recomputed (its images, and
+    their DeepStack rows, fed again); both still equal HF."""
+    llm = LLM(str(q3[0]), max_model_len=512, num_kvcache_blocks=10, enable_prefix_caching=False, **CPU_FP32)
+    convs = [conv(IMAGES / "chelsea.png", text="Describe this image."),
+             conv(IMAGES / "grace_hopper.jpg", text="Who is this?")]
+    outs, rec = chat(llm, convs, 24, SMALL)
+    assert llm.engine.scheduler.num_preemptions >= 1
+    for c, out in zip(convs, outs):
+        p = llm.engine.process_prompt({"messages": c, "mm_options": SMALL})
+        tokens, first, step_logits = hf_reference(hf, p, 24)
+        assert out.token_ids == tokens
+        ours = rec.sampled_logits(out.request_id)  # one row per generated token, recompute included
+        assert len(ours) == len(step_logits) == 24
+        for a, b in zip(ours, step_logits):
+            torch.testing.assert_close(a, b, atol=LOGITS_ATOL, rtol=0)
+    preempted = [rid for rid, recs in rec.by_request.items() if sum(r["start"] == 0 for r in recs) > 1]
+    assert preempted, "no request was recomputed from its start"
