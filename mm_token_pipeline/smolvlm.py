@@ -151,7 +151,9 @@ def _tiles_per_image(ids: list[int], processor, num_images: int) -> list[int]:
             counts.append(current + 1)
             current = 0
     if len(counts) != num_images or current:
-        raise ValueError(f"found {len(counts)} <global-img> views for {num_images} images")
+        raise ValueError(f"the prompt's <row_i_col_j> / <global-img> tokens ({len(counts)} global views, "
+                         f"{current} unclosed tiles) do not match its {num_images} images; is there a literal "
+                         f"image token in the text?")
     return counts
 
 

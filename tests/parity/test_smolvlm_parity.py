@@ -143,3 +143,13 @@ def test_bounds_are_refused_before_allocation(sm):
     with pytest.raises(ValueError, match="max_model_len"):  # 13 tiles x 16 tokens > 120
         llm.engine.add_request({"messages": conv(IMAGES / "chelsea.png", text="Hi")})
     assert bm.num_free_blocks == bm.num_blocks and not llm.engine.requests
+
+
+@pytest.mark.parametrize("text, match", [("what is <image> here?", "number of images in the text"),
+                                         ("row <row_1_col_1> here", "literal image token")])
+def test_literal_image_tokens_in_user_text_are_refused(llm, text, match):
+    """The HF processor tokenizes user text with special tokens recognised (unlike the Qwen
+    path, which keeps them as plain text); a literal image token is refused, never miscounted."""
+    with pytest.raises(ValueError, match=match):
+        llm.engine.add_request({"messages": conv(IMAGES / "chelsea.png", text=text)})
+    assert not llm.engine.requests
