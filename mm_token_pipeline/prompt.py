@@ -118,11 +118,11 @@ def expand_image_pads(token_ids: list[int], num_tokens_per_image: list[int], *, 
 
 
 def build_prompt_ids(tokenizer, messages: list[dict], processed: list[ProcessedImage], *,
-                     add_generation_prompt: bool = True) -> list[int]:
+                     add_generation_prompt: bool = True, default_template: str | None = None) -> list[int]:
     """Token ids of a chat prompt with each image expanded to its ``<|image_pad|>`` run.
 
-    The template (``tokenizer.chat_template`` if it renders images, else
-    :data:`QWEN2_5_VL_CHAT_TEMPLATE`) is rendered with every user text replaced by a unique
+    The template (``tokenizer.chat_template`` if it renders images, else ``default_template``
+    or :data:`QWEN2_5_VL_CHAT_TEMPLATE`) is rendered with every user text replaced by a unique
     sentinel; template pieces are tokenized with special tokens recognised, user texts with
     ``split_special_tokens=True``, so literal ``'<|image_pad|>'`` in user text stays plain
     text (case C08). Pieces are tokenized separately: BPE never merges across a text boundary.
@@ -158,7 +158,7 @@ def build_prompt_ids(tokenizer, messages: list[dict], processed: list[ProcessedI
         masked.append({**message, "content": items})
     template = tokenizer.chat_template
     if not template or ("image_pad" not in template and "vision_start" not in template):
-        template = QWEN2_5_VL_CHAT_TEMPLATE
+        template = default_template or QWEN2_5_VL_CHAT_TEMPLATE
     rendered = tokenizer.apply_chat_template(masked, chat_template=template, tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
     ids: list[int] = []

@@ -68,7 +68,7 @@ class InputProcessor:
             ValueError: images sent to a text-only model.
         """
         from mm_token_pipeline import build_prompt_ids, extract_image_items, load_image, preprocess_image
-        from mm_token_pipeline.qwen3_vl import image_kwargs  # models-vl branch (issue 9): patch 16 etc.
+        from mm_token_pipeline.qwen3_vl import QWEN3_VL_CHAT_TEMPLATE, image_kwargs  # models-vl (issue 9)
 
         items = extract_image_items(messages)
         if items and not self.is_vlm:
@@ -88,7 +88,9 @@ class InputProcessor:
                 max_pixels=item.get("max_pixels", opts["max_pixels"]),
                 **image_kwargs(self.hf_config),
             ))
-        ids = build_prompt_ids(self.tokenizer, messages, images)
+        qwen3 = getattr(self.hf_config, "model_type", None) == "qwen3_vl"  # models-vl: its own fallback template
+        ids = build_prompt_ids(self.tokenizer, messages, images,
+                               default_template=QWEN3_VL_CHAT_TEMPLATE if qwen3 else None)
         return self._finish(ProcessedPrompt(list(ids), images=images))
 
     def _smolvlm_messages(self, messages, items, mm_options: dict) -> ProcessedPrompt:

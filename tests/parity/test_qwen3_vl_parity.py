@@ -195,3 +195,19 @@ def test_preemption_recomputes_images_with_their_deepstack_rows(q3, hf):
             torch.testing.assert_close(a, b, atol=LOGITS_ATOL, rtol=0)
     preempted = [rid for rid, recs in rec.by_request.items() if sum(r["start"] == 0 for r in recs) > 1]
     assert preempted, "no request was recomputed from its start"
+
+
+def test_without_an_image_template_qwen3_vl_falls_back_to_its_own(q3, tmp_path):
+    """A Qwen3-VL folder whose tokenizer template renders no images gets the Qwen3-VL
+    template (no default system prompt), not Qwen2.5-VL's."""
+    import shutil
+
+    folder = tmp_path / "no_template"
+    shutil.copytree(q3[0], folder)
+    (folder / "chat_template.jinja").unlink()
+    llm = LLM(str(folder), num_kvcache_blocks=32, **CPU_FP32)
+    assert "image_pad" not in (llm.tokenizer.chat_template or "")
+    p = llm.engine.process_prompt({"messages": conv(IMAGES / "logo.png", text="Hi"), "mm_options": SMALL})
+    text = llm.tokenizer.decode(p.prompt_token_ids)
+    assert text.startswith("<|im_start|>user\n<|vision_start|><|image_pad|>")
+    assert text.endswith("<|vision_end|>Hi<|im_end|>\n<|im_start|>assistant\n")
