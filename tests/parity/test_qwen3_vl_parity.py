@@ -211,3 +211,18 @@ def test_without_an_image_template_qwen3_vl_falls_back_to_its_own(q3, tmp_path):
     text = llm.tokenizer.decode(p.prompt_token_ids)
     assert text.startswith("<|im_start|>user\n<|vision_start|><|image_pad|>")
     assert text.endswith("<|vision_end|>Hi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_over_budget_image_is_refused_before_allocation(q3):
+    """MAC-V2 for Qwen3-VL: the token count (<= max_pixels / 32**2) is known before any K/V;
+    a prompt that cannot fit is refused with nothing allocated."""
+    from atlas_vlm.engine.engine import RequestTooLongError
+
+    llm = LLM(str(q3[0]), max_model_len=100, num_kvcache_blocks=32, **CPU_FP32)
+    bm = llm.engine.block_manager
+    c = conv(IMAGES / "logo.png", text="Hi")
+    p = llm.engine.process_prompt({"messages": c, "mm_options": {"max_pixels": 256 * QWEN3_VL_PIX}})
+    assert 100 < p.images[0].num_tokens <= 256
+    with pytest.raises(RequestTooLongError, match="max_model_len"):
+        llm.engine.add_request({"messages": c, "mm_options": {"max_pixels": 256 * QWEN3_VL_PIX}})
+    assert bm.num_free_blocks == bm.num_blocks and not llm.engine.requests
