@@ -70,16 +70,10 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.vision = None
         if loaded.vision_state_dict is not None:
-            from mm_token_pipeline import VisionEncoder
-            from mm_token_pipeline.qwen3_vl import Qwen3VLVisionEncoder  # models-vl branch (issue 9)
-            from mm_token_pipeline.smolvlm import SmolVLMVisionEncoder
+            from mm_token_pipeline.towers import build_vision_encoder  # models-vl (issue 9): per family
 
-            kind = loaded.hf_config.model_type
-            encoder_cls = {"qwen3_vl": Qwen3VLVisionEncoder, "smolvlm": SmolVLMVisionEncoder}.get(kind, VisionEncoder)
-            self.vision = encoder_cls.from_state_dict(
-                loaded.hf_config if kind == "smolvlm" else loaded.hf_config.vision_config,  # connector: full config
-                loaded.vision_state_dict, dtype=self.dtype, device=self.device,
-            )
+            self.vision = build_vision_encoder(loaded.hf_config, loaded.vision_state_dict,
+                                               dtype=self.dtype, device=self.device)
         self.encoder_cache: OrderedDict[str, torch.Tensor] = OrderedDict()  # image hash -> embeddings
         self.encoder_cache_size = 64  # images kept
         self.num_encoder_runs = 0  # vision-tower forwards (one per image not found in the cache)
