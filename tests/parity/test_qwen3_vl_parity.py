@@ -96,11 +96,12 @@ def test_chunked_prefill_splits_an_image(q3, hf):
     assert len(inside) >= 2, (cuts, span)
 
 
-def test_prefix_and_encoder_cache_with_a_repeated_image(q3, hf):
+@pytest.mark.parametrize("budget", [2048, 6])  # 6: chunk cuts inside the image after the hit too
+def test_prefix_and_encoder_cache_with_a_repeated_image(q3, hf, budget):
     """Same image, then different questions: the second prompt's prefix-cache hit ends
     inside the image (the rest of the image computed with the matching DeepStack slice),
     the third's covers the whole image (no feature needed); the tower runs once."""
-    llm = LLM(str(q3[0]), max_model_len=1024, num_kvcache_blocks=128, **CPU_FP32)
+    llm = LLM(str(q3[0]), max_model_len=1024, num_kvcache_blocks=128, max_num_batched_tokens=budget, **CPU_FP32)
     first = conv(IMAGES / "chelsea.png", text="Describe this image.")
     (out1,), rec1 = chat(llm, [first], N, SMALL)
     assert_matches_hf(llm, hf, first, out1, rec1, N, SMALL)
@@ -113,6 +114,9 @@ def test_prefix_and_encoder_cache_with_a_repeated_image(q3, hf):
     cached = rec2.by_request[out2.request_id][0]["req"].num_cached_tokens
     assert span.offset < cached < span.offset + span.length, (cached, span)
     assert llm.engine.runner.num_encoder_runs == 1  # encoder cache hit
+    if budget == 6:  # after the hit, a chunk boundary still falls inside the image
+        cuts = [r["end"] for r in rec2.by_request[out2.request_id] if r["end"] < r["num_prompt"]]
+        assert any(cached < x < span.offset + span.length for x in cuts), (cached, cuts, span)
 
     long_text = "Please describe every detail of this picture, the colours, the shapes and the light. "
     third_a = conv(IMAGES / "chelsea.png", text=long_text + "Answer briefly.")
