@@ -46,6 +46,7 @@ class InputProcessor:
         self.config = config
         self.is_vlm = hasattr(hf_config, "vision_config")
         self.vocab_size = vocab_size  # rows of the model's embedding: the valid token ids
+        self._hf_processor = None  # SmolVLM2: the checkpoint's HF processor, loaded on first use
 
     def from_text(self, prompt: str) -> ProcessedPrompt:
         ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
@@ -61,7 +62,8 @@ class InputProcessor:
         """Chat messages (OpenAI / qwen-vl-utils style) through the tokenizer's chat template.
 
         Per-image ``min_pixels`` / ``max_pixels`` in a content item override ``mm_options``,
-        which override the engine's defaults.
+        which override the engine's defaults. SmolVLM2 reads ``longest_edge`` (its own
+        bound) or maps ``max_pixels`` to one (``mm_token_pipeline.smolvlm.longest_edge_for``).
 
         Raises:
             mm_token_pipeline.ImageInputError: an image cannot be loaded or resized.
@@ -102,7 +104,7 @@ class InputProcessor:
         from mm_token_pipeline import load_image
         from mm_token_pipeline.smolvlm import longest_edge_for, smolvlm_prompt
 
-        if getattr(self, "_hf_processor", None) is None:
+        if self._hf_processor is None:
             self._hf_processor = AutoProcessor.from_pretrained(self.tokenizer.name_or_path, fix_mistral_regex=False)
         proc = self._hf_processor
         tile, default = proc.image_processor.max_image_size["longest_edge"], proc.image_processor.size["longest_edge"]
