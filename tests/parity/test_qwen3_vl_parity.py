@@ -230,3 +230,14 @@ def test_over_budget_image_is_refused_before_allocation(q3):
     with pytest.raises(RequestTooLongError, match="max_model_len"):
         llm.engine.add_request({"messages": c, "mm_options": {"max_pixels": 256 * QWEN3_VL_PIX}})
     assert bm.num_free_blocks == bm.num_blocks and not llm.engine.requests
+
+
+def test_contiguous_cache_equals_paged(q3, llm):
+    contiguous = LLM(str(q3[0]), kv_cache="contiguous", max_model_len=512, num_kvcache_blocks=2, **CPU_FP32)
+    convs = [conv(IMAGES / "chelsea.png", text="Describe."), conv(IMAGES / "camera.png", IMAGES / "logo.png", text="Two.")]
+    paged, rec_p = chat(llm, convs, N, SMALL)
+    contig, rec_c = chat(contiguous, convs, N, SMALL)
+    for a, b in zip(paged, contig):
+        assert a.token_ids == b.token_ids and a.prompt_token_ids == b.prompt_token_ids
+        for x, y in zip(rec_p.sampled_logits(a.request_id), rec_c.sampled_logits(b.request_id)):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
