@@ -114,7 +114,9 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
 
 def _our_name(hf_name: str) -> tuple[str | None, str, int | None]:
     """HF tensor name -> ("text" | "visual" | None, our name, shard index or None)."""
-    name = re.sub(r"^model\.language_model\.", "model.", hf_name)
+    name = re.sub(r"^model\.(language_model|text_model)\.", "model.", hf_name)  # text_model: SmolVLM
+    if name.startswith(("model.vision_model.", "model.connector.")):  # SmolVLM tower + connector
+        return "visual", name[len("model."):], None
     if name.startswith(("visual.", "model.visual.")):
         return "visual", name.split("visual.", 1)[1], None
     if _IGNORED.search(name):

@@ -19,7 +19,7 @@ class Request(RequestState):
     max_tokens: int = 16  # resolved generation limit (tokens)
     images: list = field(default_factory=list)  # mm_token_pipeline.ProcessedImage per image, in order
     mrope_positions: torch.Tensor | None = None  # [3, num_prompt_tokens] M-RoPE positions (None: text model)
-    image_embeds: list[torch.Tensor] | None = None  # per image [num_tokens_i, hidden], once encoded
+    image_embeds: list[torch.Tensor | None] | None = None  # per image [num_tokens_i, hidden] once needed and encoded
     generator: torch.Generator | None = None  # per-request sampling RNG
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
     error: str | None = None  # why it failed (finish_reason == "error")

@@ -28,6 +28,10 @@ Data path of one request (shapes for the default geometry: patch 14 px, merge 2)
     embeds = encoder.encode_images(processed)                # [num_tokens_i, out_hidden] each
     next_pos = mtp.decode_position(len(ids), rope_delta)     # position of the first new token
 
+Other families live in their own modules: ``mm_token_pipeline.qwen3_vl`` (patch 16,
+DeepStack tower, chat template) and ``mm_token_pipeline.smolvlm`` (prompt and tiles from the
+HF ``SmolVLMProcessor``, longest-edge bound, SigLIP tower + connector).
+
 Errors: every bad image input raises ``ImageInputError`` (a ``ValueError``) whose message
 names the source and the cause; the caller can refuse that request before allocating any
 KV cache block, since the token count of each image (``ProcessedImage.num_tokens``) is

@@ -24,8 +24,8 @@ _MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reaso
 #: Content item type -> keys that item may carry.
 CONTENT_TYPES = {
     "text": {"type", "text"},
-    "image": {"type", "image", "min_pixels", "max_pixels"},
-    "image_url": {"type", "image_url", "min_pixels", "max_pixels"},
+    "image": {"type", "image", "min_pixels", "max_pixels", "longest_edge"},
+    "image_url": {"type", "image_url", "min_pixels", "max_pixels", "longest_edge"},
 }
 
 

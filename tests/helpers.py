@@ -76,7 +76,7 @@ class Recorder:
     def prefill_positions(self, rid: str) -> torch.Tensor:
         recs = [r for r in self.by_request[rid] if r["start"] < r["num_prompt"]]
         assert recs[0]["start"] == recs[0]["req"].num_cached_tokens
-        return torch.cat([r["positions"] for r in recs], dim=1), recs[0]["start"]
+        return torch.cat([r["positions"] for r in recs], dim=-1), recs[0]["start"]
 
 
 @contextmanager
@@ -94,7 +94,7 @@ def record(llm):
         offset = 0
         for info in infos:
             n = info["end"] - info["start"]
-            info["positions"] = positions[:, offset:offset + n].clone()
+            info["positions"] = positions[..., offset:offset + n].clone()  # [3, n] M-RoPE or [n] RoPE
             offset += n
         for row, index in enumerate(sampled):
             infos[index]["logits"] = logits[row].detach().float().cpu().clone()
@@ -134,7 +134,10 @@ def chat(llm, convs, n_tokens, mm_options=None):
 def hf_inputs(p):
     ids = torch.tensor([p.prompt_token_ids])
     kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
-    if p.images:
+    if p.images and hasattr(p.images[0], "pixel_attention_mask"):  # SmolVLM: one item per tile
+        kwargs["pixel_values"] = torch.stack([t.pixel_values for t in p.images])[None]  # [1, tiles, 3, H, W]
+        kwargs["pixel_attention_mask"] = torch.stack([t.pixel_attention_mask for t in p.images])[None]
+    elif p.images:
         kwargs["pixel_values"] = torch.cat([im.pixel_values for im in p.images])
         kwargs["image_grid_thw"] = torch.tensor([list(im.grid_thw) for im in p.images])
     return kwargs
@@ -154,8 +157,8 @@ def hf_reference(hf, p, n_tokens):
 def assert_rope_matches_hf(hf, p):
     """MAC-V3: our prompt positions and rope_delta equal HF ``get_rope_index``."""
     kwargs = hf_inputs(p)
-    # keyword: Qwen2.5-VL has second_per_grid_ts before attention_mask, Qwen2-VL does not
-    pos, delta = hf.model.get_rope_index(kwargs["input_ids"], kwargs.get("image_grid_thw"), None,
+    # keywords: Qwen2.5-VL's signature has second_per_grid_ts, Qwen2-VL's and Qwen3-VL's do not
+    pos, delta = hf.model.get_rope_index(kwargs["input_ids"], image_grid_thw=kwargs.get("image_grid_thw"),
                                          attention_mask=kwargs["attention_mask"])
     assert p.mrope_positions.shape == (3, len(p.prompt_token_ids))
     assert torch.equal(p.mrope_positions.long(), pos[:, 0].long())
@@ -167,10 +170,13 @@ def assert_matches_hf(llm, hf, conversation, out, rec, n_tokens, mm_options=None
     p = llm.engine.process_prompt({"messages": conversation, "mm_options": mm_options})
     assert out.finish_reason in ("length", "stop") and out.error is None
     assert out.prompt_token_ids == p.prompt_token_ids
-    assert_rope_matches_hf(hf, p)
-    # positions actually fed to the model during prefill are those of get_rope_index
     fed, start = rec.prefill_positions(out.request_id)
-    assert torch.equal(fed, p.mrope_positions[:, start:].long())
+    if p.mrope_positions is not None:
+        assert_rope_matches_hf(hf, p)
+        # positions actually fed to the model during prefill are those of get_rope_index
+        assert torch.equal(fed, p.mrope_positions[:, start:].long())
+    else:  # 1-D RoPE (SmolVLM): token index
+        assert torch.equal(fed, torch.arange(start, len(p.prompt_token_ids)))
     tokens, first, step_logits = hf_reference(hf, p, n_tokens)
     assert out.token_ids == tokens
     torch.testing.assert_close(rec.first_logits(out.request_id), first, atol=LOGITS_ATOL, rtol=0)
@@ -178,11 +184,11 @@ def assert_matches_hf(llm, hf, conversation, out, rec, n_tokens, mm_options=None
     assert len(ours) == len(step_logits) == len(tokens)
     for step, (a, b) in enumerate(zip(ours, step_logits)):
         torch.testing.assert_close(a, b, atol=LOGITS_ATOL, rtol=0, msg=lambda m: f"step {step}: {m}")
-    # decode positions: context_len + rope_delta of this request, on all three axes
+    # decode positions: context_len + rope_delta of this request, on all three axes (M-RoPE)
     for r in rec.by_request[out.request_id]:
         if r["start"] >= r["num_prompt"]:
             expect = torch.arange(r["start"], r["end"]) + p.rope_delta
-            assert torch.equal(r["positions"], expect[None].expand(3, -1))
+            assert torch.equal(r["positions"], expect[None].expand(3, -1) if p.mrope_positions is not None else expect)
     return p
 
 

@@ -89,13 +89,17 @@ class ChatInput:
         tokenizer: the model's transformers tokenizer (its ``chat_template`` is the default).
         config: ``EngineConfig`` (``min_pixels``/``max_pixels`` defaults, ``allow_http_images``,
             ``http_image_timeout_s``, ``http_image_max_bytes``).
-        is_vlm: the model takes images (Qwen2.5-VL path).
+        hf_config: the model's transformers config: a ``vision_config`` means images (the
+            Qwen2-VL / Qwen2.5-VL / Qwen3-VL path, or SmolVLM2's HF processor).
     """
 
-    def __init__(self, tokenizer, config, is_vlm: bool):
+    def __init__(self, tokenizer, config, hf_config):
         self.tokenizer = tokenizer
         self.config = config
-        self.is_vlm = is_vlm
+        self.hf_config = hf_config
+        self.is_vlm = hasattr(hf_config, "vision_config")
+        self.model_type = getattr(hf_config, "model_type", None)
+        self._hf_processor = None  # SmolVLM2: the checkpoint's HF processor, loaded on first use
 
     def process(self, prompt: dict) -> tuple[list[int], list]:
         """``(prompt token ids, processed images)`` of a chat prompt dict (see the module
@@ -116,21 +120,64 @@ class ChatInput:
             ids = self.tokenizer.apply_chat_template(to_string_content(p["messages"]), tokenize=True,
                                                      return_dict=False, **template_args)
             return list(ids), []
-        from mm_token_pipeline import build_prompt_ids, extract_image_items, load_image, preprocess_image
+        from mm_token_pipeline import build_prompt_ids, preprocess_image
+        from mm_token_pipeline.qwen3_vl import QWEN3_VL_CHAT_TEMPLATE, image_kwargs
 
-        engine_opts = MultiModalOptions(min_pixels=self.config.min_pixels, max_pixels=self.config.max_pixels)
-        request_opts = p["mm_options"].merged_over(engine_opts)
+        if self.model_type == "smolvlm":
+            return self._smolvlm(p)
         images = []
-        for index, (source, item) in enumerate(extract_image_items(p["messages"])):
-            item_opts = {k: item[k] for k in ("min_pixels", "max_pixels") if k in item}
-            opts = MultiModalOptions.from_value(item_opts, where=f"image {index}").merged_over(request_opts)
+        for opts, pil in self._images(p):
+            if opts.longest_edge is not None:
+                raise ValueError(f"longest_edge is SmolVLM's image bound; {self.model_type} takes "
+                                 "min_pixels / max_pixels")
             min_pixels, max_pixels = opts.resolved()
-            pil = load_image(source, allow_http=self.config.allow_http_images,
-                             http_timeout_s=self.config.http_image_timeout_s,
-                             max_http_bytes=self.config.http_image_max_bytes)
-            images.append(preprocess_image(pil, min_pixels=min_pixels, max_pixels=max_pixels))
+            images.append(preprocess_image(pil, min_pixels=min_pixels, max_pixels=max_pixels,
+                                           **image_kwargs(self.hf_config)))
         ids = build_prompt_ids(self.tokenizer, p["messages"], images,
                                add_generation_prompt=p["add_generation_prompt"],
                                continue_final_message=p["continue_final_message"],
-                               chat_template=p["chat_template"], chat_template_kwargs=p["chat_template_kwargs"])
+                               chat_template=p["chat_template"], chat_template_kwargs=p["chat_template_kwargs"],
+                               default_template=QWEN3_VL_CHAT_TEMPLATE if self.model_type == "qwen3_vl" else None)
         return list(ids), images
+
+    def _images(self, p: dict):
+        """``(options, RGB PIL image)`` per image item: the item's bounds over the request's
+        ``mm_options`` over the engine's ``min_pixels`` / ``max_pixels``."""
+        from mm_token_pipeline import extract_image_items, load_image
+
+        engine_opts = MultiModalOptions(min_pixels=self.config.min_pixels, max_pixels=self.config.max_pixels)
+        request_opts = p["mm_options"].merged_over(engine_opts)
+        for index, (source, item) in enumerate(extract_image_items(p["messages"])):
+            item_opts = {k: item[k] for k in ("min_pixels", "max_pixels", "longest_edge") if k in item}
+            opts = MultiModalOptions.from_value(item_opts, where=f"image {index}").merged_over(request_opts)
+            pil = load_image(source, allow_http=self.config.allow_http_images,
+                             http_timeout_s=self.config.http_image_timeout_s,
+                             max_http_bytes=self.config.http_image_max_bytes)
+            yield opts, pil
+
+    def _smolvlm(self, p: dict) -> tuple[list[int], list]:
+        """SmolVLM2: ids and tiles from the checkpoint's HF processor (loaded once from the
+        tokenizer's folder); the bound is a longest edge (``longest_edge``, or ``max_pixels``
+        mapped to one: item, then ``mm_options``, then the engine's ``max_pixels``).
+
+        Raises:
+            ValueError: ``continue_final_message`` / a template override (not supported on
+                this path), or per-image bounds that differ (the processor resizes alike)."""
+        from transformers import AutoProcessor
+
+        from mm_token_pipeline.smolvlm import longest_edge_for, smolvlm_prompt
+
+        if p["continue_final_message"] or not p["add_generation_prompt"] or p["chat_template"] or p["chat_template_kwargs"]:
+            raise ValueError("SmolVLM2 prompts take the processor's template with add_generation_prompt=True only; "
+                             "continue_final_message, chat_template and chat_template_kwargs are not supported")
+        if self._hf_processor is None:
+            self._hf_processor = AutoProcessor.from_pretrained(self.tokenizer.name_or_path, fix_mistral_regex=False)
+        proc = self._hf_processor
+        tile, default = proc.image_processor.max_image_size["longest_edge"], proc.image_processor.size["longest_edge"]
+        edges, pils = [], []
+        for opts, pil in self._images(p):
+            edges.append(longest_edge_for(opts.max_pixels, opts.longest_edge, tile=tile, default=default))
+            pils.append(pil)
+        if len(set(edges)) > 1:
+            raise ValueError(f"SmolVLM resizes all images of a prompt alike; got per-image longest edges {edges}")
+        return smolvlm_prompt(proc, p["messages"], pils, edges[0] if edges else default)

@@ -74,7 +74,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.block_manager = block_manager
         self.device = device
-        self.chat = ChatInput(tokenizer, config, self.is_vlm)
+        self.chat = ChatInput(tokenizer, config, hf_config)
         self._ids = itertools.count()  # default request ids
         self._seeds = itertools.count()  # default seeds: engine seed + arrival index
 
@@ -136,6 +136,8 @@ class InputProcessor:
                 f"{sum(img.num_tokens for img in p.images)}; pass images through chat messages"
             )
         p.image_spans = _image_spans(p.prompt_token_ids, p.images, image_token_id)
+        if getattr(cfg, "model_type", None) == "smolvlm":  # 1-D RoPE: no M-RoPE positions (models-vl)
+            return p
         p.mrope_positions, p.rope_delta = get_rope_index(
             p.prompt_token_ids,
             [img.grid_thw for img in p.images],

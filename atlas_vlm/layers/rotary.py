@@ -1,9 +1,14 @@
-"""Rotary position embeddings: plain RoPE (Llama, Qwen2) and Qwen2.5-VL's M-RoPE.
+"""Rotary position embeddings: plain RoPE (Llama, Qwen2), Qwen2.5-VL's M-RoPE and
+Qwen3-VL's interleaved M-RoPE.
 
 The inverse frequencies come from transformers' ``ROPE_INIT_FUNCTIONS`` (default, llama3,
 linear, dynamic, yarn, ...), so scaled variants follow HF exactly. M-RoPE (Qwen2-VL paper,
 HF ``apply_multimodal_rotary_pos_emb``) splits the rotary channels into ``mrope_section``
-chunks taken from the temporal, height and width position rows.
+chunks taken from the temporal, height and width position rows. Interleaved M-RoPE
+(Qwen3-VL, HF ``Qwen3VLTextRotaryEmbedding.apply_interleaved_mrope``) takes the same counts
+per axis but laid out round-robin: frequency ``j`` comes from H when ``j % 3 == 1`` and
+``j < 3 * mrope_section[1]``, from W when ``j % 3 == 2`` and ``j < 3 * mrope_section[2]``,
+else from T.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ class RotaryEmbedding(nn.Module):
     Args:
         hf_text_config: the HF (text) config: ``rope_theta``, ``rope_scaling``, head dim.
         mrope_section: per-axis rotary pair counts (sums to ``head_dim // 2``), or ``None``.
+        mrope_interleaved: lay the sections out interleaved (Qwen3-VL) instead of in blocks.
     """
 
-    def __init__(self, hf_text_config, mrope_section: list[int] | None = None):
+    def __init__(self, hf_text_config, mrope_section: list[int] | None = None, mrope_interleaved: bool = False):
         super().__init__()
         scaling = getattr(hf_text_config, "rope_scaling", None) or {}
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -34,7 +40,10 @@ class RotaryEmbedding(nn.Module):
         if mrope_section is not None:
             if 2 * sum(mrope_section) != 2 * inv_freq.numel():
                 raise ValueError(f"mrope_section {mrope_section} must sum to head_dim // 2 = {inv_freq.numel()}")
-            axis = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(list(mrope_section) * 2)])
+            if mrope_interleaved:
+                axis = _interleaved_axes(list(mrope_section), inv_freq.numel()).repeat(2)
+            else:
+                axis = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(list(mrope_section) * 2)])
             self.axis_of_channel = axis  # [head_dim]: position row (t, h, w) feeding each channel
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,6 +62,15 @@ class RotaryEmbedding(nn.Module):
         cos = (emb.cos() * self.attention_scaling).to(dtype)
         sin = (emb.sin() * self.attention_scaling).to(dtype)
         return cos, sin
+
+
+def _interleaved_axes(mrope_section: list[int], num_freqs: int) -> torch.Tensor:
+    """Axis (0 = T, 1 = H, 2 = W) of each of ``num_freqs`` frequencies, as HF
+    ``Qwen3VLTextRotaryEmbedding.apply_interleaved_mrope`` (transformers 4.57.6) lays them out."""
+    axis = torch.zeros(num_freqs, dtype=torch.long)  # [head_dim // 2]
+    for dim, offset in ((1, 1), (2, 2)):
+        axis[offset:mrope_section[dim] * 3:3] = dim
+    return axis
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

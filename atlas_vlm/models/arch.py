@@ -31,6 +31,7 @@ class ModelArch:
     max_position_embeddings: int  # max_position_embeddings
     mrope_section: tuple[int, ...] | None  # rope_scaling["mrope_section"] (Qwen2-VL, Qwen2.5-VL)
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    mrope_interleaved: bool = False  # M-RoPE sections interleaved, not in blocks (Qwen3-VL)
 
     @classmethod
     def from_hf_config(cls, hf_config) -> "ModelArch":
@@ -61,4 +62,5 @@ class ModelArch:
             max_position_embeddings=text.max_position_embeddings,
             mrope_section=tuple(scaling["mrope_section"]) if "mrope_section" in scaling else None,
             qk_norm=fam.qk_norm,
+            mrope_interleaved=fam.name == "qwen3_vl",  # HF Qwen3-VL always interleaves
         )

@@ -54,6 +54,11 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 nested_text_config=True, qkv_bias=True, multimodal=True),
     ModelFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), ("qwen2_5_vl",),
                 nested_text_config=True, qkv_bias=True, multimodal=True),
+    ModelFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",), ("qwen3_vl",),
+                model_cls="atlas_vlm.models.qwen3_vl:Qwen3VLForCausalLM", nested_text_config=True,
+                qkv_bias=None, qk_norm=True, multimodal=True),
+    ModelFamily("smolvlm", ("SmolVLMForConditionalGeneration",), ("smolvlm",),
+                nested_text_config=True, qkv_bias=None, multimodal=True),
 )
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {a: f.name for f in FAMILIES for a in f.architectures}

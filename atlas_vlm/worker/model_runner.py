@@ -58,11 +58,10 @@ class ModelRunner:
         arch = self.model.arch
         self.vision = None  # built before the KV cache so the CUDA budget sees its weights
         if loaded.vision_state_dict is not None:
-            from mm_token_pipeline import VisionEncoder
+            from mm_token_pipeline.towers import build_vision_encoder  # one dispatch per family
 
-            self.vision = VisionEncoder.from_state_dict(
-                loaded.hf_config.vision_config, loaded.vision_state_dict, dtype=self.dtype, device=self.device
-            )
+            self.vision = build_vision_encoder(loaded.hf_config, loaded.vision_state_dict,
+                                               dtype=self.dtype, device=self.device)
         spec = kv_cache_spec(arch.num_layers, arch.num_kv_heads, arch.head_dim, self.dtype)
         contiguous = config.kv_cache == "contiguous"
         self.block_size = max_model_len if contiguous else config.kvcache_block_size
@@ -92,20 +91,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def encode_images(self, req) -> None:
-        """Fill ``req.image_embeds`` (per image ``[num_tokens, hidden]``), reusing cached images."""
-        if req.image_embeds is not None or not req.images:
+        """Fill ``req.image_embeds``: per image ``[num_tokens, hidden]`` (Qwen3-VL: with its
+        DeepStack columns), reusing cached images. An image whose tokens are all computed
+        already (a prefix-cache hit covering it) needs no features and stays ``None`` until
+        a recompute (preemption) reaches it again (models-vl branch, issue 9)."""
+        if not req.images:
             return
-        missing = [img for img in req.images if img.content_hash not in self.encoder_cache]
+        embeds = list(req.image_embeds) if req.image_embeds is not None else [None] * len(req.images)
+        needed = [i for i, (span, emb) in enumerate(zip(req.image_spans, embeds))
+                  if emb is None and span.offset + span.length > req.num_computed_tokens]
+        missing = list({req.images[i].content_hash: req.images[i] for i in needed
+                        if req.images[i].content_hash not in self.encoder_cache}.values())
         if missing:
             if self.vision is None:
                 raise ValueError("this model has no vision tower; it cannot take images")
             for img, emb in zip(missing, self.vision.encode_images(missing)):
                 self.encoder_cache[img.content_hash] = emb
                 self.num_encoder_runs += 1
-        embeds = []
-        for img in req.images:
-            self.encoder_cache.move_to_end(img.content_hash)
-            embeds.append(self.encoder_cache[img.content_hash])
+        for i in needed:
+            self.encoder_cache.move_to_end(req.images[i].content_hash)
+            embeds[i] = self.encoder_cache[req.images[i].content_hash]
         req.image_embeds = embeds
         while len(self.encoder_cache) > self.encoder_cache_size:
             self.encoder_cache.popitem(last=False)
@@ -118,7 +123,10 @@ class ModelRunner:
             self.encode_images(req)
         inp = prepare_inputs(chunks, self.device, self.mrope)
         x = self.model.embed(inp.input_ids, inp.mm_embeds, inp.mm_token_index)  # [num_tokens, hidden]
-        hidden = self.model(x, inp.positions, self.kv_cache, inp.meta)
+        # Qwen3-VL's DeepStack adds image rows inside the decoder (models-vl branch, issue 9)
+        mm = dict(mm_embeds=inp.mm_embeds, mm_token_index=inp.mm_token_index) \
+            if getattr(self.model, "takes_mm_in_forward", False) else {}
+        hidden = self.model(x, inp.positions, self.kv_cache, inp.meta, **mm)
         logits = self.model.compute_logits(hidden[inp.logits_index])  # [num_sampled, vocab]
         for observe in self.observers:
             observe(chunks, inp, logits, inp.sampled)
