@@ -136,18 +136,18 @@ def test_vllm_add_generation_prompt_and_continue_final_message(text_server, text
 
 
 def test_32_concurrent_clients_batch_together_and_match_offline(text_server, text_llm):
-    prompts = [f"Write the number {i} in words, then count to {i % 5 + 3}." for i in range(32)]
-    refs = text_llm.chat([user(p) for p in prompts], greedy(8), use_tqdm=False)
+    prompts = [f"{i} plus {i % 7} equals" for i in range(32)]  # short raw prompts: cheap on 2 cores
+    refs = text_llm.generate(prompts, greedy(6), use_tqdm=False)
     client = text_server.client()
     before, peak, done = text_server.metrics(), [0.0], threading.Event()
 
     def poll():
         while not done.is_set():
             peak[0] = max(peak[0], text_server.metrics()["atlas:num_requests_running"])
+            time.sleep(0.05)
 
     def ask(p):
-        r = client.chat.completions.create(model="smollm2", messages=user(p), max_tokens=8, temperature=0)
-        return r.choices[0].message.content
+        return client.completions.create(model="smollm2", prompt=p, max_tokens=6, temperature=0).choices[0].text
 
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
