@@ -36,7 +36,7 @@ ROWS = [  # (route, body, status, param, words in the message)
     (CHAT, chat(messages=[]), 400, "messages", "at least 1 item"),
     (CHAT, chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages.0.role", "Input should be"),
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]), 400,
-     "messages.0.content", "input_audio"),
+     "messages.0.content.0", "input_audio"),
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {
         "url": "data:image/png;base64,iVBORw0KGgo="}}]}]), 400, None, "text-only"),
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {

@@ -142,11 +142,15 @@ class CompletionRequest(_SamplingFields):
         return v
 
 
+_TYPE_STEPS = {"str", "int", "float", "bool", "none", "list", "dict"}  # union branch names in pydantic locs
+
+
 def validation_error(errors: list[dict]) -> APIError:
     """Turn pydantic's ``errors()`` into one 400 ``APIError`` naming the first bad field;
     an unknown field is reported as an unsupported feature."""
-    err = errors[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    # in a union (``str | list[...]``) the deepest error is the informative one
+    err = max(errors, key=lambda e: len(e.get("loc", ())))
+    loc = [str(p) for p in err.get("loc", ()) if p != "body" and str(p) not in _TYPE_STEPS and "[" not in str(p)]
     param = ".".join(loc) or None
     if err.get("type") == "extra_forbidden":
         return APIError(400, f"'{param}' is not supported by this server", param, "unsupported_parameter")
