@@ -47,7 +47,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     created = int(time.time())
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream(ctx, iters, first, rid, model, created, include_usage, is_disconnected)
+        return _stream(ctx, iters, first, rid, model, created, include_usage)
     return await until_disconnected(_full(ctx, iters, first, rid, model, created), is_disconnected)
 
 
@@ -71,15 +71,13 @@ async def _full(ctx, iters, first, rid, model, created) -> dict:
                            first.num_cached_tokens)}
 
 
-async def _stream(ctx, iters, first, rid, model, created, include_usage, is_disconnected) -> AsyncIterator[str]:
+async def _stream(ctx, iters, first, rid, model, created, include_usage) -> AsyncIterator[str]:
     n = len(iters)
     sent_chars, sent_tokens = [0] * n, [0] * n
     prompt_tokens, completion = 0, [0] * n
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     try:
         async for i, out in merge(iters):
-            if await is_disconnected():
-                return  # the finally closes (aborts) every choice
             text = out.text[sent_chars[i]:] if len(out.text) > sent_chars[i] else ""
             new_ids = out.token_ids[sent_tokens[i]:]
             prompt_tokens, completion[i] = len(out.prompt_token_ids), len(out.token_ids)

@@ -54,7 +54,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, is_disco
     cached = lambda: sum(f.num_cached_tokens for f in firsts)  # noqa: E731
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream(ctx, iters, firsts, req.n, base, cached, include_usage, is_disconnected)
+        return _stream(ctx, iters, firsts, req.n, base, cached, include_usage)
     return await until_disconnected(_full(ctx, iters, firsts, req.n, base, cached), is_disconnected)
 
 
@@ -80,13 +80,11 @@ async def _full(ctx, iters, firsts, n, base, cached) -> dict:
     return {**base, "choices": choices, "usage": _usage(finals, n, cached())}
 
 
-async def _stream(ctx, iters, firsts, n, base, cached, include_usage, is_disconnected) -> AsyncIterator[str]:
+async def _stream(ctx, iters, firsts, n, base, cached, include_usage) -> AsyncIterator[str]:
     sent_chars, sent_tokens = [0] * len(iters), [0] * len(iters)
     last = [None] * len(iters)
     try:
         async for i, out in merge(iters):
-            if await is_disconnected():
-                return  # the finally closes (aborts) every choice
             last[i] = out
             text = out.text[sent_chars[i]:] if len(out.text) > sent_chars[i] else ""
             new_ids = out.token_ids[sent_tokens[i]:]
