@@ -30,9 +30,9 @@ def user(text: str) -> list[dict]:
 
 def test_chat_greedy_equals_llm_chat_with_exact_usage(text_server, text_llm):
     client = text_server.client()
-    for q in QUESTIONS:
-        ref = text_llm.chat(user(q), greedy(24), use_tqdm=False)[0]
-        r = client.chat.completions.create(model="smollm2", messages=user(q), max_tokens=24, temperature=0)
+    refs = text_llm.chat([user(q) for q in QUESTIONS[:2]], greedy(12), use_tqdm=False)
+    for q, ref in zip(QUESTIONS, refs):
+        r = client.chat.completions.create(model="smollm2", messages=user(q), max_tokens=12, temperature=0)
         assert r.choices[0].message.content == ref.text
         assert r.choices[0].finish_reason == ref.finish_reason
         assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
@@ -47,12 +47,12 @@ def test_completions_equal_generate_for_text_token_ids_and_lists(text_server, te
     client = text_server.client()
     ids = text_llm.tokenizer("Once upon a time")["input_ids"]
     prompts = ["The capital of France is", "1, 2, 3, 4,"]
-    refs = text_llm.generate(prompts + [ids], greedy(12), use_tqdm=False)
-    r = client.completions.create(model="smollm2", prompt=prompts, max_tokens=12, temperature=0)
+    refs = text_llm.generate(prompts + [ids], greedy(8), use_tqdm=False)
+    r = client.completions.create(model="smollm2", prompt=prompts, max_tokens=8, temperature=0)
     assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [o.text for o in refs[:2]]
     assert r.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in refs[:2])
     assert r.usage.completion_tokens == sum(len(o.token_ids) for o in refs[:2])
-    r = client.completions.create(model="smollm2", prompt=ids, max_tokens=12, temperature=0)
+    r = client.completions.create(model="smollm2", prompt=ids, max_tokens=8, temperature=0)
     assert r.choices[0].text == refs[2].text and r.usage.prompt_tokens == len(ids)
     r = client.completions.create(model="smollm2", prompt=[ids, ids[:2]], max_tokens=3, temperature=0)
     assert [c.index for c in r.choices] == [0, 1] and r.choices[0].text == text_llm.generate(
@@ -61,8 +61,8 @@ def test_completions_equal_generate_for_text_token_ids_and_lists(text_server, te
 
 def test_stream_concatenates_to_the_full_text_with_usage(text_server):
     client = text_server.client()
-    full = client.chat.completions.create(model="smollm2", messages=user(QUESTIONS[1]), max_tokens=32, temperature=0)
-    chunks = list(client.chat.completions.create(model="smollm2", messages=user(QUESTIONS[1]), max_tokens=32,
+    full = client.chat.completions.create(model="smollm2", messages=user(QUESTIONS[1]), max_tokens=16, temperature=0)
+    chunks = list(client.chat.completions.create(model="smollm2", messages=user(QUESTIONS[1]), max_tokens=16,
                                                  temperature=0, stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
@@ -94,12 +94,12 @@ def test_logprobs_equal_the_library(text_server, text_llm):
 def test_seeded_sampling_and_stop_strings_equal_the_library(text_server, text_llm):
     client = text_server.client()
     ref = text_llm.chat(user(QUESTIONS[2]), SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=123,
-                                                           max_tokens=16), use_tqdm=False)[0]
-    r = client.chat.completions.create(model="smollm2", messages=user(QUESTIONS[2]), max_tokens=16, temperature=0.9,
+                                                           max_tokens=8), use_tqdm=False)[0]
+    r = client.chat.completions.create(model="smollm2", messages=user(QUESTIONS[2]), max_tokens=8, temperature=0.9,
                                        top_p=0.9, seed=123, extra_body={"top_k": 40})
     assert r.choices[0].message.content == ref.text
-    ref = text_llm.generate("1, 2, 3, 4,", greedy(20, stop=[" 7", "x"]), use_tqdm=False)[0]
-    r = client.completions.create(model="smollm2", prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[" 7", "x"])
+    ref = text_llm.generate("1, 2, 3, 4,", greedy(12, stop=[" 7", "x"]), use_tqdm=False)[0]
+    r = client.completions.create(model="smollm2", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[" 7", "x"])
     assert r.choices[0].text == ref.text and r.choices[0].finish_reason == "stop" and " 7" not in ref.text
 
 
