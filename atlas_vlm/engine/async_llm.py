@@ -16,41 +16,11 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
+from atlas_vlm.engine.request_stream import (EngineDeadError, EngineStats, QueueFullError, RequestStream,
+                                             RequestStreamState, settle)
 from atlas_vlm.outputs import RequestOutput
 from atlas_vlm.sampling_params import SamplingParams
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (shut down, or an engine step raised)."""
-
-
-class QueueFullError(RuntimeError):
-    """More requests wait than ``max_waiting_requests`` allows (HTTP 503)."""
-
-
-@dataclass
-class EngineStats:
-    """Snapshot of the engine after a step (read by ``/metrics``)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    num_preemptions: int = 0
-
-
-@dataclass
-class _Stream:
-    queue: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
-    arrival: float
-    request: object = None  # the engine's Request (prefix-cache hits), set in the engine thread
-    last_token_time: float | None = None
-    num_tokens_seen: int = 0
-    finished: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 class AsyncLLM:
@@ -75,7 +45,7 @@ class AsyncLLM:
                                  num_free_blocks=engine.block_manager.num_free_blocks)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}  # engine-thread owned
+        self._streams: dict[str, RequestStreamState] = {}  # engine-thread owned
         self._pending_adds = 0
         self._accepting = True
         self._dead: BaseException | None = None
@@ -113,7 +83,7 @@ class AsyncLLM:
                                  f"{self.max_waiting_requests}); try again later")
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        stream = _Stream(asyncio.Queue(), loop, arrival_time or time.monotonic())
+        stream = RequestStreamState(asyncio.Queue(), loop, arrival_time or time.monotonic())
         self._pending_adds += 1
         try:
             self._post(("add", prompt, sampling_params, request_id, stream, done))
@@ -122,7 +92,7 @@ class AsyncLLM:
             self._pending_adds -= 1
         return RequestStream(request_id, stream, self._iterate(request_id, stream), self.abort)
 
-    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+    async def _iterate(self, request_id: str, stream: RequestStreamState) -> AsyncIterator[RequestOutput]:
         try:
             while True:
                 out = await stream.queue.get()
@@ -184,15 +154,15 @@ class AsyncLLM:
                     self._do_abort(rid)
                 return False
 
-    def _do_add(self, prompt, params, request_id, stream: _Stream, done: asyncio.Future) -> None:
+    def _do_add(self, prompt, params, request_id, stream: RequestStreamState, done: asyncio.Future) -> None:
         try:
             rid = self.engine.add_request(prompt, params, request_id)
         except Exception as e:  # noqa: BLE001 - handed to the caller, who maps it to HTTP 400
-            stream.loop.call_soon_threadsafe(_settle, done, e)
+            stream.loop.call_soon_threadsafe(settle, done, e)
             return
         stream.request = self.engine.requests.get(rid)
         self._streams[rid] = stream
-        stream.loop.call_soon_threadsafe(_settle, done, None)
+        stream.loop.call_soon_threadsafe(settle, done, None)
 
     def _do_abort(self, request_id: str) -> None:
         out = self.engine.abort_request(request_id)
@@ -244,39 +214,4 @@ class AsyncLLM:
             self.stat_logger.on_step(self.stats, batch_size)
 
 
-class RequestStream:
-    """What ``AsyncLLM.add_request`` returns: an async iterator of ``RequestOutput``
-    (``async for out in stream``) that aborts its request if left before the end."""
-
-    def __init__(self, request_id: str, stream: _Stream, iterator: AsyncIterator[RequestOutput], abort):
-        self.request_id = request_id
-        self._stream = stream
-        self._iterator = iterator
-        self._abort = abort
-
-    def __aiter__(self):
-        return self._iterator
-
-    @property
-    def num_cached_tokens(self) -> int:
-        """Prompt tokens served by prefix-cache hits at admission (0 before admission)."""
-        return getattr(self._stream.request, "num_cached_tokens", 0)
-
-    def __del__(self):  # never iterated nor closed: do not let the request run for nobody
-        if not self._stream.finished:
-            self._abort(self.request_id)
-
-    async def aclose(self) -> None:
-        """Stop reading; an unfinished request is aborted (also when never iterated)."""
-        await self._iterator.aclose()
-        if not self._stream.finished:
-            self._abort(self.request_id)
-
-
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
+__all__ = ["AsyncLLM", "EngineDeadError", "QueueFullError", "RequestStream"]
