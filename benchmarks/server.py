@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from benchmarks.common import log, markdown_table, section, text_model_paths
 
@@ -142,13 +143,15 @@ def _run_system(name, cmd, url, model, reqs, rates, timeout_s) -> dict:
     log(f"{name}: starting")
     try:
         proc = _start(cmd, url, model)
-    except (RuntimeError, TimeoutError) as e:
-        return {"error": str(e)}
+    except (RuntimeError, TimeoutError, OSError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
     try:
         out = {}
         for rate in rates:
             log(f"{name}: rate {rate} req/s")
-            out[str(rate)] = asyncio.run(_load(url, model, reqs, arrivals(len(reqs), rate), timeout_s))
+            m = out[str(rate)] = asyncio.run(_load(url, model, reqs, arrivals(len(reqs), rate), timeout_s))
+            log(f"{name}: rate {rate}: {m['ok']} ok, {m['tok_s']:.1f} tok/s, TTFT p50/p99 {m['ttft_p50']:.2f}/"
+                f"{m['ttft_p99']:.2f} s, ITL p50/p99 {1000 * m['itl_p50']:.0f}/{1000 * m['itl_p99']:.0f} ms")
         return out
     finally:
         _stop(proc)
@@ -180,7 +183,8 @@ def run(quick: bool = False) -> dict:
     results = {"ours": _run_system("atlas-vlm serve", ours_cmd, f"http://127.0.0.1:{port}", "smollm2", reqs, rates,
                                    timeout_s)}
     port = _free_port()
-    hf_cmd = ["transformers", "serve", "--device", "cpu", "--force_model", str(folder), "--port", str(port),
+    cli = Path(sys.executable).with_name("transformers")  # the venv's console script, on PATH or not
+    hf_cmd = [str(cli) if cli.exists() else "transformers", "serve", "--device", "cpu", "--force_model", str(folder), "--port", str(port),
               "--dtype", "float32"]
     results["transformers serve"] = _run_system("transformers serve", hf_cmd, f"http://127.0.0.1:{port}",
                                                 str(folder), reqs, rates, timeout_s)
