@@ -7,7 +7,8 @@ tokens (greedy, streamed; ``transformers serve`` has no ``ignore_eos``, so outpu
 at EOS and every system is credited with the tokens it actually streamed). Arrivals are a
 Poisson process at each rate (requests/s; ``inf``: all at once), the same arrival times for
 every system. Each run is bounded in count and wall time; unfinished requests are
-reported as failures.
+reported as failures. Servers get ``OMP_NUM_THREADS`` = this process's torch thread count
+(``scripts/bench.py --threads N``), so all three systems use the same number of threads.
 
 Metrics (seconds): throughput = output tokens / (last token - first arrival); TTFT =
 first content chunk - send; ITL = gaps between content chunks of one request; p50/p99
@@ -18,6 +19,7 @@ subprocess, with the same torch thread count.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import signal
 import socket
@@ -111,7 +113,12 @@ def _start(cmd: list[str], url: str, model: str, timeout_s: float = 300) -> subp
     """Start a server and wait until one tiny chat request is answered (bounded)."""
     import httpx
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import torch
+
+    # the same intra-op thread count as this process (scripts/bench.py --threads): on a shared CPU,
+    # OpenMP spin-waits with more threads than free cores slow small ops many times over
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + timeout_s
     probe = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True}
     while time.monotonic() < deadline:

@@ -160,7 +160,7 @@ class AsyncLLM:
         except Exception as e:  # noqa: BLE001 - handed to the caller, who maps it to HTTP 400
             stream.loop.call_soon_threadsafe(settle, done, e)
             return
-        stream.request = self.engine.requests.get(rid)
+        stream.request = getattr(self.engine, "requests", {}).get(rid)  # for its prefix-cache hits
         self._streams[rid] = stream
         stream.loop.call_soon_threadsafe(settle, done, None)
 

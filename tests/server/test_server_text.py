@@ -115,6 +115,12 @@ def test_n_choices_share_the_prompt_blocks(text_server, text_llm):
     assert r.usage.prompt_tokens == len(ref.prompt_token_ids) and r.usage.completion_tokens == 3 * len(ref.token_ids)
     full_blocks = (len(ref.prompt_token_ids) - 1) // 16 * 16
     assert after["atlas:prefix_cache_hits_total"] - before["atlas:prefix_cache_hits_total"] >= 2 * full_blocks > 0
+    chunks = text_server.client().chat.completions.create(model="smollm2", messages=user(question), max_tokens=8,
+                                                          temperature=0, n=2, stream=True)
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        texts[c.choices[0].index] += c.choices[0].delta.content or ""
+    assert texts == {0: ref.text, 1: ref.text}
 
 
 def test_vllm_add_generation_prompt_and_continue_final_message(text_server, text_llm):
