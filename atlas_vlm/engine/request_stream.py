@@ -63,8 +63,11 @@ class RequestStream:
         return getattr(self._stream.request, "num_cached_tokens", 0)
 
     def __del__(self):  # never iterated nor closed: do not let the request run for nobody
-        if not self._stream.finished:
-            self._abort(self.request_id)
+        try:
+            if not self._stream.finished:
+                self._abort(self.request_id)
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to free
+            pass
 
     async def aclose(self) -> None:
         """Stop reading; an unfinished request is aborted (also when never iterated)."""
