@@ -189,3 +189,19 @@ def test_disconnect_mid_stream_gives_every_block_back(text_server):
     assert m["atlas:num_kv_blocks_free"] == start["atlas:num_kv_blocks_free"]
     assert m['atlas:request_success_total{finished_reason=abort}'] >= 1
     assert m["atlas:generation_tokens_total"] - start["atlas:generation_tokens_total"] < 400
+
+
+def test_a_client_gone_during_a_non_streamed_request_aborts_it(text_server):
+    start = text_server.metrics()
+    body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1 s and closes its connection
+        httpx.post(text_server.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+    deadline = time.monotonic() + 60  # a liveness bound: the server polls for the disconnect
+    while time.monotonic() < deadline:
+        m = text_server.metrics()
+        if m['atlas:request_success_total{finished_reason=abort}'] > start.get(
+                'atlas:request_success_total{finished_reason=abort}', 0):
+            break
+        time.sleep(0.05)
+    assert m["atlas:num_kv_blocks_free"] == start["atlas:num_kv_blocks_free"]
+    assert m["atlas:generation_tokens_total"] - start["atlas:generation_tokens_total"] < 400

@@ -30,6 +30,23 @@ def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
+class _APIKeyMiddleware:
+    """Plain ASGI middleware (not ``BaseHTTPMiddleware``, which wraps ``receive`` and hides a
+    client's disconnect from the routes): 401 on ``/v1/*`` without ``Bearer KEY``."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            if dict(scope["headers"]).get(b"authorization", b"") != self.expected:
+                err = APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')", None,
+                               "invalid_api_key")
+                await _error(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(ctx: ServerContext, registry, api_key: str | None = None) -> FastAPI:
     """FastAPI app over ``ctx`` (engine front + settings); ``registry`` is the Prometheus
     ``CollectorRegistry`` served at ``/metrics``."""
@@ -50,13 +67,8 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None) -> Fast
     async def _http(request: Request, e: HTTPException):
         return _error(APIError(e.status_code, str(e.detail), None, None))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return _error(APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')", None,
-                                       "invalid_api_key"))
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
 
     @app.get("/health")
     async def health():
