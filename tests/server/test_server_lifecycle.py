@@ -11,7 +11,7 @@ import signal
 import httpx
 import pytest
 
-from conftest import ServerProcess, port_is_free
+from server_process import ServerProcess, port_is_free
 
 pytestmark = [pytest.mark.server, pytest.mark.text]
 
