@@ -170,18 +170,21 @@ async def until_disconnected(coro, is_disconnected, poll_s: float = 0.5):
 
 
 async def close_all(streams: list) -> None:
+    """Close every stream (idempotent); an unfinished request among them is aborted."""
     for s in streams:
         if hasattr(s, "aclose"):
             await s.aclose()
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI ``usage`` (token counts; ``cached_tokens``: prompt tokens from the prefix cache)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def token_str(tokenizer, token_id: int) -> str:
+    """The text of one token (as ``tokenizer.decode([id])``; a partial UTF-8 byte shows as U+FFFD)."""
     return tokenizer.decode([token_id])
 
 
