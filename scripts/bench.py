@@ -4,12 +4,15 @@
     python scripts/bench.py                 # all sections (text, vlm, serve), ~20 min on 2 cores
     python scripts/bench.py --quick         # smaller sizes, a few minutes
     python scripts/bench.py --text --serve --json results.json
+    python scripts/bench.py --server --quick  # HTTP: atlas-vlm serve vs transformers serve
 
 Sections: --text (decode tok/s paged/contiguous vs HF generate; KV waste), --vlm (time to
 first token with one image vs HF Qwen2.5-VL), --serve (many requests vs HF sequential,
 padded batches and HF continuous batching; KV reserved-but-empty; decode FLOP/s vs the
 measured GEMM peak; VLM mix with prefix + encoder caches on vs off), --detok (output
-processing cost per token at the start and the end of a long output). Logic: benchmarks/.
+processing cost per token at the start and the end of a long output), --server (open-loop
+Poisson HTTP load on atlas-vlm serve and transformers serve, offline LLM.chat on the same
+requests; not part of the default run). Logic: benchmarks/.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vlm", action="store_true", help="issue 3: time to first token with one image")
     p.add_argument("--serve", action="store_true", help="issue 4: many requests, KV use, FLOP/s, VLM mix")
     p.add_argument("--detok", action="store_true", help="issue 7: output processing cost per token vs output length")
+    p.add_argument("--server", action="store_true",
+                   help="issue 8: HTTP load (Poisson arrivals) on atlas-vlm serve vs transformers serve")
     p.add_argument("--quick", action="store_true", help="smaller sizes for a smoke run")
     p.add_argument("--json", metavar="PATH", help="write all results (seconds, bytes, ratios) as JSON")
     p.add_argument("--threads", type=int, default=None,
@@ -45,7 +50,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from benchmarks import detokenize, serve, text, vlm
+    from benchmarks import detokenize, serve, server, text, vlm
 
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
@@ -53,7 +58,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     results = {"quick": args.quick, "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
     start = time.perf_counter()
-    for name, module in (("text", text), ("vlm", vlm), ("serve", serve), ("detok", detokenize)):
+    for name, module in (("text", text), ("vlm", vlm), ("serve", serve), ("detok", detokenize), ("server", server)):
         if getattr(args, name):
             results[name] = module.run(quick=args.quick)
     results["wall_s"] = time.perf_counter() - start

@@ -6,37 +6,15 @@ only, through huggingface_hub's cache; ``HF_HUB_OFFLINE`` honoured)."""
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
+from atlas_vlm.entrypoints.cli import bytes_arg
 from atlas_vlm.memory_plan import GiB, MemoryPlan, plan
 
 BUNDLED_CONFIGS = Path(__file__).resolve().parent.parent / "data" / "configs"
 CHAIN = ("Qwen/Qwen3-VL-4B-Instruct", "Qwen/Qwen2.5-VL-3B-Instruct", "HuggingFaceTB/SmolVLM2-2.2B-Instruct",
          "Qwen/Qwen2.5-0.5B-Instruct")  # the brief's fallback chain, largest first
 MATRIX_GIB = (8, 12, 16, 24, 48, 80)
-_UNITS = {"": GiB, "gib": GiB, "g": GiB, "gb": 10**9, "mib": 1 << 20, "m": 1 << 20, "mb": 10**6, "b": 1}
-
-
-def parse_bytes(text: str) -> int:
-    """``"24GiB"``, ``"24G"`` (GiB), ``"24GB"`` (10**9), ``"512MiB"``, ``"80"`` (GiB) -> bytes.
-
-    Raises:
-        ValueError: not a number with one of those units.
-    """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"--gpu-memory must look like 24GiB, 24GB, 512MiB or 80 (GiB), got {text!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def _bytes_arg(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as exc:  # argparse shows an ArgumentTypeError's own message
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
 def load_config(model: str, revision: str | None = None):
     """A transformers config for ``model``: a local folder, a bundled chain config (by Hub id
     or name), or the Hub's ``config.json``.
@@ -108,7 +86,7 @@ def add_parser(subparsers) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="model folder, Hub id ORG/NAME, or a chain model's name")
     p.add_argument("--revision", default=None, help="Hub branch / tag / commit")
-    p.add_argument("--gpu-memory", type=_bytes_arg, default=24 * GiB, help="device memory (default 24GiB)")
+    p.add_argument("--gpu-memory", type=bytes_arg(bare_unit=GiB), default=24 * GiB, help="device memory (default 24GiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-model-len", type=int, default=None, help="L, tokens per sequence (default min(model, 4096))")
     p.add_argument("--max-pixels", type=int, default=1280 * 28 * 28, help="pixels of the one image per sequence")

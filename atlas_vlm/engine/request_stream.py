@@ -1,0 +1,85 @@
+"""The pieces ``AsyncLLM`` hands to callers and keeps per request: its error types, the
+engine snapshot for ``/metrics``, per-request stream state and ``RequestStream`` (the async
+iterator ``AsyncLLM.add_request`` returns)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from atlas_vlm.outputs import RequestOutput
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shut down, or an engine step raised)."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests wait than ``max_waiting_requests`` allows (HTTP 503)."""
+
+
+@dataclass
+class EngineStats:
+    """Snapshot of the engine after a step (read by ``/metrics``)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestStreamState:
+    """Per-request state shared by the engine thread and the caller's iterator."""
+
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    arrival: float
+    request: object = None  # the engine's Request (prefix-cache hits), set in the engine thread
+    last_token_time: float | None = None
+    num_tokens_seen: int = 0
+    finished: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class RequestStream:
+    """What ``AsyncLLM.add_request`` returns: an async iterator of ``RequestOutput``
+    (``async for out in stream``) that aborts its request if left before the end."""
+
+    def __init__(self, request_id: str, stream: RequestStreamState, iterator: AsyncIterator[RequestOutput], abort):
+        self.request_id = request_id
+        self._stream = stream
+        self._iterator = iterator
+        self._abort = abort
+
+    def __aiter__(self):
+        return self._iterator
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served by prefix-cache hits at admission (0 before admission)."""
+        return getattr(self._stream.request, "num_cached_tokens", 0)
+
+    def __del__(self):  # never iterated nor closed: do not let the request run for nobody
+        try:
+            if not self._stream.finished:
+                self._abort(self.request_id)
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to free
+            pass
+
+    async def aclose(self) -> None:
+        """Stop reading; an unfinished request is aborted (also when never iterated)."""
+        await self._iterator.aclose()
+        if not self._stream.finished:
+            self._abort(self.request_id)
+
+
+def settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

@@ -1,0 +1,75 @@
+"""``atlas-vlm serve [MODEL]``: the flags of the OpenAI-compatible server and how they become
+an ``EngineConfig`` and a ``MediaPolicy`` (flag names follow ``vllm serve``)."""
+
+from __future__ import annotations
+
+import logging
+
+from atlas_vlm.entrypoints.cli import bytes_arg
+
+
+def add_parser(sub) -> None:
+    """Register ``atlas-vlm serve`` (flag names follow ``vllm serve``)."""
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, metrics)",
+                       description="Serve MODEL over an OpenAI-compatible HTTP API.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use; default: the MODEL path as given")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (else 401)")
+    p.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="answer 503 while this many requests wait (default: no limit)")
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="allow image_url file:// URLs and paths under DIR (default: no local files)")
+    p.add_argument("--allow-http-images", action="store_true", help="fetch http(s) image URLs (default: refused)")
+    p.add_argument("--image-fetch-timeout", type=float, default=10.0,
+                   help="connect/read timeout of one http(s) image download, seconds (default 10)")
+    p.add_argument("--max-image-bytes", type=bytes_arg(), default=20 * 2**20,
+                   help="largest encoded image accepted from any source (default 20MiB)")
+    p.add_argument("--max-model-len", type=int, default=None, help="tokens per request (prompt + output)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--kv-cache-memory", type=bytes_arg(), default=None,
+                   help="CPU: bytes of KV cache (e.g. 512MiB; default 1GiB)")
+    p.add_argument("--num-kvcache-blocks", type=int, default=-1, help="KV blocks (-1: from memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens computed per step")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--max-pixels", type=int, default=None, help="per-image pixel bound after resize")
+    p.add_argument("--min-pixels", type=int, default=None, help="per-image lower pixel bound after resize")
+    p.add_argument("--seed", type=int, default=0, help="default sampling seed")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run_serve)
+
+
+def engine_config_from_args(args):
+    from atlas_vlm.config import EngineConfig
+    from atlas_vlm.default_models import default_text_model
+
+    kwargs = dict(model=args.model or default_text_model(), dtype=args.dtype, device=args.device,
+                  max_model_len=args.max_model_len, num_kvcache_blocks=args.num_kvcache_blocks,
+                  gpu_memory_utilization=args.gpu_memory_utilization, kvcache_block_size=args.block_size,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
+    for name in ("kv_cache_memory", "max_pixels", "min_pixels"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
+    return EngineConfig(**kwargs)
+
+
+def run_serve(args) -> int:
+    from atlas_vlm.entrypoints.openai.api_server import run_server
+    from atlas_vlm.entrypoints.openai.media import MediaPolicy
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    config = engine_config_from_args(args)
+    media = MediaPolicy(args.allowed_local_media_path, args.allow_http_images, args.image_fetch_timeout,
+                        args.max_image_bytes)
+    return run_server(config, host=args.host, port=args.port,
+                      served_model_names=args.served_model_name or [args.model or "SmolLM2-135M-Instruct"],
+                      api_key=args.api_key, max_waiting_requests=args.max_waiting_requests, media=media,
+                      log_level=args.log_level)

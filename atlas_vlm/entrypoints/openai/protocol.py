@@ -1,0 +1,159 @@
+"""Request models of the OpenAI-compatible API (pydantic), and its error type.
+
+Scope: the fields the ``openai`` client sends to ``/v1/chat/completions`` and
+``/v1/completions`` plus vLLM's extras (``top_k``, ``ignore_eos``, ``stop_token_ids``,
+``add_generation_prompt``, ``continue_final_message``, ``mm_processor_kwargs``). Every
+model forbids unknown fields, so a feature we do not implement (``tools``, ``tool_choice``,
+``response_format``, ``functions``, ``logit_bias``, ...) is refused with HTTP 400 naming
+the field instead of being silently ignored. Field names and defaults follow the OpenAI
+API reference and vLLM's ``vllm/entrypoints/openai/protocol.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``.
+
+    Args:
+        status: HTTP status (400 bad input, 401 key, 404 unknown model, 503 busy).
+        message: what is wrong, naming the input.
+        param: the request field at fault (dotted path), if any.
+        code: a short machine-readable code (``"invalid_image"``, ``"model_not_found"``...).
+    """
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+             503: "service_unavailable_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ImageURL(_Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class MMProcessorKwargs(_Strict):
+    max_pixels: int | None = Field(default=None, ge=1)
+    min_pixels: int | None = Field(default=None, ge=1)
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by chat and completions (OpenAI defaults: temperature 1, top_p 1)."""
+
+    model: str | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # vLLM extra; 0 or -1: off
+    min_p: float = 0.0  # vLLM extra; only 0 (off) is supported
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM extra
+    n: int = Field(default=1, ge=1, le=64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM extra
+    presence_penalty: float = 0.0  # only 0 is supported
+    frequency_penalty: float = 0.0  # only 0 is supported
+    user: str | None = None  # end-user id, recorded by nobody
+
+    @field_validator("min_p", "presence_penalty", "frequency_penalty")
+    @classmethod
+    def _only_zero(cls, v: float, info) -> float:
+        if v != 0.0:
+            raise ValueError(f"{info.field_name} is not supported by this server (only 0)")
+        return v
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool | None = None  # vLLM extra (default True)
+    continue_final_message: bool | None = None  # vLLM extra (default False)
+    mm_processor_kwargs: MMProcessorKwargs | None = None  # vLLM extra
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False  # only False is supported
+    best_of: int | None = None  # only None or n is supported
+    suffix: str | None = None  # not supported
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported by this server")
+        return v
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of ({self.best_of}) different from n ({self.n}) is not supported by this server")
+        return self
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v is not None:
+            raise ValueError("suffix is not supported by this server")
+        return v
+
+
+_TYPE_STEPS = {"str", "int", "float", "bool", "none", "list", "dict"}  # union branch names in pydantic locs
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """Turn pydantic's ``errors()`` into one 400 ``APIError`` naming the first bad field;
+    an unknown field is reported as an unsupported feature."""
+    # in a union (``str | list[...]``) the deepest error is the informative one
+    err = max(errors, key=lambda e: len(e.get("loc", ())))
+    loc = [str(p) for p in err.get("loc", ()) if p != "body" and str(p) not in _TYPE_STEPS and "[" not in str(p)]
+    param = ".".join(loc) or None
+    if err.get("type") == "extra_forbidden":
+        return APIError(400, f"'{param}' is not supported by this server", param, "unsupported_parameter")
+    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+    return APIError(400, f"invalid request: {param}: {msg}" if param else f"invalid request: {msg}", param,
+                    "invalid_value")

@@ -1,0 +1,223 @@
+"""What chat and completions share: sampling params from a request, starting ``n`` engine
+requests per prompt, merging their output streams, engine errors as HTTP errors, and the
+usage / logprobs / SSE wire formats (OpenAI's, as vLLM writes them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from atlas_vlm.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
+from atlas_vlm.entrypoints.openai.protocol import APIError
+from atlas_vlm.sampling_params import SamplingParams
+
+
+@dataclass
+class ServerContext:
+    """What a route needs: the engine front and the server's settings."""
+
+    engine: AsyncLLM
+    model_names: list[str]  # served names; the first is reported in responses
+    is_vlm: bool
+    media: object  # media.MediaPolicy
+    max_model_len: int
+
+    def check_model(self, name: str | None) -> str:
+        """Raises APIError(404) for a model name we do not serve."""
+        if name is not None and name not in self.model_names:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves {self.model_names}",
+                           "model", "model_not_found")
+        return self.model_names[0]
+
+
+def sampling_params(req, max_tokens: int | None, logprobs: int | None, index: int = 0) -> SamplingParams:
+    """SamplingParams of choice ``index`` of ``req``; choice ``i > 0`` of a seeded request uses
+    ``seed + i`` so the ``n`` choices differ when sampling (vLLM draws them from one generator).
+
+    Raises:
+        APIError(400): a value out of range (the message names it).
+    """
+    try:
+        return SamplingParams(
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            seed=None if req.seed is None else req.seed + index, max_tokens=max_tokens,
+            stop=req.stop if isinstance(req.stop, list) else [req.stop] if req.stop else [],
+            stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs,
+        )
+    except (ValueError, TypeError) as e:
+        raise APIError(400, f"invalid sampling parameters: {e}", None, "invalid_value") from e
+
+
+def engine_error(e: Exception) -> APIError:
+    """Map ``AsyncLLM.add_request`` errors to HTTP: queue full or shutting down 503, bad input 400."""
+    from atlas_vlm.engine.engine import RequestTooLongError
+    from mm_token_pipeline import ImageInputError
+
+    if isinstance(e, QueueFullError):
+        return APIError(503, str(e), None, "queue_full")
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), None, "engine_unavailable")
+    if isinstance(e, RequestTooLongError):
+        return APIError(400, str(e), None, "context_length_exceeded")
+    if isinstance(e, ImageInputError):
+        return APIError(400, str(e), "messages", "invalid_image")
+    return APIError(400, str(e), None, "invalid_value")
+
+
+async def start_choices(ctx: ServerContext, prompt, params: list[SamplingParams],
+                        base_id: str) -> tuple[list[AsyncIterator], RequestStream]:
+    """Add ``len(params)`` requests for one prompt. With ``n > 1`` the later choices are added
+    after the first one's prefill, so the prefix cache gives them the prompt's full blocks.
+
+    Returns:
+        (one output iterator per choice, the first choice's ``RequestStream`` for its
+        prefix-cache hits).
+
+    Raises:
+        APIError: from ``engine_error`` (nothing is left running).
+    """
+    started: list[RequestStream] = []
+    arrival = time.monotonic()
+    try:
+        first = await ctx.engine.add_request(prompt, params[0], f"{base_id}-0", arrival)
+        started.append(first)
+        if len(params) == 1:
+            return [first], first
+        it = aiter(first)
+        head = await anext(it)
+        for i, p in enumerate(params[1:], 1):
+            started.append(await ctx.engine.add_request(prompt, p, f"{base_id}-{i}", arrival))
+        return [_prepend(head, first), *started[1:]], first
+    except (ValueError, TypeError, RuntimeError, OSError) as e:
+        for s in started:
+            await s.aclose()
+        raise engine_error(e) from e
+    except BaseException:
+        for s in started:
+            await s.aclose()
+        raise
+
+
+async def _prepend(head, stream: RequestStream) -> AsyncIterator:
+    """``head`` (already read from ``stream``), then the rest of ``stream``; closing this
+    closes (and so aborts) ``stream``."""
+    try:
+        yield head
+        if not head.finished:
+            async for out in stream:
+                yield out
+    finally:
+        await stream.aclose()
+
+
+async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """Interleave ``(choice_index, RequestOutput)`` from several streams as outputs arrive;
+    leaving early closes (and so aborts) every unfinished stream."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, s):
+        try:
+            async for out in s:
+                await q.put((i, out))
+        except Exception as e:  # noqa: BLE001 - re-raised in the consumer
+            await q.put((i, e))
+        await q.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await q.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            if hasattr(s, "aclose"):
+                await s.aclose()
+
+
+async def until_disconnected(coro, is_disconnected, poll_s: float = 0.5):
+    """Await ``coro`` (a non-streamed completion); if the client goes away first, cancel it
+    (its requests are aborted and their blocks freed) and raise ``APIError``."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await is_disconnected():
+                raise APIError(400, "client disconnected; request aborted", None, "client_disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def close_all(streams: list) -> None:
+    """Close every stream (idempotent); an unfinished request among them is aborted."""
+    for s in streams:
+        if hasattr(s, "aclose"):
+            await s.aclose()
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI ``usage`` (token counts; ``cached_tokens``: prompt tokens from the prefix cache)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def token_str(tokenizer, token_id: int) -> str:
+    """The text of one token (as ``tokenizer.decode([id])``; a partial UTF-8 byte shows as U+FFFD)."""
+    return tokenizer.decode([token_id])
+
+
+def chat_logprobs(tokenizer, ids: list[int], lps: list[float], tops: list[dict]) -> dict:
+    """OpenAI chat ``logprobs.content``: per token its string, logprob, UTF-8 bytes and top list."""
+    def entry(t, lp):
+        s = token_str(tokenizer, t)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    content = []
+    for t, lp, top in zip(ids, lps, tops):
+        e = entry(t, lp)
+        e["top_logprobs"] = [entry(k, v) for k, v in sorted(top.items(), key=lambda kv: -kv[1])]
+        content.append(e)
+    return {"content": content}
+
+
+def completion_logprobs(tokenizer, ids: list[int], lps: list[float], tops: list[dict], offset: int) -> dict:
+    """OpenAI completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens = [token_str(tokenizer, t) for t in ids]
+    offsets, pos = [], offset
+    for s in tokens:
+        offsets.append(pos)
+        pos += len(s)
+    return {"tokens": tokens, "token_logprobs": list(lps),
+            "top_logprobs": [{token_str(tokenizer, k): v for k, v in top.items()} for top in tops],
+            "text_offset": offsets}
+
+
+def sse(payload: dict | str) -> str:
+    """One server-sent event: ``data: {...}\\n\\n`` (or ``data: [DONE]\\n\\n``)."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

@@ -1,0 +1,106 @@
+"""``POST /v1/completions``: raw prompts (a string, token ids, or a list of either) -> engine
+requests -> OpenAI ``text_completion`` (one object, or SSE chunks ending in ``[DONE]``).
+Choice ``index`` is ``prompt_index * n + j``, as OpenAI and vLLM number them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from atlas_vlm.entrypoints.openai.protocol import APIError, CompletionRequest
+from atlas_vlm.entrypoints.openai.serving_common import (ServerContext, close_all, completion_logprobs, merge,
+                                                         new_id, sampling_params, sse, start_choices,
+                                                         until_disconnected, usage)
+
+
+def split_prompts(prompt) -> list:
+    """The request's ``prompt`` field -> engine prompts (str, or ``{"prompt_token_ids": ids}``).
+
+    Raises:
+        APIError(400): an empty prompt list.
+    """
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", "prompt", "invalid_value")
+    if isinstance(prompt[0], int):
+        return [{"prompt_token_ids": list(prompt)}]
+    return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
+
+
+async def create_completion(ctx: ServerContext, req: CompletionRequest, is_disconnected):
+    """Returns a response dict, or (``stream=True``) an async iterator of SSE strings.
+
+    Raises:
+        APIError: 400 bad input, 404 unknown model, 503 queue full.
+    """
+    model = ctx.check_model(req.model)
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options needs stream=true", "stream_options", "invalid_value")
+    prompts = split_prompts(req.prompt)
+    params = [sampling_params(req, req.max_tokens, req.logprobs, j) for j in range(req.n)]
+    rid = new_id("cmpl")
+    iters, firsts = [], []
+    try:
+        for p_idx, prompt in enumerate(prompts):
+            its, first = await start_choices(ctx, prompt, params, f"{rid}-{p_idx}")
+            iters += its
+            firsts.append(first)
+    except BaseException:
+        await close_all(iters + firsts)
+        raise
+    created = int(time.time())
+    base = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    cached = lambda: sum(f.num_cached_tokens for f in firsts)  # noqa: E731
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _stream(ctx, iters, firsts, req.n, base, cached, include_usage)
+    return await until_disconnected(_full(ctx, iters, firsts, req.n, base, cached), is_disconnected)
+
+
+def _usage(finals, n, cached) -> dict:
+    prompt_tokens = sum(len(finals[i].prompt_token_ids) for i in range(0, len(finals), n))
+    return usage(prompt_tokens, sum(len(o.token_ids) for o in finals), cached)
+
+
+async def _full(ctx, iters, firsts, n, base, cached) -> dict:
+    finals = [None] * len(iters)
+    try:
+        async for i, out in merge(iters):
+            if out.finished:
+                finals[i] = out
+    finally:
+        await close_all(iters + firsts)
+    choices = []
+    for i, out in enumerate(finals):
+        lp = None
+        if out.logprobs is not None:
+            lp = completion_logprobs(ctx.engine.tokenizer, out.token_ids, out.logprobs, out.top_logprobs, 0)
+        choices.append({"index": i, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason})
+    return {**base, "choices": choices, "usage": _usage(finals, n, cached())}
+
+
+async def _stream(ctx, iters, firsts, n, base, cached, include_usage) -> AsyncIterator[str]:
+    sent_chars, sent_tokens = [0] * len(iters), [0] * len(iters)
+    last = [None] * len(iters)
+    try:
+        async for i, out in merge(iters):
+            last[i] = out
+            text = out.text[sent_chars[i]:] if len(out.text) > sent_chars[i] else ""
+            new_ids = out.token_ids[sent_tokens[i]:]
+            if not text and not out.finished and not (new_ids and out.logprobs is not None):
+                continue
+            lp = None
+            if out.logprobs is not None and new_ids:
+                s = sent_tokens[i]
+                lp = completion_logprobs(ctx.engine.tokenizer, new_ids, out.logprobs[s:], out.top_logprobs[s:],
+                                         sent_chars[i])
+            sent_chars[i] += len(text)
+            sent_tokens[i] = len(out.token_ids)
+            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
+            yield sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": _usage(last, n, cached())})
+        yield sse("[DONE]")
+    finally:
+        await close_all(iters + firsts)
