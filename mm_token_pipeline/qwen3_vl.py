@@ -16,14 +16,11 @@ M-RoPE positions for images follow the same rule as Qwen2.5-VL (HF
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-from transformers.modeling_utils import no_init_weights
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
-from .processor import ProcessedImage
+from .vision import VisionEncoder
 
 __all__ = ["QWEN3_VL_CHAT_TEMPLATE", "QWEN3_VL_IMAGE_MEAN", "QWEN3_VL_IMAGE_STD", "image_kwargs",
            "Qwen3VLVisionEncoder"]
@@ -60,9 +57,10 @@ def image_kwargs(hf_config) -> dict:
     return kwargs
 
 
-class Qwen3VLVisionEncoder(torch.nn.Module):
+class Qwen3VLVisionEncoder(VisionEncoder):
     """Qwen3-VL vision tower (HF ``Qwen3VLVisionModel``: patch embed with learned position
-    embedding, ViT blocks, 2x2 merger, DeepStack mergers).
+    embedding, ViT blocks, 2x2 merger, DeepStack mergers); loading, the grid check and
+    ``encode_images`` are :class:`~mm_token_pipeline.vision.VisionEncoder`'s.
 
     ``encode_images`` returns per image ``[num_tokens, out_hidden * (1 + K)]``: columns
     ``[0, out_hidden)`` are the merged features that replace the ``<|image_pad|>``
@@ -70,58 +68,18 @@ class Qwen3VLVisionEncoder(torch.nn.Module):
     added after decoder layer ``k`` (K = ``len(deepstack_visual_indexes)``).
     """
 
-    def __init__(self, vision_config, *, dtype: torch.dtype = torch.float32):
-        super().__init__()
+    def __init__(self, vision_config, *, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None):
+        super().__init__(vision_config, dtype=dtype, attn_implementation=attn_implementation)
+        self.num_deepstack = len(self.config.deepstack_visual_indexes)
+
+    @staticmethod
+    def _resolve(vision_config):
         if isinstance(vision_config, dict):
             vision_config = Qwen3VLVisionConfig(**vision_config)
         if not isinstance(vision_config, Qwen3VLVisionConfig):
             raise TypeError(f"vision_config must be a Qwen3VLVisionConfig or dict, got {type(vision_config).__name__}")
-        with no_init_weights():  # weights come from a state dict; skip random init
-            self.model = Qwen3VLVisionModel._from_config(vision_config, dtype=dtype)
-        self.config = vision_config
-        self.num_deepstack = len(vision_config.deepstack_visual_indexes)
+        return vision_config, Qwen3VLVisionModel
 
-    @classmethod
-    def from_state_dict(cls, vision_config, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
-                        device: torch.device | str = "cpu") -> "Qwen3VLVisionEncoder":
-        """Build the tower and load ``state_dict`` strictly (keys without the ``'visual.'`` prefix).
-
-        Raises:
-            ValueError: missing or unexpected keys (listed), or shapes that do not fit the config.
-        """
-        encoder = cls(vision_config, dtype=dtype)
-        expected, given = set(encoder.model.state_dict()), set(state_dict)
-        if expected != given:
-            raise ValueError(f"Qwen3-VL vision state dict mismatch: missing keys {sorted(expected - given)[:8]}; "
-                             f"unexpected keys {sorted(given - expected)[:8]}")
-        try:
-            encoder.model.load_state_dict(state_dict, strict=True)
-        except RuntimeError as exc:
-            raise ValueError(f"Qwen3-VL vision state dict does not fit the config: {exc}") from exc
-        return encoder.to(device=device, dtype=dtype).eval()
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    def forward(self, pixel_values: torch.Tensor, grid_thw: Sequence[Sequence[int]] | torch.Tensor) -> torch.Tensor:
-        """``[num_patches, 3*2*16*16]`` patches -> ``[sum num_tokens, out_hidden * (1 + K)]``.
-
-        Raises:
-            ValueError: ``pixel_values`` rows differ from ``sum(t*h*w)`` of ``grid_thw``.
-        """
-        grid = torch.as_tensor(grid_thw, dtype=torch.long, device=self.device).reshape(-1, 3)  # [num_images, 3]
-        n_patches = int(grid.prod(-1).sum())
-        if pixel_values.dim() != 2 or pixel_values.shape[0] != n_patches:
-            raise ValueError(f"pixel_values {tuple(pixel_values.shape)} does not match grid_thw ({n_patches} patches)")
-        merged, deepstack = self.model(pixel_values.to(device=self.device, dtype=self.model.dtype), grid_thw=grid)
+    def _tower(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        merged, deepstack = self.model(pixel_values, grid_thw=grid)
         return torch.cat([merged, *deepstack], dim=-1)  # [num_tokens, out_hidden * (1 + K)]
-
-    @torch.no_grad()
-    def encode_images(self, images: list[ProcessedImage]) -> list[torch.Tensor]:
-        """One ``[num_tokens_i, out_hidden * (1 + K)]`` tensor per image, in one batched forward."""
-        if not images:
-            return []
-        pixel_values = torch.cat([im.pixel_values for im in images], dim=0)  # [sum patches, patch_dim]
-        embeds = self.forward(pixel_values, [im.grid_thw for im in images])
-        return list(torch.split(embeds, [im.num_tokens for im in images], dim=0))

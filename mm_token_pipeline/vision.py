@@ -58,14 +58,20 @@ class VisionEncoder(torch.nn.Module):
 
     def __init__(self, vision_config, *, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None):
         super().__init__()
-        config = _as_vision_config(vision_config)
+        config, tower_cls = self._resolve(vision_config)
         kwargs = {"dtype": dtype}
         if attn_implementation is not None:
             kwargs["attn_implementation"] = attn_implementation
         with no_init_weights():  # weights come from a state dict; skip random init
-            self.model = _TOWERS[type(config)]._from_config(config, **kwargs)
+            self.model = tower_cls._from_config(config, **kwargs)
         self.config = config
         self.spatial_merge_size = config.spatial_merge_size
+
+    @staticmethod
+    def _resolve(vision_config):
+        """``(vision config, HF tower class)`` of this family (subclasses override)."""
+        config = _as_vision_config(vision_config)
+        return config, _TOWERS[type(config)]
 
     @classmethod
     def from_state_dict(cls, vision_config, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
@@ -108,7 +114,11 @@ class VisionEncoder(torch.nn.Module):
         n_patches = int(grid.prod(-1).sum())
         if pixel_values.dim() != 2 or pixel_values.shape[0] != n_patches:
             raise ValueError(f"pixel_values {tuple(pixel_values.shape)} does not match grid_thw ({n_patches} patches)")
-        return self.model(pixel_values.to(device=self.device, dtype=self.dtype), grid_thw=grid)
+        return self._tower(pixel_values.to(device=self.device, dtype=self.dtype), grid)
+
+    def _tower(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        """The HF tower's forward -> ``[sum num_tokens, columns]`` (subclasses override)."""
+        return self.model(pixel_values, grid_thw=grid)
 
     @torch.no_grad()
     def encode_images(self, images: list[ProcessedImage]) -> list[torch.Tensor]:
