@@ -220,4 +220,7 @@ def run(quick: bool = False) -> dict:
         if "error" not in hf and hf[inf]["tok_s"] > 0:
             print(f"ours / transformers serve at rate inf = {results['ours'][inf]['tok_s'] / hf[inf]['tok_s']:.2f} "
                   f"(target >= 2)")
+    from benchmarks import server_vlm  # the image mix on the VLM, same load shape
+
+    results["image_mix"] = server_vlm.run(quick=quick)
     return results
