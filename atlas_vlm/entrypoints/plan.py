@@ -21,10 +21,14 @@ def load_config(model: str, revision: str | None = None):
 
     Raises:
         atlas_vlm.loader.ModelNotFoundError: none of those has it.
+        ValueError: ``model`` is a file (a ``.gguf`` holds no ``config.json`` to plan from).
     """
     from transformers import AutoConfig
 
     path = Path(model).expanduser()
+    if path.is_file():
+        raise ValueError(f"{model} is a file; plan reads a config.json: pass a model folder, a Hub id "
+                         "(ORG/NAME) or one of the bundled chain models")
     if path.is_dir():
         return AutoConfig.from_pretrained(path)
     bundled = BUNDLED_CONFIGS / model.split("/")[-1]
