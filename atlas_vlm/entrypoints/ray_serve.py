@@ -154,3 +154,40 @@ def app_builder(args: dict):
         from atlas_vlm.default_models import default_text_model
         engine["model"] = default_text_model()
     return build_app(engine, int(args.pop("num_replicas", 2)), **args)
+
+
+def run_ray_server(engine_config, args) -> int:
+    """``atlas-vlm serve MODEL --replicas N``: start (or join, ``--ray-address``) Ray, run the
+    application on ``--host``/``--port`` until SIGTERM/SIGINT, then shut Serve down; returns 0.
+
+    Raises:
+        ValueError: a bad flag (from :func:`build_app`).
+    """
+    import signal
+    import threading
+
+    import ray
+
+    media = dict(allowed_local_media_path=args.allowed_local_media_path, allow_http_images=args.allow_http_images,
+                 http_timeout_s=args.image_fetch_timeout, max_image_bytes=args.max_image_bytes)
+    app = build_app(dataclasses.asdict(engine_config), args.replicas,
+                    served_model_names=args.served_model_name or [args.model or "SmolLM2-135M-Instruct"],
+                    routing=args.routing, imbalance_threshold=args.imbalance_threshold,
+                    num_cpus_per_replica=args.num_cpus_per_replica, num_gpus_per_replica=args.num_gpus_per_replica,
+                    max_waiting_requests=args.max_waiting_requests, api_key=args.api_key, media=media)
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ray.init(address=args.ray_address, include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}})
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(app, name="atlas", route_prefix="/")
+        print(f"serving {args.replicas} replicas of {engine_config.model} on http://{args.host}:{args.port} "
+              f"(routing: {args.routing})", flush=True)
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
