@@ -98,6 +98,20 @@ class OpenAIIngress:
                                settings.get("imbalance_threshold", 4))
         self.engine = RemoteEngine(list(replicas), router, settings["model"])
 
+    def set_routing(self, policy: str, imbalance_threshold: int | None = None) -> None:
+        """Switch the routing policy at run time (deployment-handle call, not an HTTP route).
+
+        Raises:
+            ValueError: unknown ``policy``.
+        """
+        from atlas_vlm.entrypoints.replica_router import POLICIES
+
+        if policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r}; choose one of {POLICIES}")
+        self.engine.router.policy = policy
+        if imbalance_threshold is not None:
+            self.engine.router.imbalance_threshold = imbalance_threshold
+
     def __serve_build_asgi_app__(self):
         from atlas_vlm.entrypoints.openai.api_server import create_app
         from atlas_vlm.entrypoints.openai.media import MediaPolicy
@@ -127,12 +141,14 @@ def build_app(engine_kwargs: dict, num_replicas: int, *, served_model_names: lis
 
     from atlas_vlm.config import EngineConfig
     from atlas_vlm.entrypoints.replica_router import ReplicaRouter
+    from atlas_vlm.hub import resolve_model_path
 
     ReplicaRouter(num_replicas, routing, imbalance_threshold)  # validates the three
     config = EngineConfig(**engine_kwargs)
     cpus = num_cpus_per_replica if num_cpus_per_replica is not None else max(1, (os.cpu_count() or 1) // num_replicas)
     model = str(config.model)
-    is_vlm = not model.endswith(".gguf") and hasattr(AutoConfig.from_pretrained(model), "vision_config")
+    path = resolve_model_path(model, config.revision, config_only=True)  # a folder, a .gguf or a hub snapshot
+    is_vlm = path.is_dir() and hasattr(AutoConfig.from_pretrained(path), "vision_config")
     replicas = [EngineReplica.options(name=f"engine-{i}", ray_actor_options={"num_cpus": cpus,
                                                                              "num_gpus": num_gpus_per_replica})
                 .bind(dataclasses.asdict(config), max_waiting_requests, int(cpus)) for i in range(num_replicas)]

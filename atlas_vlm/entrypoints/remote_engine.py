@@ -100,10 +100,10 @@ class RemoteEngine:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
+            from atlas_vlm.hub import resolve_model_path
             from atlas_vlm.loader import gguf_to_folder
-            path = self.tokenizer_path
-            folder = gguf_to_folder(__import__("pathlib").Path(path)) if str(path).endswith(".gguf") else path
-            self._tokenizer = AutoTokenizer.from_pretrained(folder)
+            path = resolve_model_path(self.tokenizer_path)
+            self._tokenizer = AutoTokenizer.from_pretrained(gguf_to_folder(path) if path.is_file() else path)
         return self._tokenizer
 
     async def add_request(self, prompt, sampling_params, request_id: str, arrival_time: float | None = None):
