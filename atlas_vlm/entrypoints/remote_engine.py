@@ -92,7 +92,11 @@ class RemoteEngine:
         self.probe_interval_s = probe_interval_s
         self._tokenizer = None
         self._probes: dict[int, asyncio.Task] = {}
-        self.alive = True
+
+    @property
+    def alive(self) -> bool:
+        """True while at least one replica is routed to (``/health``)."""
+        return any(self.router.alive)
 
     @property
     def tokenizer(self):
