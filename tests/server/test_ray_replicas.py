@@ -139,7 +139,7 @@ def test_killed_replica_fails_its_requests_with_503_and_comes_back(ray_app, text
     ingress.set_routing.remote("least_loaded").result()
     prompts = [f"Story number {i}: once upon a time" for i in range(6)]
 
-    bodies = [{**completion(p, 160), "ignore_eos": True} for p in prompts]
+    bodies = [{**completion(p, 96), "ignore_eos": True} for p in prompts]
 
     async def load_then_kill():
         task = asyncio.ensure_future(post_all(url, "/v1/completions", bodies))
@@ -155,7 +155,7 @@ def test_killed_replica_fails_its_requests_with_503_and_comes_back(ray_app, text
     codes = [r.status_code for r in rs]
     assert set(codes) <= {200, 503} and codes.count(200) >= 1 and codes.count(503) >= 1, codes
     assert all(r.json()["error"]["code"] == "engine_unavailable" for r in rs if r.status_code == 503)
-    refs = text_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=160, ignore_eos=True), use_tqdm=False)
+    refs = text_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=96, ignore_eos=True), use_tqdm=False)
     assert all(r.json()["choices"][0]["text"] == ref.text for r, ref in zip(rs, refs) if r.status_code == 200)
     # while engine-1 restarts, new requests go to the live replica
     again = asyncio.run(post_all(url, "/v1/completions", [completion(prompts[0], 4)] * 2))
