@@ -76,13 +76,6 @@ class EngineReplica:
 
         return generate_latest(self.stat_logger.registry).decode()
 
-    def counters(self) -> dict:
-        """This replica's prefix-cache counters (prompt tokens) and finished requests."""
-        s = self.stat_logger
-        return {"pid": os.getpid(), "prefix_cache_queries": s.prefix_queries._value.get(),
-                "prefix_cache_hits": s.prefix_hits._value.get(),
-                "requests": sum(x.value for m in s.success.collect() for x in m.samples if x.name.endswith("_total"))}
-
 
 @serve.deployment(max_ongoing_requests=4096)
 @serve.ingress()

@@ -169,13 +169,6 @@ class RemoteEngine:
             logger.info("replica %d is back", i)
             return
 
-    async def counters(self) -> list[dict | None]:
-        """Each replica's own counters (``None`` for one that does not answer within 10 s)."""
-        async def one(h):
-            return await h.counters.remote()
-        res = await asyncio.gather(*(asyncio.wait_for(one(h), 10) for h in self.handles), return_exceptions=True)
-        return [None if isinstance(r, BaseException) else r for r in res]
-
     async def metrics_text(self) -> bytes:
         """Prometheus text: each replica's metrics with ``replica="i"``, and the router's."""
         async def one(h):
