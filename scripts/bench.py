@@ -5,6 +5,7 @@
     python scripts/bench.py --quick         # smaller sizes, a few minutes
     python scripts/bench.py --text --serve --json results.json
     python scripts/bench.py --server --quick  # HTTP: atlas-vlm serve vs transformers serve
+    python scripts/bench.py --replicas --quick  # 1 vs 2 replicas (Ray Serve), cache-aware vs least-loaded
 
 Sections: --text (decode tok/s paged/contiguous vs HF generate; KV waste), --vlm (time to
 first token with one image vs HF Qwen2.5-VL), --serve (many requests vs HF sequential,
@@ -32,13 +33,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--detok", action="store_true", help="issue 7: output processing cost per token vs output length")
     p.add_argument("--server", action="store_true",
                    help="issue 8: HTTP load (Poisson arrivals) on atlas-vlm serve vs transformers serve")
+    p.add_argument("--replicas", action="store_true",
+                   help="issue 11: 1 vs 2 replicas (Ray Serve), cache-aware vs least-loaded routing; needs the ray extra")
     p.add_argument("--quick", action="store_true", help="smaller sizes for a smoke run")
     p.add_argument("--json", metavar="PATH", help="write all results (seconds, bytes, ratios) as JSON")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads for every system (default: torch's choice); on a CPU shared "
                         "with other work, 1 avoids OpenMP waits that slow small ops 10-100x")
     args = p.parse_args(argv)
-    if not (args.text or args.vlm or args.serve or args.detok):
+    if not (args.text or args.vlm or args.serve or args.detok or args.server or args.replicas):
         args.text = args.vlm = args.serve = args.detok = True
     return args
 
@@ -52,13 +55,18 @@ def main(argv=None) -> int:
 
     from benchmarks import detokenize, serve, server, text, vlm
 
+    replicas = None
+    if args.replicas:
+        from benchmarks import replicas
+
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
     results = {"quick": args.quick, "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
     start = time.perf_counter()
-    for name, module in (("text", text), ("vlm", vlm), ("serve", serve), ("detok", detokenize), ("server", server)):
+    for name, module in (("text", text), ("vlm", vlm), ("serve", serve), ("detok", detokenize), ("server", server),
+                         ("replicas", replicas)):
         if getattr(args, name):
             results[name] = module.run(quick=args.quick)
     results["wall_s"] = time.perf_counter() - start

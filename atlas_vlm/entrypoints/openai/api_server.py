@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from atlas_vlm.engine.request_stream import EngineDeadError
 from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 from atlas_vlm.entrypoints.openai.serving_chat import create_chat_completion
 from atlas_vlm.entrypoints.openai.serving_common import ServerContext
@@ -47,9 +48,11 @@ class _APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def create_app(ctx: ServerContext, registry, api_key: str | None = None) -> FastAPI:
+def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics_text=None) -> FastAPI:
     """FastAPI app over ``ctx`` (engine front + settings); ``registry`` is the Prometheus
-    ``CollectorRegistry`` served at ``/metrics``."""
+    ``CollectorRegistry`` served at ``/metrics``, unless ``metrics_text`` (an async
+    ``() -> str`` in Prometheus text format; the Ray ingress aggregates its replicas) is given.
+    An ``EngineDeadError`` out of a route (the engine or a replica died mid-request) is 503."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     app = FastAPI(title="Atlas VLM OpenAI-compatible server")
@@ -62,6 +65,10 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None) -> Fast
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
         return _error(validation_error(list(e.errors())))
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, e: EngineDeadError):
+        return _error(APIError(503, str(e), None, "engine_unavailable"))
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, e: HTTPException):
@@ -76,7 +83,8 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None) -> Fast
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        text = await metrics_text() if metrics_text is not None else generate_latest(registry)
+        return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():

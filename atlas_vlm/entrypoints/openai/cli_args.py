@@ -42,6 +42,20 @@ def add_parser(sub) -> None:
     p.add_argument("--max-pixels", type=int, default=None, help="per-image pixel bound after resize")
     p.add_argument("--min-pixels", type=int, default=None, help="per-image lower pixel bound after resize")
     p.add_argument("--seed", type=int, default=0, help="default sampling seed")
+    r = p.add_argument_group("replicas (Ray Serve; needs the ray extra)")
+    r.add_argument("--replicas", type=int, default=1,
+                   help="engine replicas; N > 1 serves them on Ray Serve behind one endpoint (default 1: no Ray)")
+    r.add_argument("--routing", default="cache_aware", choices=["cache_aware", "least_loaded"],
+                   help="replica choice: prefix/image-cache affinity, or fewest requests in flight")
+    r.add_argument("--imbalance-threshold", type=int, default=4,
+                   help="cache_aware: leave the cached replica when it has more than this many requests in "
+                        "flight above the least-loaded one (default 4)")
+    r.add_argument("--num-cpus-per-replica", type=float, default=None,
+                   help="Ray CPUs (and torch threads) per replica (default: cores / replicas)")
+    r.add_argument("--num-gpus-per-replica", type=float, default=0,
+                   help="Ray GPUs per replica (1 on a GPU cluster; default 0)")
+    r.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray started here)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run_serve)
 
@@ -67,6 +81,11 @@ def run_serve(args) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = engine_config_from_args(args)
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.replicas > 1:
+        from atlas_vlm.entrypoints.ray_serve import run_ray_server
+        return run_ray_server(config, args)
     media = MediaPolicy(args.allowed_local_media_path, args.allow_http_images, args.image_fetch_timeout,
                         args.max_image_bytes)
     return run_server(config, host=args.host, port=args.port,

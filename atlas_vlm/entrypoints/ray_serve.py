@@ -1,0 +1,202 @@
+"""N engine replicas behind the OpenAI routes on Ray Serve (``atlas-vlm serve --replicas N``).
+
+Layout: one Ray Serve application of N+1 deployments. ``engine-0`` .. ``engine-{N-1}`` are
+``EngineReplica`` deployments of one replica each (each owns an ``LLMEngine`` + ``AsyncLLM``
+on its own device: ``num_gpus`` per replica on a cluster, a share of the CPU cores here);
+``ingress`` is ``OpenAIIngress``, which serves the existing FastAPI app of
+``api_server.create_app`` with a ``RemoteEngine`` in place of the ``AsyncLLM``, so the
+route logic is the single server's. One deployment per replica (not one deployment with
+``num_replicas=N``) lets the ingress pick the replica itself (``ReplicaRouter``: cache-aware
+or least-loaded); Ray Serve's own router would pick among replicas of one deployment by
+power-of-two choices, blind to our caches. Ray Serve's controller restarts a replica whose
+actor died or whose ``check_health`` raises. ``app_builder`` is the entry of
+``serve run`` / ``serve deploy`` (see ``deploy/ray_serve.yaml``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+
+@serve.deployment(max_ongoing_requests=1024, health_check_period_s=2, health_check_timeout_s=30)
+class EngineReplica:
+    """One engine (``LLMEngine`` + ``AsyncLLM``) and its Prometheus registry.
+
+    Args:
+        engine_kwargs: ``EngineConfig`` fields.
+        max_waiting_requests: as ``--max-waiting-requests`` (per replica).
+        num_threads: torch CPU threads (the replica's CPU share; 0: torch's default).
+    """
+
+    def __init__(self, engine_kwargs: dict, max_waiting_requests: int | None = None, num_threads: int = 0):
+        import torch
+
+        from atlas_vlm.config import EngineConfig
+        from atlas_vlm.engine import LLMEngine
+        from atlas_vlm.engine.async_llm import AsyncLLM
+        from atlas_vlm.entrypoints.openai.metrics import PrometheusStatLogger
+
+        if num_threads > 0:
+            torch.set_num_threads(num_threads)
+        self.stat_logger = PrometheusStatLogger()
+        self.front = AsyncLLM(LLMEngine(EngineConfig(**engine_kwargs)), max_waiting_requests=max_waiting_requests,
+                              stat_logger=self.stat_logger)
+        self.stat_logger.attach(self.front)
+
+    async def generate(self, prompt, sampling_params, request_id: str):
+        """Stream ``(kind, item, num_cached_tokens)``: first ``("ok", None, 0)`` once the
+        request is queued (or ``("error", exception, 0)`` and nothing else), then
+        ``("out", RequestOutput, cached)`` per engine output. Cancelling aborts the request."""
+        try:
+            stream = await self.front.add_request(prompt, sampling_params, request_id)
+        except Exception as e:  # noqa: BLE001 - handed to the ingress, which maps it to HTTP
+            yield "error", e, 0
+            return
+        yield "ok", None, 0
+        try:
+            async for out in stream:
+                yield "out", out, stream.num_cached_tokens
+        finally:
+            await stream.aclose()
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def check_health(self) -> None:
+        """Ray Serve's health hook: raising makes the controller replace this replica."""
+        if not self.front.alive:
+            raise RuntimeError("engine thread is not running")
+
+    def metrics_text(self) -> str:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.stat_logger.registry).decode()
+
+
+@serve.deployment(max_ongoing_requests=4096)
+@serve.ingress()
+class OpenAIIngress:
+    """The OpenAI routes (``create_app``) over a ``RemoteEngine`` of the replica handles."""
+
+    def __init__(self, settings: dict, *replicas: DeploymentHandle):
+        from atlas_vlm.entrypoints.remote_engine import RemoteEngine
+        from atlas_vlm.entrypoints.replica_router import ReplicaRouter
+
+        self.settings = settings
+        router = ReplicaRouter(len(replicas), settings.get("routing", "cache_aware"),
+                               settings.get("imbalance_threshold", 4))
+        self.engine = RemoteEngine(list(replicas), router, settings["model"])
+
+    def set_routing(self, policy: str, imbalance_threshold: int | None = None) -> None:
+        """Switch the routing policy at run time (deployment-handle call, not an HTTP route).
+
+        Raises:
+            ValueError: unknown ``policy``.
+        """
+        from atlas_vlm.entrypoints.replica_router import POLICIES
+
+        if policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r}; choose one of {POLICIES}")
+        self.engine.router.policy = policy
+        if imbalance_threshold is not None:
+            self.engine.router.imbalance_threshold = imbalance_threshold
+
+    def __serve_build_asgi_app__(self):
+        from atlas_vlm.entrypoints.openai.api_server import create_app
+        from atlas_vlm.entrypoints.openai.media import MediaPolicy
+        from atlas_vlm.entrypoints.openai.serving_common import ServerContext
+
+        s = self.settings
+        ctx = ServerContext(self.engine, s["served_model_names"], s["is_vlm"], MediaPolicy(**s.get("media", {})),
+                            s["max_model_len"])
+        return create_app(ctx, None, s.get("api_key"), metrics_text=self.engine.metrics_text)
+
+
+def build_app(engine_kwargs: dict, num_replicas: int, *, served_model_names: list[str] | None = None,
+              routing: str = "cache_aware", imbalance_threshold: int = 4, num_cpus_per_replica: float | None = None,
+              num_gpus_per_replica: float = 0, max_waiting_requests: int | None = None, api_key: str | None = None,
+              media: dict | None = None):
+    """The Ray Serve application (not yet running): N ``EngineReplica`` + the ingress.
+
+    Args:
+        engine_kwargs: ``EngineConfig`` fields (``model`` required).
+        num_cpus_per_replica: Ray CPUs per replica (default: this machine's cores / N, >= 1).
+        num_gpus_per_replica: GPUs per replica (1 on a GPU cluster; 0 here).
+
+    Raises:
+        ValueError: ``num_replicas < 1``, unknown ``routing``, a bad ``EngineConfig`` field.
+    """
+    from transformers import AutoConfig
+
+    from atlas_vlm.config import EngineConfig
+    from atlas_vlm.entrypoints.replica_router import ReplicaRouter
+    from atlas_vlm.hub import resolve_model_path
+
+    ReplicaRouter(num_replicas, routing, imbalance_threshold)  # validates the three
+    config = EngineConfig(**engine_kwargs)
+    cpus = num_cpus_per_replica if num_cpus_per_replica is not None else max(1, (os.cpu_count() or 1) // num_replicas)
+    model = str(config.model)
+    path = resolve_model_path(model, config.revision, config_only=True)  # a folder, a .gguf or a hub snapshot
+    is_vlm = path.is_dir() and hasattr(AutoConfig.from_pretrained(path), "vision_config")
+    replicas = [EngineReplica.options(name=f"engine-{i}", ray_actor_options={"num_cpus": cpus,
+                                                                             "num_gpus": num_gpus_per_replica})
+                .bind(dataclasses.asdict(config), max_waiting_requests, int(cpus)) for i in range(num_replicas)]
+    settings = dict(model=model, served_model_names=served_model_names or [model], is_vlm=is_vlm,
+                    max_model_len=config.max_model_len or 4096, routing=routing,
+                    imbalance_threshold=imbalance_threshold, api_key=api_key, media=media or {})
+    return OpenAIIngress.options(name="ingress", ray_actor_options={"num_cpus": 0}).bind(settings, *replicas)
+
+
+def app_builder(args: dict):
+    """``serve run atlas_vlm.entrypoints.ray_serve:app_builder key=value ...`` and the
+    ``import_path`` of ``deploy/ray_serve.yaml``: ``args`` holds ``engine`` (``EngineConfig``
+    fields) and the keyword arguments of :func:`build_app` (``num_replicas`` default 2)."""
+    args = dict(args)
+    engine = dict(args.pop("engine", {}))
+    if "model" in args:
+        engine["model"] = args.pop("model")
+    if "model" not in engine:
+        from atlas_vlm.default_models import default_text_model
+        engine["model"] = default_text_model()
+    return build_app(engine, int(args.pop("num_replicas", 2)), **args)
+
+
+def run_ray_server(engine_config, args) -> int:
+    """``atlas-vlm serve MODEL --replicas N``: start (or join, ``--ray-address``) Ray, run the
+    application on ``--host``/``--port`` until SIGTERM/SIGINT, then shut Serve down; returns 0.
+
+    Raises:
+        ValueError: a bad flag (from :func:`build_app`).
+    """
+    import signal
+    import threading
+
+    import ray
+
+    media = dict(allowed_local_media_path=args.allowed_local_media_path, allow_http_images=args.allow_http_images,
+                 http_timeout_s=args.image_fetch_timeout, max_image_bytes=args.max_image_bytes)
+    app = build_app(dataclasses.asdict(engine_config), args.replicas,
+                    served_model_names=args.served_model_name or [args.model or "SmolLM2-135M-Instruct"],
+                    routing=args.routing, imbalance_threshold=args.imbalance_threshold,
+                    num_cpus_per_replica=args.num_cpus_per_replica, num_gpus_per_replica=args.num_gpus_per_replica,
+                    max_waiting_requests=args.max_waiting_requests, api_key=args.api_key, media=media)
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ray.init(address=args.ray_address, include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}})
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(app, name="atlas", route_prefix="/")
+        print(f"serving {args.replicas} replicas of {engine_config.model} on http://{args.host}:{args.port} "
+              f"(routing: {args.routing})", flush=True)
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0

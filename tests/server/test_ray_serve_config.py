@@ -1,0 +1,33 @@
+"""``deploy/ray_serve.yaml`` is a valid Ray Serve config (Serve's own schema) whose
+``import_path`` is our ``app_builder`` and whose ``args`` are ``build_app``'s keyword
+arguments and ``EngineConfig`` fields (no cluster, no model needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+
+import pytest
+import yaml
+
+from helpers import REPO
+
+pytestmark = [pytest.mark.server, pytest.mark.text, pytest.mark.ray]
+
+
+def test_deploy_yaml_is_a_serve_config_for_app_builder():
+    from ray.serve.schema import ServeDeploySchema
+
+    from atlas_vlm.config import EngineConfig
+    from atlas_vlm.entrypoints.ray_serve import app_builder, build_app
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load((REPO / "deploy/ray_serve.yaml").read_text()))
+    (app,) = config.applications
+    module, name = app.import_path.split(":")
+    assert getattr(importlib.import_module(module), name) is app_builder
+    args = dict(app.args)
+    engine = args.pop("engine")
+    assert set(args) - {"num_replicas"} <= set(inspect.signature(build_app).parameters)
+    assert set(engine) <= {f.name for f in dataclasses.fields(EngineConfig)}
+    EngineConfig(**engine)  # the values are valid too
