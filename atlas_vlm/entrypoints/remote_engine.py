@@ -41,9 +41,14 @@ class RemoteStream:
 
     def __init__(self, engine: RemoteEngine, replica: int, request_id: str, gen):
         self.engine, self.replica, self.request_id, self._gen = engine, replica, request_id, gen
-        self.num_cached_tokens = 0
+        self._cached = 0  # the replica's prefix-cache hits, as its last output reported them
         self._done = False
         self._iterator = self._iterate()
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the replica found in its prefix cache (``RequestStream``'s field)."""
+        return self._cached
 
     def __aiter__(self):
         return self._iterator
@@ -51,7 +56,7 @@ class RemoteStream:
     async def _iterate(self) -> AsyncIterator:
         try:
             async for _kind, out, cached in self._gen:
-                self.num_cached_tokens = cached
+                self._cached = cached
                 yield out
                 if out.finished:
                     return
