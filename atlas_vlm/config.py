@@ -10,6 +10,7 @@ import torch
 from mm_token_pipeline import DEFAULT_HTTP_MAX_BYTES, DEFAULT_HTTP_TIMEOUT_S, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
 
 KV_CACHE_KINDS = ("paged", "contiguous")
+ATTENTION_BACKENDS = ("reference", "bucketed")  # as atlas_vlm.layers.attention.ATTENTION_BACKENDS
 CPU_BF16_FEATURES = ("amx_bf16", "avx512_bf16")  # x86 flags with native bf16 dot products
 
 
@@ -62,6 +63,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # share computed full blocks by content hash
     dtype: str = "auto"  # "auto": bf16 on CUDA (fp16 without bf16) and on a CPU with AMX/AVX512-BF16, else fp32
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
+    attention_backend: str = "reference"  # "reference" (padded SDPA, dense mask) or "bucketed" (layers/attention_bucketed)
     min_pixels: int = DEFAULT_MIN_PIXELS  # per-image lower bound after smart_resize (pixels)
     max_pixels: int = DEFAULT_MAX_PIXELS  # per-image upper bound after smart_resize (pixels)
     allow_http_images: bool = False  # fetch http(s) image URLs
@@ -70,6 +72,8 @@ class EngineConfig:
     seed: int = 0  # default sampling seed of requests that set none
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_KINDS}, got {self.kv_cache!r}")
         for name in ("kvcache_block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
