@@ -63,7 +63,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # share computed full blocks by content hash
     dtype: str = "auto"  # "auto": bf16 on CUDA (fp16 without bf16) and on a CPU with AMX/AVX512-BF16, else fp32
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
-    attention_backend: str = "reference"  # "reference" (padded SDPA, dense mask) or "bucketed" (layers/attention_bucketed)
+    # "bucketed" (layers/attention_bucketed; default: 2.2x the reference at batch 32, benchmarks/attention.py)
+    # or "reference" (padded SDPA with a dense mask, the exactness reference for the bucketed path)
+    attention_backend: str = "bucketed"
     min_pixels: int = DEFAULT_MIN_PIXELS  # per-image lower bound after smart_resize (pixels)
     max_pixels: int = DEFAULT_MAX_PIXELS  # per-image upper bound after smart_resize (pixels)
     allow_http_images: bool = False  # fetch http(s) image URLs
