@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,35 @@ import torch
 from mm_token_pipeline import DEFAULT_HTTP_MAX_BYTES, DEFAULT_HTTP_TIMEOUT_S, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
 
 KV_CACHE_KINDS = ("paged", "contiguous")
+ATTENTION_BACKENDS = ("reference", "bucketed")  # as atlas_vlm.layers.attention.ATTENTION_BACKENDS
+CPU_BF16_FEATURES = ("amx_bf16", "avx512_bf16")  # x86 flags with native bf16 dot products
+
+
+def cpu_has_fast_bf16(capabilities: Mapping[str, object] | None = None) -> bool:
+    """Whether this CPU computes bf16 matmuls natively (AMX-BF16 or AVX512-BF16).
+
+    Detected, not assumed: ``capabilities`` defaults to ``torch.cpu.get_capabilities()``
+    (torch >= 2.8; cpuinfo-based, keys as Linux ``/proc/cpuinfo`` flags, e.g. ``amx_bf16``,
+    ``avx512_bf16``). On an older torch without it, the ``flags`` line of ``/proc/cpuinfo``
+    is read; where neither exists (not Linux/x86), the answer is False. Without these
+    instructions oneDNN emulates bf16 through fp32 and is slower than fp32, so fp32 stays.
+    """
+    if capabilities is None:
+        capabilities = _detected_cpu_capabilities()
+    return any(bool(capabilities.get(flag, False)) for flag in CPU_BF16_FEATURES)
+
+
+def _detected_cpu_capabilities(cpuinfo: str = "/proc/cpuinfo") -> Mapping[str, object]:
+    """``torch.cpu.get_capabilities()``, else ``{flag: True}`` for the flags in ``cpuinfo``."""
+    get = getattr(torch.cpu, "get_capabilities", None)
+    if get is not None:
+        return get()
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return {flag: True for flag in flags}
 
 
 @dataclass
@@ -31,8 +61,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens computed in one step (prefill chunks + decodes)
     enable_chunked_prefill: bool = True  # split long prompts across steps
     enable_prefix_caching: bool = True  # share computed full blocks by content hash
-    dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on CUDA), "float32", "bfloat16", "float16"
+    dtype: str = "auto"  # "auto": bf16 on CUDA (fp16 without bf16) and on a CPU with AMX/AVX512-BF16, else fp32
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
+    # "bucketed" (layers/attention_bucketed; default: 2.2x the reference at batch 32, benchmarks/attention.py)
+    # or "reference" (padded SDPA with a dense mask, the exactness reference for the bucketed path)
+    attention_backend: str = "bucketed"
     min_pixels: int = DEFAULT_MIN_PIXELS  # per-image lower bound after smart_resize (pixels)
     max_pixels: int = DEFAULT_MAX_PIXELS  # per-image upper bound after smart_resize (pixels)
     allow_http_images: bool = False  # fetch http(s) image URLs
@@ -41,6 +74,8 @@ class EngineConfig:
     seed: int = 0  # default sampling seed of requests that set none
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_KINDS}, got {self.kv_cache!r}")
         for name in ("kvcache_block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
@@ -66,9 +101,18 @@ class EngineConfig:
         return torch.device(self.device)
 
     def torch_dtype(self) -> torch.dtype:
+        """The compute / weight / KV dtype.
+
+        ``"auto"``: on CUDA bf16 (fp16 where the GPU lacks bf16); on CPU bf16 where
+        ``cpu_has_fast_bf16()``, else fp32. fp32 is the exactness reference: parity tests
+        pass ``dtype="float32"``.
+
+        Raises:
+            ValueError: ``dtype`` is not "auto", "float32", "bfloat16" or "float16".
+        """
         if self.dtype == "auto":
             if self.torch_device().type != "cuda":
-                return torch.float32
+                return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
         if self.dtype not in dtypes:

@@ -179,7 +179,8 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
     Args:
         path: an HF model folder (``config.json`` + ``*.safetensors``), a ``.gguf`` file, or a
             Hub id ``ORG/NAME`` (``atlas_vlm.hub.resolve_model_path``; a local path wins).
-        dtype: parameter dtype (fp32 on CPU; bf16/fp16 on CUDA).
+        dtype: parameter dtype (``EngineConfig.torch_dtype``: bf16 on CUDA and on CPUs with
+            AMX/AVX512-BF16, else fp32).
         revision: Hub branch / tag / commit for a Hub id.
 
     Raises:

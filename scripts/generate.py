@@ -34,6 +34,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-pixels", type=int, default=None, help="per-image pixel bound after resize: one visual token per 28x28 px on "
                    "Qwen2.5-VL, 32x32 on Qwen3-VL; SmolVLM2: longest edge floor(sqrt(P)) in whole tiles")
     p.add_argument("--min-pixels", type=int, default=None, help="per-image lower pixel bound after resize")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bf16 on CUDA and on CPUs with AMX/AVX512-BF16, else fp32")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--no-chat", action="store_true", help="send --prompt as raw text, without the chat template")
     return p.parse_args(argv)
 
@@ -62,7 +65,8 @@ def _generate(args: argparse.Namespace, streaming: list) -> int:
 
         print(RANDOM_VLM_NOTICE, file=sys.stderr)
         model = default_vlm_model()
-    kwargs = dict(kv_cache=args.kv_cache, kvcache_block_size=args.block_size, revision=args.revision)
+    kwargs = dict(kv_cache=args.kv_cache, kvcache_block_size=args.block_size, revision=args.revision,
+                  dtype=args.dtype, device=args.device)
     if args.max_model_len:
         kwargs["max_model_len"] = args.max_model_len
     for name in ("max_pixels", "min_pixels"):

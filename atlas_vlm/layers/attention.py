@@ -3,8 +3,9 @@
 Many requests run in one call. Their new tokens arrive flattened (``[num_tokens, ...]``, one
 request after another); their K/V are written through ``slot_mapping``, each request's
 whole context is gathered through its block table into a padded batch, and SDPA runs once
-with a mask that hides padding and future tokens. A faster kernel would sit behind the same
-signature and be tested against this one.
+with a mask that hides padding and future tokens. This is the ``"reference"`` backend; the
+``"bucketed"`` backend (``attention_bucketed``, ``EngineConfig.attention_backend``) sits
+behind the same function, chosen per step by the metadata, and is tested against it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from atlas_vlm.layers.attention_bucketed import BucketedLayout, bucketed_paged_attention, build_bucketed_layout
+
+ATTENTION_BACKENDS = ("reference", "bucketed")
 
 
 @dataclass
@@ -25,11 +30,12 @@ class AttentionMetadata:
     query_lens: list[int]  # per request: new tokens this step
     query_index: torch.Tensor  # [num_seqs, max_query_len] int64: flat token of each padded query row
     token_index: torch.Tensor  # [num_tokens] int64: padded row (seq * max_query_len + i) of each token
-    attn_mask: torch.Tensor  # [num_seqs, 1, max_query_len, max_context_len] bool, True = attend
+    attn_mask: torch.Tensor | None  # [num_seqs, 1, max_query_len, max_context_len] bool, True = attend
+    bucketed: BucketedLayout | None = None  # set (and attn_mask None) for the "bucketed" backend
 
     @property
     def max_context_len(self) -> int:
-        return self.attn_mask.shape[-1]
+        return max(self.context_lens)
 
 
 def build_attention_metadata(
@@ -38,16 +44,23 @@ def build_attention_metadata(
     slot_mapping: list[int],
     block_tables: list[list[int]],
     device: torch.device | str = "cpu",
+    backend: str = "reference",
 ) -> AttentionMetadata:
     """Pure layout math for one step (no model, no cache).
+
+    ``backend``: ``"reference"`` builds the padded query rows and the dense mask below;
+    ``"bucketed"`` builds ``attention_bucketed.BucketedLayout`` instead (no dense mask).
 
     Query ``i`` of a request with ``q`` new tokens and ``c`` context tokens sits at absolute
     position ``c - q + i`` and attends keys ``0 .. c - q + i``. Padded query rows attend key
     0 only (so SDPA never sees an all-masked row); their outputs are dropped.
 
     Raises:
-        ValueError: lengths disagree, or a request has more new tokens than context.
+        ValueError: lengths disagree, a request has more new tokens than context, or
+            ``backend`` is not one of ``ATTENTION_BACKENDS``.
     """
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     if not (len(query_lens) == len(context_lens) == len(block_tables)) or sum(query_lens) != len(slot_mapping):
         raise ValueError("query_lens, context_lens, block_tables and slot_mapping disagree in size")
     if any(q < 1 or q > c for q, c in zip(query_lens, context_lens)):
@@ -61,9 +74,14 @@ def build_attention_metadata(
     query_index = torch.where(valid, starts[:, None] + rows[None, :], 0)
     token_index = (torch.arange(num_seqs)[:, None] * max_q + rows[None, :])[valid]  # [num_tokens]
     query_pos = (c_lens - q_lens)[:, None] + rows[None, :]  # [num_seqs, max_q] absolute positions
-    keys = torch.arange(max_c)
-    mask = keys[None, None, :] <= query_pos[:, :, None]  # [num_seqs, max_q, max_c] causal, within length
-    mask &= valid[:, :, None] | (keys == 0)[None, None, :]
+    mask = bucketed = None
+    if backend == "bucketed":
+        bucketed = build_bucketed_layout(list(query_lens), list(context_lens), block_tables, device)
+    else:
+        keys = torch.arange(max_c)
+        mask = keys[None, None, :] <= query_pos[:, :, None]  # [num_seqs, max_q, max_c] causal, within length
+        mask &= valid[:, :, None] | (keys == 0)[None, None, :]
+        mask = mask[:, None].to(device)
     width = max(len(t) for t in block_tables)
     tables = [t + [0] * (width - len(t)) for t in block_tables]
     return AttentionMetadata(
@@ -73,7 +91,8 @@ def build_attention_metadata(
         query_lens=list(query_lens),
         query_index=query_index.to(device),
         token_index=token_index.to(device),
-        attn_mask=mask[:, None].to(device),
+        attn_mask=mask,
+        bucketed=bucketed,
     )
 
 
@@ -94,20 +113,24 @@ def paged_attention(
         kv_cache: a ``PagedKVCache`` / ``ContiguousKVCache``, or ``None`` for a cache-free
             full prefill (each request's context is exactly its new tokens).
         layer: decoder layer index into the cache.
-        meta: the step's ``AttentionMetadata``.
+        meta: the step's ``AttentionMetadata``; ``meta.bucketed`` selects the bucketed backend.
         scale: softmax scale, usually ``head_dim ** -0.5``.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]``.
     """
     num_tokens, num_heads, head_dim = q.shape
+    if meta.bucketed is not None:
+        if kv_cache is not None:
+            kv_cache.write(layer, meta.slot_mapping, k, v)
+        return bucketed_paged_attention(q, k, v, kv_cache, layer, meta.bucketed, scale)
     if kv_cache is None:
         if meta.query_lens != meta.context_lens:
             raise ValueError("without a KV cache every request must be a full prefill")
         k_ctx, v_ctx = k[meta.query_index], v[meta.query_index]  # [num_seqs, max_q, kv_heads, head_dim]
     else:
         kv_cache.write(layer, meta.slot_mapping, k, v)
-        k_ctx, v_ctx = kv_cache.gather_kv_for_attention(layer, meta.block_tables, meta.max_context_len)
+        k_ctx, v_ctx = kv_cache.gather_kv_for_attention(layer, meta.block_tables, meta.attn_mask.shape[-1])
         k_ctx, v_ctx = k_ctx.to(q.dtype), v_ctx.to(q.dtype)
     q_pad = q[meta.query_index]  # [num_seqs, max_q, heads, head_dim]
     out = F.scaled_dot_product_attention(

@@ -41,7 +41,8 @@ def image_rows_for_chunk(spans, embeds, start: int, end: int):
     return out
 
 
-def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = False) -> ModelInput:
+def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = False,
+                   attention_backend: str = "reference") -> ModelInput:
     """Flatten one step's work into model inputs.
 
     Args:
@@ -50,6 +51,7 @@ def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = Fal
             its block table already reserves. A chunk that reaches ``request.num_tokens``
             produces logits (its last token is sampled).
         mrope: the model uses M-RoPE (positions ``[3, num_tokens]``).
+        attention_backend: ``EngineConfig.attention_backend`` (the layout the metadata carries).
     """
     ids, positions, slots, tables, q_lens, c_lens = [], [], [], [], [], []
     logits_index, sampled, mm_rows, mm_index = [], [], [], []
@@ -78,7 +80,7 @@ def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = Fal
     return ModelInput(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.cat(positions, dim=-1).to(device),
-        meta=build_attention_metadata(q_lens, c_lens, slots, tables, device),
+        meta=build_attention_metadata(q_lens, c_lens, slots, tables, device, attention_backend),
         logits_index=torch.tensor(logits_index, dtype=torch.long, device=device),
         sampled=sampled,
         mm_embeds=torch.cat(mm_rows).to(device) if mm_rows else None,

@@ -55,6 +55,7 @@ class ModelRunner:
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
         self.mrope = self.model.arch.mrope_section is not None
+        self.attention_backend = config.attention_backend
         arch = self.model.arch
         self.vision = None  # built before the KV cache so the CUDA budget sees its weights
         if loaded.vision_state_dict is not None:
@@ -121,7 +122,7 @@ class ModelRunner:
         that reach their request's end, and those chunks' indices."""
         for req, _ in chunks:
             self.encode_images(req)
-        inp = prepare_inputs(chunks, self.device, self.mrope)
+        inp = prepare_inputs(chunks, self.device, self.mrope, self.attention_backend)
         x = self.model.embed(inp.input_ids, inp.mm_embeds, inp.mm_token_index)  # [num_tokens, hidden]
         # Qwen3-VL's DeepStack adds image rows inside the decoder (models-vl branch, issue 9)
         mm = dict(mm_embeds=inp.mm_embeds, mm_token_index=inp.mm_token_index) \

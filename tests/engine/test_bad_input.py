@@ -22,7 +22,7 @@ pytestmark = pytest.mark.text
 @pytest.fixture(scope="module")
 def small(tiny_models):
     """Tiny Qwen2 with max_model_len 64 and 8 blocks of 16."""
-    return LLM(str(tiny_models["qwen2"][0]), max_model_len=64, num_kvcache_blocks=8)
+    return LLM(str(tiny_models["qwen2"][0]), max_model_len=64, num_kvcache_blocks=8, dtype="float32")
 
 
 def assert_untouched(llm: LLM) -> None:
@@ -138,13 +138,14 @@ def test_llm_rejects_unknown_setting(tiny_models):
 def test_kv_budget_too_small_for_one_block(tiny_models):
     # tiny model: 2 layers x 2 KV heads x head_dim 16 x K and V x 4 bytes = 512 bytes per token
     with pytest.raises(KVBudgetError, match=r"KV budget of 1 bytes is too small for one block of 16 tokens \(8192 bytes\)"):
-        LLM(str(tiny_models["qwen2"][0]), kv_cache_memory=1, max_model_len=512)
+        LLM(str(tiny_models["qwen2"][0]), kv_cache_memory=1, max_model_len=512, dtype="float32")
     with pytest.raises(KVBudgetError, match=r"too small for one strip of 512 tokens \(262144 bytes\)"):
-        LLM(str(tiny_models["qwen2"][0]), kv_cache="contiguous", kv_cache_memory=8192, max_model_len=512)
+        LLM(str(tiny_models["qwen2"][0]), kv_cache="contiguous", kv_cache_memory=8192, max_model_len=512,
+            dtype="float32")
 
 
 def test_kv_budget_of_exactly_one_block(tiny_models):
-    llm = LLM(str(tiny_models["qwen2"][0]), kv_cache_memory=8192, max_model_len=512)
+    llm = LLM(str(tiny_models["qwen2"][0]), kv_cache_memory=8192, max_model_len=512, dtype="float32")
     assert llm.engine.block_manager.num_blocks == 1
     out = llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=13, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.token_ids) == 13 and out.finish_reason == "length"  # 16 tokens: the one block

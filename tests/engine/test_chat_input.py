@@ -20,8 +20,8 @@ CUSTOM_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}|{{ greeting | defaul
 @pytest.fixture(scope="module")
 def engines(tiny_models):
     """The embedded SmolLM2 (GGUF) and a tiny Qwen2 with the real Qwen tokenizer."""
-    return {"smollm2": LLM(max_model_len=256, kv_cache_memory=32 << 20),
-            "qwen": LLM(str(tiny_models["qwen2"][0]), max_model_len=256, num_kvcache_blocks=64)}
+    return {"smollm2": LLM(max_model_len=256, kv_cache_memory=32 << 20, dtype="float32"),
+            "qwen": LLM(str(tiny_models["qwen2"][0]), max_model_len=256, num_kvcache_blocks=64, dtype="float32")}
 
 
 # (our prompt dict, the string-content messages HF renders, apply_chat_template kwargs)

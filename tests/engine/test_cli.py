@@ -10,6 +10,8 @@ import pytest
 from helpers import IMAGES, REPO
 from atlas_vlm import LLM, RequestOutput, SamplingParams
 
+FP32 = ["--dtype", "float32"]  # the CLI compared with an in-process reference: both fp32 on any CPU
+
 
 def _cli():
     spec = importlib.util.spec_from_file_location("generate_cli", REPO / "scripts" / "generate.py")
@@ -21,9 +23,10 @@ def _cli():
 @pytest.mark.text
 def test_text_prompt_streams_the_greedy_answer(tiny_models, capsys):
     folder = tiny_models["qwen2"][0]
-    rc = _cli().main(["--model", str(folder), "--prompt", "Hello there", "--max-tokens", "8", "--no-chat"])
+    rc = _cli().main([*FP32, "--model", str(folder), "--prompt", "Hello there", "--max-tokens", "8", "--no-chat"])
     out = capsys.readouterr()
-    expected = LLM(str(folder), num_kvcache_blocks=64).generate("Hello there", SamplingParams(temperature=0, max_tokens=8))
+    llm = LLM(str(folder), num_kvcache_blocks=64, dtype="float32")
+    expected = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=8))
     assert rc == 0
     assert out.out == expected[0].text + "\n"
     assert "[finish_reason=length]" in out.err
@@ -42,14 +45,14 @@ def test_missing_model_is_a_clear_error(capsys, tmp_path):
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
 def test_image_prompt_on_real_photos(tiny_models, capsys, photo, max_pixels, family):
     folder = tiny_models[family][0]
-    args = ["--model", str(folder), "--image", str(IMAGES / photo), "--prompt", "Describe it.", "--max-tokens", "6"]
+    args = [*FP32, "--model", str(folder), "--image", str(IMAGES / photo), "--prompt", "Describe it.", "--max-tokens", "6"]
     if max_pixels:
         args += ["--max-pixels", str(max_pixels)]
     rc = _cli().main(args)
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert "[finish_reason=" in out.err
-    llm = LLM(str(folder), num_kvcache_blocks=256, **({"max_pixels": max_pixels} if max_pixels else {}))
+    llm = LLM(str(folder), num_kvcache_blocks=256, **({"max_pixels": max_pixels} if max_pixels else {}), dtype="float32")
     msgs = [{"role": "user", "content": [{"type": "image", "image": str(IMAGES / photo)},
                                          {"type": "text", "text": "Describe it."}]}]
     expected = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=6))[0]
@@ -98,7 +101,7 @@ def test_ctrl_c_is_a_one_line_notice_and_exit_130(monkeypatch, capsys, during_lo
 
     monkeypatch.setattr(_InterruptedLLM, "during_load", during_load)
     monkeypatch.setattr(atlas_vlm, "LLM", _InterruptedLLM)
-    rc = _cli().main(["--model", "unused", "--prompt", "What is the capital of France?"])
+    rc = _cli().main(["--dtype", "float32", "--model", "unused", "--prompt", "What is the capital of France?"])
     out = capsys.readouterr()
     assert rc == 130
     assert out.err == "interrupted (Ctrl-C)\n"  # one line, no traceback

@@ -28,13 +28,13 @@ def _cli():
 def test_generate_with_an_image_equals_hf(family, tmp_path, capsys):
     hf = BUILDERS[family](tmp_path)
     photo, prompt, n = IMAGES / "chelsea.png", "Describe it.", 6
-    rc = _cli().main(["--model", str(tmp_path), "--image", str(photo), "--prompt", prompt,
+    rc = _cli().main(["--dtype", "float32", "--model", str(tmp_path), "--image", str(photo), "--prompt", prompt,
                       "--max-tokens", str(n), "--max-pixels", str(100_000)])
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert "[finish_reason=length]" in out.err
 
-    llm = LLM(str(tmp_path), num_kvcache_blocks=64, max_pixels=100_000)
+    llm = LLM(str(tmp_path), num_kvcache_blocks=64, max_pixels=100_000, dtype="float32")
     p = llm.engine.process_prompt({"messages": [{"role": "user", "content": [
         {"type": "image", "image": str(photo)}, {"type": "text", "text": prompt}]}]})
     kwargs = hf_inputs(p)
@@ -47,10 +47,10 @@ def test_generate_with_an_image_equals_hf(family, tmp_path, capsys):
 def test_generate_text_only_on_a_smolvlm_checkpoint(tmp_path, capsys):
     """A SmolVLM2 checkpoint answers text chats (its language model alone) as HF does."""
     hf = build_tiny_smolvlm(tmp_path)
-    rc = _cli().main(["--model", str(tmp_path), "--prompt", "Hello there", "--max-tokens", "6"])
+    rc = _cli().main(["--dtype", "float32", "--model", str(tmp_path), "--prompt", "Hello there", "--max-tokens", "6"])
     out = capsys.readouterr()
     assert rc == 0, out.err
-    llm = LLM(str(tmp_path), num_kvcache_blocks=64)
+    llm = LLM(str(tmp_path), num_kvcache_blocks=64, dtype="float32")
     p = llm.engine.process_prompt({"messages": [{"role": "user", "content": "Hello there"}]})
     assert not p.images
     kwargs = hf_inputs(p)

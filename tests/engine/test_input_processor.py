@@ -16,7 +16,7 @@ pytestmark = pytest.mark.text
 
 @pytest.fixture(scope="module")
 def llm(tiny_models):
-    return LLM(str(tiny_models["qwen2"][0]), max_model_len=64, num_kvcache_blocks=8, seed=100)
+    return LLM(str(tiny_models["qwen2"][0]), max_model_len=64, num_kvcache_blocks=8, seed=100, dtype="float32")
 
 
 def test_every_prompt_form_gives_a_request(llm):

@@ -24,7 +24,7 @@ def greedy(n):
 
 @pytest.fixture(scope="module")
 def llm(tiny_models):
-    return LLM(str(tiny_models["qwen2"][0]), max_model_len=256, num_kvcache_blocks=64)
+    return LLM(str(tiny_models["qwen2"][0]), max_model_len=256, num_kvcache_blocks=64, dtype="float32")
 
 
 @pytest.fixture(scope="module")

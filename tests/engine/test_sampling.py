@@ -17,7 +17,7 @@ PROMPTS = [[101, 202, 303, 404, 505], list(range(1000, 1023))]
 
 @pytest.fixture(scope="module")
 def llm(tiny_models):
-    return LLM(str(tiny_models["qwen2"][0]), max_model_len=256, num_kvcache_blocks=32)
+    return LLM(str(tiny_models["qwen2"][0]), max_model_len=256, num_kvcache_blocks=32, dtype="float32")
 
 
 def gen(llm, prompts, params):

@@ -19,7 +19,7 @@ PROMPTS = [list(range(100 + 7 * i, 110 + 9 * i)) for i in range(8)]
 
 @pytest.fixture(scope="module")
 def llm(tiny_models):
-    return LLM(str(tiny_models["qwen2"][0]), max_model_len=256, num_kvcache_blocks=64)
+    return LLM(str(tiny_models["qwen2"][0]), max_model_len=256, num_kvcache_blocks=64, dtype="float32")
 
 
 def assert_all_free(llm):

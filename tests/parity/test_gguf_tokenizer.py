@@ -42,7 +42,7 @@ def header() -> dict:
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_model_len=128, kv_cache_memory=16 << 20)
+    return LLM(max_model_len=128, kv_cache_memory=16 << 20, dtype="float32")
 
 
 def test_header_states_what_the_issue_says(header):

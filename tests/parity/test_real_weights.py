@@ -53,7 +53,7 @@ def hf_tokens(folder):
 @pytest.fixture(scope="module")
 def engines():
     kw = dict(max_model_len=128, kv_cache_memory=64 << 20)
-    return {kind: LLM(kv_cache=kind, **kw) for kind in ("paged", "contiguous")}
+    return {kind: LLM(kv_cache=kind, **kw, dtype="float32") for kind in ("paged", "contiguous")}
 
 
 def test_default_model_is_the_embedded_smollm2(engines, folder):

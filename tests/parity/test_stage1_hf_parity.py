@@ -29,7 +29,7 @@ def greedy(llm: LLM, prompt_ids: list[int], max_tokens: int):
 
 @pytest.fixture(scope="module")
 def engines(tiny_models):
-    return {fam: LLM(str(tiny_models[fam][0]), kv_cache="paged", max_model_len=512, num_kvcache_blocks=16)
+    return {fam: LLM(str(tiny_models[fam][0]), kv_cache="paged", max_model_len=512, num_kvcache_blocks=16, dtype="float32")
             for fam in FAMILIES}
 
 

@@ -32,7 +32,8 @@ def no_cache_last_logits(model, ids: list[int]) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def engines(tiny_models):
-    return {fam: LLM(str(tiny_models[fam][0]), kv_cache="contiguous", max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=3)
+    return {fam: LLM(str(tiny_models[fam][0]), kv_cache="contiguous", max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=3,
+                     dtype="float32")
             for fam in FAMILIES}
 
 

@@ -46,13 +46,13 @@ def ceil_blocks(n: int) -> int:
 
 @pytest.fixture(scope="module")
 def paged(tiny_models):
-    return {fam: LLM(str(tiny_models[fam][0]), kv_cache="paged", max_model_len=512, num_kvcache_blocks=PAGED_BLOCKS)
+    return {fam: LLM(str(tiny_models[fam][0]), kv_cache="paged", max_model_len=512, num_kvcache_blocks=PAGED_BLOCKS, dtype="float32")
             for fam in FAMILIES}
 
 
 @pytest.fixture(scope="module")
 def contiguous(tiny_models):
-    return {fam: LLM(str(tiny_models[fam][0]), kv_cache="contiguous", max_model_len=512, num_kvcache_blocks=4)
+    return {fam: LLM(str(tiny_models[fam][0]), kv_cache="contiguous", max_model_len=512, num_kvcache_blocks=4, dtype="float32")
             for fam in FAMILIES}
 
 
@@ -158,7 +158,7 @@ def test_mac4_never_fitting_requests_refused_before_allocation(family, paged):
 
 
 def test_mac4_over_kv_capacity_refused(tiny_models):
-    llm = LLM(str(tiny_models["qwen2"][0]), kv_cache="paged", max_model_len=512, num_kvcache_blocks=4)
+    llm = LLM(str(tiny_models["qwen2"][0]), kv_cache="paged", max_model_len=512, num_kvcache_blocks=4, dtype="float32")
     with pytest.raises(RequestTooLongError, match=r"can never fit the KV cache \(4 blocks, 64 tokens\)"):
         llm.engine.add_request(prompt(50, seed=504), greedy_params(15))  # 65 tokens > 64 slots
     assert_all_free(llm)
@@ -205,7 +205,7 @@ def test_mac5_freed_blocks_reused_change_nothing_for_others(family, tiny_models,
     blocks). B finishes after two steps; D (25 + 6, 2 blocks) is added and must take B's
     freed blocks. A, C and D give the same tokens and logits as each alone; a refused
     request in the middle leaves every K/V byte in place."""
-    llm = LLM(str(tiny_models[family][0]), kv_cache="paged", max_model_len=512, num_kvcache_blocks=8)
+    llm = LLM(str(tiny_models[family][0]), kv_cache="paged", max_model_len=512, num_kvcache_blocks=8, dtype="float32")
     engine, bm = llm.engine, llm.engine.block_manager
     specs = {"A": (prompt(40, 701), 8), "B": (prompt(20, 702), 2), "C": (prompt(33, 703), 10), "D": (prompt(25, 704), 6)}
     alone = {k: run(contiguous[family], [p], greedy_params(m)) for k, (p, m) in specs.items()}
@@ -245,7 +245,7 @@ def test_chunked_prefill_and_preemption_equal_alone(family, tiny_models, contigu
     """A 24-token step budget splits prompts across steps next to running decodes, and 6
     blocks force a preemption (recompute); every request still matches running alone."""
     llm = LLM(str(tiny_models[family][0]), kv_cache="paged", max_model_len=512, num_kvcache_blocks=6,
-              max_num_batched_tokens=24)
+              max_num_batched_tokens=24, dtype="float32")
     prompts = [prompt(10, 801), prompt(70, 802), prompt(30, 803)]
     params = [greedy_params(12), greedy_params(6), greedy_params(30)]
     outs, logits, rec = run(llm, prompts, params)

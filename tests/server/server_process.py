@@ -17,10 +17,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from helpers import REPO
 
 START_TIMEOUT_S = 240  # import torch + load the model on a busy 2-core machine
-TEXT_ARGS = ["--max-model-len", "512", "--kv-cache-memory", "64MiB"]  # the in-process references use the same
-TEXT_LLM_KWARGS = dict(max_model_len=512, kv_cache_memory=64 << 20)
-VLM_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", "32MiB", "--max-pixels", str(64 * 28 * 28)]
-VLM_LLM_KWARGS = dict(max_model_len=1024, kv_cache_memory=32 << 20, max_pixels=64 * 28 * 28)
+# the in-process references use the same settings; fp32, the exactness reference on any CPU
+TEXT_ARGS = ["--max-model-len", "512", "--kv-cache-memory", "64MiB", "--dtype", "float32"]
+TEXT_LLM_KWARGS = dict(max_model_len=512, kv_cache_memory=64 << 20, dtype="float32")
+VLM_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", "32MiB", "--max-pixels", str(64 * 28 * 28),
+            "--dtype", "float32"]
+VLM_LLM_KWARGS = dict(max_model_len=1024, kv_cache_memory=32 << 20, max_pixels=64 * 28 * 28, dtype="float32")
 
 
 def free_port() -> int:

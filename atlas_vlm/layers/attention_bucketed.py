@@ -1,0 +1,142 @@
+"""The ``"bucketed"`` attention backend: each request's real tokens, read once.
+
+The reference (``attention.paged_attention``) gathers every request's K/V padded to the
+longest context in the step and masks a dense ``[num_seqs, max_q, max_ctx]`` grid. Here the
+step is split once (per step, not per layer) into:
+
+- **decode buckets**: requests with one new token, sorted by context length and grouped so
+  that a bucket's longest context is at most ``BUCKET_RATIO`` x its shortest (or within
+  ``BUCKET_SLACK`` tokens). One SDPA per bucket over its requests' blocks, padded only to
+  the bucket's own longest context, with a ``[B, 1, 1, L]`` key-padding mask (none when all
+  lengths are equal);
+- **prefill chunks**: requests with several new tokens (or a one-token prompt), one SDPA each over exactly their
+  context (``is_causal`` when the chunk is the whole context, else a ``[q, c]`` causal mask
+  offset by the cached tokens).
+
+The grouping is vLLM's "split decode from prefill" layout (``FlashAttentionMetadata``'s
+decode / prefill split) with length buckets in place of a variable-length kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+BUCKET_RATIO = 1.25  # longest / shortest context in one decode bucket
+BUCKET_SLACK = 64  # tokens of padding always allowed in a bucket (short contexts: few buckets)
+
+
+@dataclass
+class DecodeBucket:
+    """Decode requests attended together."""
+
+    token_index: torch.Tensor  # [B] int64: flat token (query row) of each request
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with block 0
+    max_len: int  # longest context in the bucket (tokens)
+    pad_mask: torch.Tensor | None  # [B, 1, 1, max_len] bool, True = attend; None: all lengths equal
+
+
+@dataclass
+class PrefillChunk:
+    """One request with several new tokens."""
+
+    start: int  # first flat token of the chunk
+    end: int  # one past its last flat token
+    block_table: torch.Tensor  # [1, num_blocks] int64
+    context_len: int  # tokens in cache after this step
+    causal_mask: torch.Tensor | None  # [q, context_len] bool, True = attend; None: q == context_len
+
+
+@dataclass
+class BucketedLayout:
+    decode_buckets: list[DecodeBucket]
+    prefills: list[PrefillChunk]
+
+
+def decode_groups(context_lens: list[int], ratio: float = BUCKET_RATIO, slack: int = BUCKET_SLACK) -> list[list[int]]:
+    """Indices of ``context_lens`` grouped into buckets (each sorted by length).
+
+    A bucket opened at length ``s`` takes every next (sorted) length ``c`` with
+    ``c <= max(s * ratio, s + slack)``, so its padding is bounded by either.
+    """
+    order = sorted(range(len(context_lens)), key=context_lens.__getitem__)
+    groups: list[list[int]] = []
+    for i in order:
+        c = context_lens[i]
+        if groups and c <= max(context_lens[groups[-1][0]] * ratio, context_lens[groups[-1][0]] + slack):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def build_bucketed_layout(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                          device: torch.device | str = "cpu") -> BucketedLayout:
+    """Split one step into decode buckets and prefill chunks (lengths already validated by
+    ``attention.build_attention_metadata``)."""
+    starts = [0]
+    for q in query_lens[:-1]:
+        starts.append(starts[-1] + q)
+    decodes = [i for i, (q, c) in enumerate(zip(query_lens, context_lens)) if q == 1 and c > 1]
+    buckets = []
+    for group in decode_groups([context_lens[i] for i in decodes]):
+        seqs = [decodes[g] for g in group]
+        lens = torch.tensor([context_lens[s] for s in seqs])  # [B]
+        max_len = int(lens.max())
+        width = max(len(block_tables[s]) for s in seqs)
+        tables = [block_tables[s] + [0] * (width - len(block_tables[s])) for s in seqs]
+        mask = None
+        if int(lens.min()) != max_len:
+            mask = (torch.arange(max_len)[None, :] < lens[:, None])[:, None, None, :].to(device)  # [B, 1, 1, L]
+        buckets.append(DecodeBucket(token_index=torch.tensor([starts[s] for s in seqs], device=device),
+                                    block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+                                    max_len=max_len, pad_mask=mask))
+    prefills = []
+    for i, (q, c) in enumerate(zip(query_lens, context_lens)):
+        if q == 1 and c > 1:
+            continue
+        mask = None
+        if q != c:  # query row r sits at position c - q + r and sees keys 0 .. c - q + r
+            mask = (torch.arange(c)[None, :] <= torch.arange(c - q, c)[:, None]).to(device)  # [q, c]
+        prefills.append(PrefillChunk(start=starts[i], end=starts[i] + q, context_len=c, causal_mask=mask,
+                                     block_table=torch.tensor([block_tables[i]], dtype=torch.long, device=device)))
+    return BucketedLayout(decode_buckets=buckets, prefills=prefills)
+
+
+def bucketed_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, layer: int,
+                             layout: BucketedLayout, scale: float) -> torch.Tensor:
+    """``attention.paged_attention`` over a ``BucketedLayout`` (same arguments and result:
+    ``q`` ``[num_tokens, heads, head_dim]``, ``k``/``v`` ``[num_tokens, kv_heads, head_dim]``
+    -> ``[num_tokens, heads, head_dim]``); the new K/V are already written to ``kv_cache``.
+    ``kv_cache=None``: every request is a full prefill attending only its own new tokens.
+
+    Raises:
+        ValueError: ``kv_cache`` is None while a request decodes over cached context.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    gqa = num_heads != k.shape[1]
+    if kv_cache is None and layout.decode_buckets:
+        raise ValueError("without a KV cache every request must be a full prefill")
+    out = q.new_empty(num_tokens, num_heads, head_dim)
+    for b in layout.decode_buckets:
+        k_ctx, v_ctx = kv_cache.gather_kv_for_attention(layer, b.block_tables, b.max_len)  # [B, L, kv_heads, hd]
+        o = F.scaled_dot_product_attention(
+            q[b.token_index][:, :, None],  # [B, heads, 1, head_dim]
+            k_ctx.to(q.dtype).transpose(1, 2),  # [B, kv_heads, L, head_dim]
+            v_ctx.to(q.dtype).transpose(1, 2),
+            attn_mask=b.pad_mask, scale=scale, enable_gqa=gqa)
+        out.index_copy_(0, b.token_index, o[:, :, 0])  # [B, heads, head_dim]
+    for p in layout.prefills:
+        if kv_cache is None:
+            k_ctx, v_ctx = k[p.start:p.end], v[p.start:p.end]  # [q, kv_heads, head_dim]
+        else:
+            k_ctx, v_ctx = kv_cache.gather_kv_for_attention(layer, p.block_table, p.context_len)
+            k_ctx, v_ctx = k_ctx[0].to(q.dtype), v_ctx[0].to(q.dtype)  # [c, kv_heads, head_dim]
+        o = F.scaled_dot_product_attention(
+            q[p.start:p.end].transpose(0, 1)[None],  # [1, heads, q, head_dim]
+            k_ctx.transpose(0, 1)[None], v_ctx.transpose(0, 1)[None],  # [1, kv_heads, c, head_dim]
+            attn_mask=p.causal_mask, is_causal=p.causal_mask is None, scale=scale, enable_gqa=gqa)
+        out[p.start:p.end] = o[0].transpose(0, 1)  # [q, heads, head_dim]
+    return out
