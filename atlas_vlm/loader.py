@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,29 @@ def cache_dir() -> Path:
     return Path(os.environ.get("ATLAS_VLM_CACHE", Path.home() / ".cache" / "atlas_vlm"))
 
 
+def build_folder_once(out: Path, build: Callable[[Path], None]) -> Path:
+    """Fill the cache folder ``out`` with ``build(tmp)`` in a temporary sibling (one per
+    process), then rename it into place, so a half-written folder is never used; when a
+    concurrent build wins the race, its folder is kept. Returns ``out``.
+
+    Raises:
+        OSError: the rename failed and no finished ``out`` exists.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        build(tmp)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not (out / "config.json").exists():  # not a concurrent build that won the race
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def gguf_to_folder(gguf_path: Path) -> Path:
     """Dequantize a GGUF checkpoint to an HF folder (fp32 safetensors + tokenizer), once.
 
@@ -85,20 +109,12 @@ def gguf_to_folder(gguf_path: Path) -> Path:
     eos = [ids[k] for k in ("eos", "eot") if k in ids]
     gen.eos_token_id = sorted(set(eos), key=eos.index) if len(set(eos)) > 1 else (eos[0] if eos else None)
     gen.pad_token_id = ids.get("pad")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))  # one per process: no clash
-    try:
+
+    def save(tmp: Path) -> None:
         hf_model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        try:
-            tmp.rename(out)
-        except OSError:
-            if not (out / "config.json").exists():  # not a concurrent conversion that won the race
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return build_folder_once(out, save)
 
 
 def _checkpoint_files(model_dir: Path) -> list[Path]:
