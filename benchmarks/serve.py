@@ -179,7 +179,7 @@ def run(quick: bool = False) -> dict:
     prompts = random_prompts(num, *plen, vocab, seed=0)
     outs = [random.Random(1000 + i).randint(*olen) for i in range(num)]
     blocks = sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, outs)) + 512  # all fit: no preemption
-    llm = LLM(gguf, max_model_len=1024, num_kvcache_blocks=blocks, max_num_seqs=64)
+    llm = LLM(gguf, dtype="float32", max_model_len=1024, num_kvcache_blocks=blocks, max_num_seqs=64)
     total_out = sum(outs)
     section(f"Serving: {num} requests, prompts {plen[0]}..{plen[1]} (random ids, seed 0), outputs "
             f"{olen[0]}..{olen[1]} ({total_out} output tokens, greedy, ignore_eos), SmolLM2-135M fp32")

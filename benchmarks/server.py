@@ -167,7 +167,7 @@ def _run_system(name, cmd, url, model, reqs_per_rate, rates, timeout_s) -> dict:
 def _offline(gguf: str, reqs: list[dict]) -> dict:
     from atlas_vlm import LLM, SamplingParams
 
-    llm = LLM(gguf, max_model_len=1024)
+    llm = LLM(gguf, dtype="float32", max_model_len=1024)
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"]) for r in reqs]
     warm = make_requests(2, seed=999)  # other prompts: the measured ones must not hit the prefix cache
     llm.chat([r["messages"] for r in warm], [SamplingParams(temperature=0, max_tokens=4)] * 2, use_tqdm=False)
@@ -188,7 +188,7 @@ def run(quick: bool = False) -> dict:
             f"arrivals at {rates} req/s, SmolLM2-135M fp32")
     port = _free_port()
     ours_cmd = [sys.executable, "-m", "atlas_vlm.serve", gguf, "--port", str(port), "--max-model-len", "1024",
-                "--served-model-name", "smollm2", "--log-level", "warning"]
+                "--served-model-name", "smollm2", "--log-level", "warning", "--dtype", "float32"]
     results = {"ours": _run_system("atlas-vlm serve", ours_cmd, f"http://127.0.0.1:{port}", "smollm2", reqs_per_rate,
                                    rates, timeout_s)}
     port = _free_port()

@@ -55,7 +55,7 @@ def run(quick: bool = False) -> dict:
             f"Poisson arrivals at {rates} req/s, random-weight Qwen2.5-VL fp32 (words not meaningful)")
     port = _free_port()
     ours_cmd = [sys.executable, "-m", "atlas_vlm.serve", folder, "--port", str(port), "--max-model-len", "2048",
-                "--served-model-name", "vlm", "--log-level", "warning"]
+                "--served-model-name", "vlm", "--log-level", "warning", "--dtype", "float32"]
     results = {"ours": _run_system("atlas-vlm serve", ours_cmd, f"http://127.0.0.1:{port}", "vlm", reqs_per_rate,
                                    rates, timeout_s)}
     port = _free_port()

@@ -111,8 +111,8 @@ def run(quick: bool = False) -> dict:
     section(f"Text decode: SmolLM2-135M fp32, 1 request, {n} new tokens, best of {repeats} "
             f"({torch.get_num_threads()} threads)")
     gguf, folder = text_model_paths()
-    paged = LLM(gguf, kv_cache="paged", max_model_len=2048, num_kvcache_blocks=256)
-    contig = LLM(gguf, kv_cache="contiguous", max_model_len=2048, num_kvcache_blocks=2)
+    paged = LLM(gguf, dtype="float32", kv_cache="paged", max_model_len=2048, num_kvcache_blocks=256)
+    contig = LLM(gguf, dtype="float32", kv_cache="contiguous", max_model_len=2048, num_kvcache_blocks=2)
     tok = paged.tokenizer
     ids = list(tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=True))
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

@@ -41,7 +41,7 @@ def run(quick: bool = False, photo: str = "rocket.jpg") -> dict:
     repeats = 2 if quick else 3
     section(f"VLM time to first token: 1 image ({photo}), random-weight Qwen2.5-VL, best of {repeats}")
     folder = vlm_model_path()
-    llm = LLM(folder, max_model_len=2048, max_num_batched_tokens=2048, num_kvcache_blocks=256,
+    llm = LLM(folder, dtype="float32", max_model_len=2048, max_num_batched_tokens=2048, num_kvcache_blocks=256,
               enable_prefix_caching=False)
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -102,7 +102,7 @@ def mix(quick: bool = False) -> dict:
     res = {}
     for name, caching in (("caches on", True), ("caches off", False)):
         log(f"mix: {name}")
-        llm = LLM(folder, max_model_len=2048, num_kvcache_blocks=512, enable_prefix_caching=caching)
+        llm = LLM(folder, dtype="float32", max_model_len=2048, num_kvcache_blocks=512, enable_prefix_caching=caching)
         if not caching:
             llm.engine.runner.encoder_cache_size = 0  # every request runs the vision tower
         llm.chat([{"role": "user", "content": [{"type": "image", "image": image_path("rocket.jpg")},
