@@ -116,18 +116,23 @@ def bucketed_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         ValueError: ``kv_cache`` is None while a request decodes over cached context.
     """
     num_tokens, num_heads, head_dim = q.shape
-    gqa = num_heads != k.shape[1]
+    num_kv_heads = k.shape[1]
+    gqa = num_heads != num_kv_heads
     if kv_cache is None and layout.decode_buckets:
         raise ValueError("without a KV cache every request must be a full prefill")
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for b in layout.decode_buckets:
         k_ctx, v_ctx = kv_cache.gather_kv_for_attention(layer, b.block_tables, b.max_len)  # [B, L, kv_heads, hd]
+        num_seqs = b.token_index.numel()
+        # The query heads that share a KV head become that head's query rows (query head h reads
+        # KV head h // group, as HF's repeat_kv): one plain SDPA, no enable_gqa, which on CPU in
+        # bf16 is 5-7x slower for one query row (benchmarks/attention.py).
         o = F.scaled_dot_product_attention(
-            q[b.token_index][:, :, None],  # [B, heads, 1, head_dim]
+            q[b.token_index].view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim),  # [B, kv, group, hd]
             k_ctx.to(q.dtype).transpose(1, 2),  # [B, kv_heads, L, head_dim]
             v_ctx.to(q.dtype).transpose(1, 2),
-            attn_mask=b.pad_mask, scale=scale, enable_gqa=gqa)
-        out.index_copy_(0, b.token_index, o[:, :, 0])  # [B, heads, head_dim]
+            attn_mask=b.pad_mask, scale=scale)  # mask [B, 1, 1, L] broadcasts over kv heads and group rows
+        out.index_copy_(0, b.token_index, o.reshape(num_seqs, num_heads, head_dim))  # [B, heads, head_dim]
     for p in layout.prefills:
         if kv_cache is None:
             k_ctx, v_ctx = k[p.start:p.end], v[p.start:p.end]  # [q, kv_heads, head_dim]

@@ -39,22 +39,27 @@ def random_step(rng: random.Random, num_seqs: int, decode_share: float, max_ctx:
     return q_lens, c_lens, slots, tables
 
 
-def run_both(cache, q_lens, c_lens, slots, tables, seed: int):
-    """Outputs and caches of both backends on copies of ``cache`` (layer 1 of 2)."""
+def run_both(cache, q_lens, c_lens, slots, tables, seed: int, reference_cache=None):
+    """Outputs and caches of both backends on copies of ``cache`` (layer 1 of 2), in the
+    cache's dtype; the reference runs on ``reference_cache`` (and q/k/v cast to its dtype)
+    when given."""
     g = torch.Generator().manual_seed(seed)
     n = sum(q_lens)
-    q = torch.randn(n, HEADS, HEAD_DIM, generator=g)
-    k, v = torch.randn(2, n, KV_HEADS, HEAD_DIM, generator=g)
+    kv_heads, dtype = (KV_HEADS, torch.float32) if cache is None else (cache.spec.num_kv_heads, cache.spec.dtype)
+    q = torch.randn(n, HEADS, HEAD_DIM, generator=g).to(dtype)
+    k, v = torch.randn(2, n, kv_heads, HEAD_DIM, generator=g).to(dtype)
     results = {}
     for backend in ("reference", "bucketed"):
-        c = copy.deepcopy(cache)
+        c = copy.deepcopy(reference_cache if backend == "reference" and reference_cache is not None else cache)
+        if c is not None:
+            q, k, v = q.to(c.spec.dtype), k.to(c.spec.dtype), v.to(c.spec.dtype)
         meta = build_attention_metadata(q_lens, c_lens, slots, tables, backend=backend)
         results[backend] = (paged_attention(q, k, v, c, 1, meta, HEAD_DIM ** -0.5), c)
     return results
 
 
-def filled_paged_cache(seed: int) -> PagedKVCache:
-    cache = PagedKVCache(KVCacheSpec(2, KV_HEADS, HEAD_DIM, torch.float32), NUM_BLOCKS, BS)
+def filled_paged_cache(seed: int, dtype: torch.dtype = torch.float32, kv_heads: int = KV_HEADS) -> PagedKVCache:
+    cache = PagedKVCache(KVCacheSpec(2, kv_heads, HEAD_DIM, dtype), NUM_BLOCKS, BS)
     g = torch.Generator().manual_seed(seed)
     cache.k_cache.copy_(torch.randn(cache.k_cache.shape, generator=g))
     cache.v_cache.copy_(torch.randn(cache.v_cache.shape, generator=g))
@@ -70,6 +75,23 @@ def test_bucketed_equals_reference_on_random_steps(seed, num_seqs, decode_share)
     assert ours.shape == (sum(q_lens), HEADS, HEAD_DIM)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
     assert torch.equal(our_cache.k_cache, ref_cache.k_cache) and torch.equal(our_cache.v_cache, ref_cache.v_cache)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 8])  # MQA, GQA (4 query heads per KV head), MHA
+def test_bucketed_in_bf16_matches_the_fp32_reference(kv_heads):
+    """bf16 decode folds each KV head's query heads into query rows (no ``enable_gqa``): the
+    same values as the fp32 reference on the same bf16-representable inputs, within bf16's
+    output rounding (2^-8 relative on values of magnitude ~1)."""
+    q_lens, c_lens, slots, tables = random_step(random.Random(3), 24, 0.8)
+    bf16 = filled_paged_cache(3, torch.bfloat16, kv_heads)
+    fp32 = PagedKVCache(KVCacheSpec(2, kv_heads, HEAD_DIM, torch.float32), NUM_BLOCKS, BS)
+    fp32.k_cache.copy_(bf16.k_cache)
+    fp32.v_cache.copy_(bf16.v_cache)
+    results = run_both(bf16, q_lens, c_lens, slots, tables, 3, reference_cache=fp32)
+    (ref, _), (ours, _) = results["reference"], results["bucketed"]
+    assert ours.dtype == torch.bfloat16 and ref.dtype == torch.float32
+    torch.testing.assert_close(ours.float(), ref, atol=2e-2, rtol=1e-2)
+    assert (ours.float() - ref).abs().mean() < 2e-3
 
 
 def test_bucketed_without_cache_is_a_full_prefill():
