@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from atlas_vlm.config import EngineConfig
+from atlas_vlm.layers.linear import can_pack, pack_linears
 from atlas_vlm.worker.input_prep import ModelInput, prepare_inputs
 from atlas_vlm.loader import LoadedModel
 from atlas_vlm.worker.sampler import SamplerOutput, sample
@@ -54,6 +55,7 @@ class ModelRunner:
         self.model = loaded.model
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
+        self.num_packed_linears = pack_linears(self.model) if can_pack(self.dtype, self.device) else 0
         self.mrope = self.model.arch.mrope_section is not None
         self.attention_backend = config.attention_backend
         arch = self.model.arch

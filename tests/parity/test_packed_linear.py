@@ -1,0 +1,64 @@
+"""bf16 linear layers over oneDNN-packed weights (``atlas_vlm.layers.linear``): the same
+bits as ``nn.Linear`` for any number of rows, the same greedy tokens and logprobs from the
+engine, and the engine packs exactly its decoder's linear layers when the CPU can."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from atlas_vlm import LLM, SamplingParams
+from atlas_vlm.layers.linear import PackedLinear, can_pack, pack_linears
+
+pytestmark = pytest.mark.text
+
+
+def test_can_pack_only_bf16_on_a_cpu_with_onednn():
+    assert can_pack(torch.bfloat16, "cpu") == torch.backends.mkldnn.is_available()
+    assert not can_pack(torch.float32, "cpu")
+    assert not can_pack(torch.bfloat16, "cuda")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 96), (7, 96), (300, 96), (2, 5, 96)])
+def test_packed_linear_gives_nn_linear_bits(shape, bias):
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 200, bias=bias).to(torch.bfloat16)
+    x = torch.randn(shape).to(torch.bfloat16)
+    packed = PackedLinear(lin)
+    with torch.inference_mode():
+        out, ref = packed(x), lin(x)
+    assert out.shape == (*shape[:-1], 200) and out.dtype == torch.bfloat16
+    assert torch.equal(out, ref)
+
+
+def test_packed_linear_refuses_fp32():
+    with pytest.raises(ValueError, match="bf16"):
+        PackedLinear(nn.Linear(4, 4))
+
+
+def test_pack_linears_replaces_bf16_linears_only():
+    net = nn.Sequential(nn.Linear(8, 8).bfloat16(), nn.ReLU(), nn.Sequential(nn.Linear(8, 4).bfloat16()),
+                        nn.Linear(4, 4))
+    assert pack_linears(net) == 2
+    assert [type(m).__name__ for m in (net[0], net[2][0], net[3])] == ["PackedLinear", "PackedLinear", "Linear"]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])  # untied and tied LM head
+def test_engine_packs_its_decoder_and_decodes_the_same_bits(tiny_models, monkeypatch, family):
+    folder, hf = tiny_models[family]
+    prompts = [[151643, 9707, 11, 1879, 0], [151644, 100, 200, 300, 400, 500, 600, 700, 800]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    packed = LLM(str(folder), dtype="bfloat16", device="cpu", max_model_len=64, num_kvcache_blocks=16)
+    layers = hf.config.num_hidden_layers
+    assert packed.engine.runner.num_packed_linears == (4 * layers + 1 if can_pack(torch.bfloat16, "cpu") else 0)
+    assert isinstance(packed.engine.runner.model.lm_head, PackedLinear) == can_pack(torch.bfloat16, "cpu")
+    monkeypatch.setattr("atlas_vlm.worker.model_runner.can_pack", lambda dtype, device: False)
+    plain = LLM(str(folder), dtype="bfloat16", device="cpu", max_model_len=64, num_kvcache_blocks=16)
+    assert plain.engine.runner.num_packed_linears == 0
+    ours = packed.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ref = plain.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for a, b in zip(ours, ref):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs  # every step's top-3 logprobs, bit for bit
