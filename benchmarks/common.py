@@ -54,6 +54,44 @@ def gemm_peak_flops(n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.
     return 2 * n**3 / seconds
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: the string ``LLM(dtype=...)`` and the CLI take."""
+    return str(dtype).removeprefix("torch.")
+
+
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Measured memory read bandwidth: best of ``repeats`` ``torch.sum`` over an ``nbytes``
+    fp32 tensor (far larger than any cache, so every byte comes from DRAM).
+
+    Returns:
+        bytes/s.
+    """
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    seconds, _ = best_of(lambda: x.sum(), repeats)
+    return nbytes / seconds
+
+
+def nonembedding_params(hf_config) -> int:
+    """Decoder parameters without the embedding table and the LM head, from the config
+    (``atlas_vlm.models.param_count``; the engine's packed bf16 layers are not nn.Parameters)."""
+    from atlas_vlm.models.param_count import text_config, text_params
+
+    t = text_config(hf_config)
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    return text_params(hf_config) - t.vocab_size * t.hidden_size * (1 if tied else 2)
+
+
+def decode_weight_bytes(hf_config, dtype: torch.dtype) -> int:
+    """Weight bytes one decode token reads at batch 1: every parameter but the input embedding
+    table (a token reads one row of it), plus the LM head (``d * V``; read once even when tied
+    to the embedding), at ``dtype``'s element size."""
+    from atlas_vlm.models.param_count import text_config
+
+    t = text_config(hf_config)
+    params = nonembedding_params(hf_config) + t.hidden_size * t.vocab_size
+    return params * torch.empty((), dtype=dtype).element_size()
+
+
 def text_model_paths() -> tuple[str, Path]:
     """(SmolLM2-135M GGUF file our engine loads, the converted HF folder HF loads): same weights."""
     from atlas_vlm.default_models import default_text_model

@@ -1,4 +1,4 @@
-"""Serving benchmark (issue 4) on SmolLM2-135M, fp32: many requests at once.
+"""Serving benchmark (issues 4 and 10) on SmolLM2-135M, in the bench dtype: many requests at once.
 
 Requests: seeded random token-id prompts (lengths uniform in 16..512) and output lengths
 (16..128), EOS ignored so each request produces exactly its ``max_tokens``. Systems:
@@ -8,7 +8,11 @@ Requests: seeded random token-id prompts (lengths uniform in 16..512) and output
 (c) HF ``generate`` in left-padded batches of 16 (attention mask); a batch runs to its
     longest request, only each request's own first ``max_tokens`` tokens are counted;
 (d) HF continuous batching (``init_continuous_batching`` manager, what ``generate_batch``
-    uses, with per-request ``max_new_tokens`` through ``add_request``).
+    uses, with per-request ``max_new_tokens`` through ``add_request``);
+(e) llama.cpp on the same GGUF (``benchmarks.llamacpp``), one request after another (its
+    Python binding has no batching); "not installed" when ``llama-cpp-python`` is absent.
+
+HF runs in the bench dtype like ours.
 
 Output tokens/s = sum of requested output tokens / wall seconds of the whole batch
 (prefill included). Greedy tokens are compared with (b). Also: KV reserved but empty in our
@@ -22,9 +26,21 @@ import random
 
 import torch
 
-from benchmarks import vlm
-from benchmarks.common import (compare_tokens, fmt, gemm_peak_flops, log, markdown_table, match_str, now,
-                                    random_prompts, section, text_model_paths)
+from benchmarks import llamacpp, vlm
+from benchmarks.common import (
+    compare_tokens,
+    dtype_name,
+    fmt,
+    gemm_peak_flops,
+    log,
+    markdown_table,
+    match_str,
+    nonembedding_params,
+    now,
+    random_prompts,
+    section,
+    text_model_paths,
+)
 
 
 def _ours(llm, prompts, outs) -> tuple[float, list[list[int]], list[dict]]:
@@ -78,14 +94,14 @@ def _hf_padded(model, prompts, outs, pad, batch: int = 16) -> tuple[float, list[
     return now() - t0, toks
 
 
-def _hf_continuous(folder, prompts, outs, pad, timeout_s: float) -> tuple[float, list[list[int]]]:
+def _hf_continuous(folder, prompts, outs, pad, timeout_s: float, dtype: torch.dtype) -> tuple[float, list[list[int]]]:
     """(d). transformers 4.57.6 sizes its paged cache from CUDA memory and fails on CPU
     (``total_memory`` is None); we report 8 GiB "device memory" for the cache sizing only and
     pass ``num_blocks`` / ``max_batch_tokens`` explicitly."""
     import transformers.generation.continuous_batching.cache as cb_cache
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa_paged").eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa_paged").eval()
     blocks = sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, outs)) + 64
     config = GenerationConfig(max_new_tokens=max(outs), do_sample=False, eos_token_id=-1, pad_token_id=pad,
                               num_blocks=blocks, max_batch_tokens=2048, block_size=16)
@@ -133,7 +149,7 @@ def decode_flops(llm, batch: int, out_tokens: int, peak: float, seed: int = 1) -
 
     eng, model = llm.engine, llm.engine.runner.model
     a = model.arch
-    P = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
+    P = nonembedding_params(llm.engine.hf_config)
     per_tok = 2 * P + 2 * a.hidden_size * a.vocab_size
     attn = 4 * a.num_layers * a.num_heads * a.head_dim
     steps, run, step = [], eng.runner.run, eng.step
@@ -167,7 +183,7 @@ def decode_flops(llm, batch: int, out_tokens: int, peak: float, seed: int = 1) -
             "engine_overhead_pct": 100 * (1 - run_s / step_s)}
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, dtype: torch.dtype = torch.float32) -> dict:
     """Run the serving section, print its tables, return the results (seconds, ratios)."""
     from transformers import AutoModelForCausalLM
 
@@ -179,17 +195,18 @@ def run(quick: bool = False) -> dict:
     prompts = random_prompts(num, *plen, vocab, seed=0)
     outs = [random.Random(1000 + i).randint(*olen) for i in range(num)]
     blocks = sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, outs)) + 512  # all fit: no preemption
-    llm = LLM(gguf, dtype="float32", max_model_len=1024, num_kvcache_blocks=blocks, max_num_seqs=64)
+    dname = dtype_name(dtype)
+    llm = LLM(gguf, dtype=dname, max_model_len=1024, num_kvcache_blocks=blocks, max_num_seqs=64)
     total_out = sum(outs)
     section(f"Serving: {num} requests, prompts {plen[0]}..{plen[1]} (random ids, seed 0), outputs "
-            f"{olen[0]}..{olen[1]} ({total_out} output tokens, greedy, ignore_eos), SmolLM2-135M fp32")
+            f"{olen[0]}..{olen[1]} ({total_out} output tokens, greedy, ignore_eos), SmolLM2-135M {dname}")
     pad = llm.tokenizer.eos_token_id
     llm.generate(prompts[:2], None, use_tqdm=False)  # warm-up
     log("(a) ours")
     runs = {}
     t, toks, samples = _ours(llm, prompts, outs)
     runs["(a) ours, one generate call"] = {"seconds": t, "tokens": toks}
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     _hf_sequential(hf, prompts[:1], [4], pad)  # warm-up
     log("(b) HF generate, one at a time")
     t, toks = _hf_sequential(hf, prompts, outs, pad)
@@ -199,17 +216,28 @@ def run(quick: bool = False) -> dict:
     runs["(c) HF generate, padded batches of 16"] = {"seconds": t, "tokens": toks}
     log("(d) HF continuous batching")
     try:
-        t, toks = _hf_continuous(folder, prompts, outs, pad, timeout_s=300 if quick else 900)
+        t, toks = _hf_continuous(folder, prompts, outs, pad, timeout_s=300 if quick else 900, dtype=dtype)
         runs["(d) HF continuous batching"] = {"seconds": t, "tokens": toks}
     except Exception as e:  # noqa: BLE001 - a peer failing must not stop the benchmark
         print(f"  (d) HF continuous batching FAILED: {type(e).__name__}: {e}")
         runs["(d) HF continuous batching"] = {"error": f"{type(e).__name__}: {e}"}
+    name = "(e) llama.cpp, 1 at a time (GGUF as stored)"
+    why_not = llamacpp.available()
+    if why_not is None:
+        log(name)
+        lcpp = llamacpp.load(gguf, n_ctx=1024, threads=torch.get_num_threads())
+        llamacpp.stream(lcpp, prompts[0], 4)  # warm-up
+        t, toks = llamacpp.sequential(lcpp, prompts, outs)
+        runs[name] = {"seconds": t, "tokens": toks}
+        del lcpp
+    else:
+        runs[name] = {"error": why_not}
     ref = runs["(b) HF generate, 1 at a time"]["tokens"]
     ours_tps = total_out / runs["(a) ours, one generate call"]["seconds"]
     rows = []
     for name, r in runs.items():
         if "error" in r:
-            rows.append([name, "-", "-", "-", "failed: " + r["error"][:60]])
+            rows.append([name, "-", "-", "-", r["error"][:60] if name.startswith("(e)") else "failed: " + r["error"][:60]])
             continue
         r["tok_s"] = total_out / r["seconds"]
         r["match_vs_hf_sequential"] = compare_tokens(r.pop("tokens"), ref) if name[1] != "b" else None
@@ -233,8 +261,8 @@ def run(quick: bool = False) -> dict:
           "blocks are reserved at admission, before chunked prefill fills them)")
 
     section("Decode FLOP/s of our engine vs the measured GEMM peak")
-    peak_flops = gemm_peak_flops()
-    log(f"fp32 matmul peak {peak_flops / 1e9:.1f} GFLOP/s (2048^2, best of 5)")
+    peak_flops = gemm_peak_flops(dtype=dtype)
+    log(f"{dname} matmul peak {peak_flops / 1e9:.1f} GFLOP/s (2048^3, best of 5)")
     flops = [decode_flops(llm, b, 8 if quick else 32, peak_flops) for b in ((32,) if quick else (32, 64))]
     print(markdown_table(["batch", "decode tok/s", "GFLOP/s (forward)", "of peak (forward)", "of peak (whole step)",
                           "engine overhead (step - forward)"],
@@ -244,6 +272,6 @@ def run(quick: bool = False) -> dict:
     print(f"\nFLOPs per decode token = 2*P + 2*d*V + 4*L*H*Dh*c (P = {flops[0]['nonembedding_params']:,} "
           f"non-embedding params, d*V = LM head, c = context length); peak = {peak_flops / 1e9:.1f} GFLOP/s")
     del llm, hf
-    mix = vlm.mix(quick)
-    return {"num_requests": num, "output_tokens": total_out, "systems": runs, "kv": kv,
+    mix = vlm.mix(quick, dtype)
+    return {"dtype": dname, "num_requests": num, "output_tokens": total_out, "systems": runs, "kv": kv,
             "gemm_peak_flop_s": peak_flops, "decode_flops": flops, "vlm_mix": mix}

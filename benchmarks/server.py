@@ -30,8 +30,7 @@ from pathlib import Path
 
 from benchmarks.common import log, markdown_table, section, text_model_paths
 
-WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
-         "government company number group problem fact river mountain city music story light water").split()
+WORDS = ["time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part", "child", "eye", "woman", "place", "work", "week", "case", "point", "government", "company", "number", "group", "problem", "fact", "river", "mountain", "city", "music", "story", "light", "water"]
 
 
 def make_requests(num: int, seed: int = 0) -> list[dict]:
@@ -99,7 +98,7 @@ async def _load(url: str, model: str, reqs: list[dict], offsets: list[float], ti
         for t in pending:
             t.cancel()
     results = [t.result() for t in done if not t.cancelled()]
-    ok = [r for r in results if "times" in r and r["times"]]
+    ok = [r for r in results if r.get("times")]
     tokens = sum(len(r["times"]) for r in ok)
     end = max((r["times"][-1] for r in ok), default=t0)
     ttft = [r["times"][0] - r["sent"] for r in ok]
@@ -112,7 +111,6 @@ async def _load(url: str, model: str, reqs: list[dict], offsets: list[float], ti
 def _start(cmd: list[str], url: str, model: str, timeout_s: float = 300) -> subprocess.Popen:
     """Start a server and wait until one tiny chat request is answered (bounded)."""
     import httpx
-
     import torch
 
     # the same intra-op thread count as this process (scripts/bench.py --threads): on a shared CPU,

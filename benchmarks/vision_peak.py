@@ -17,7 +17,9 @@ import resource
 
 import torch
 from transformers import AutoConfig
-from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+    Qwen2_5_VisionTransformerPretrainedModel,
+)
 
 from atlas_vlm.entrypoints.plan import BUNDLED_CONFIGS
 from atlas_vlm.memory_plan import VISION_PEAK_FACTOR, vision_activation_peak

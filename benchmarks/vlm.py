@@ -21,8 +21,17 @@ import statistics
 
 import torch
 
-from benchmarks.common import (best_of, fmt, image_path, log, markdown_table, now, section,
-                                    vlm_model_path)
+from benchmarks.common import (
+    best_of,
+    dtype_name,
+    fmt,
+    image_path,
+    log,
+    markdown_table,
+    now,
+    section,
+    vlm_model_path,
+)
 
 QUESTION = "Describe this image in one sentence."
 
@@ -32,18 +41,19 @@ def _messages(photo: str) -> list[dict]:
                                          {"type": "text", "text": QUESTION}]}]
 
 
-def run(quick: bool = False, photo: str = "rocket.jpg") -> dict:
+def run(quick: bool = False, dtype: torch.dtype = torch.float32, photo: str = "rocket.jpg") -> dict:
     """TTFT ours vs HF at two pixel budgets. Returns seconds per budget and the speed-ups."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from atlas_vlm import LLM, SamplingParams
 
     repeats = 2 if quick else 3
-    section(f"VLM time to first token: 1 image ({photo}), random-weight Qwen2.5-VL, best of {repeats}")
+    section(f"VLM time to first token: 1 image ({photo}), random-weight Qwen2.5-VL {dtype_name(dtype)}, "
+            f"best of {repeats}")
     folder = vlm_model_path()
-    llm = LLM(folder, dtype="float32", max_model_len=2048, max_num_batched_tokens=2048, num_kvcache_blocks=256,
+    llm = LLM(folder, dtype=dtype_name(dtype), max_model_len=2048, max_num_batched_tokens=2048, num_kvcache_blocks=256,
               enable_prefix_caching=False)
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=dtype).eval()
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     runner = llm.engine.runner
     rows, out = [], {}
@@ -87,7 +97,7 @@ def run(quick: bool = False, photo: str = "rocket.jpg") -> dict:
     return out
 
 
-def mix(quick: bool = False) -> dict:
+def mix(quick: bool = False, dtype: torch.dtype = torch.float32) -> dict:
     """Requests arriving one at a time over 2 photos (same question): TTFT with prefix caching
     + encoder cache on vs off. Returns per setting the TTFTs (seconds) and encoder runs."""
     from atlas_vlm import LLM, SamplingParams
@@ -102,7 +112,8 @@ def mix(quick: bool = False) -> dict:
     res = {}
     for name, caching in (("caches on", True), ("caches off", False)):
         log(f"mix: {name}")
-        llm = LLM(folder, dtype="float32", max_model_len=2048, num_kvcache_blocks=512, enable_prefix_caching=caching)
+        llm = LLM(folder, dtype=dtype_name(dtype), max_model_len=2048, num_kvcache_blocks=512,
+                  enable_prefix_caching=caching)
         if not caching:
             llm.engine.runner.encoder_cache_size = 0  # every request runs the vision tower
         llm.chat([{"role": "user", "content": [{"type": "image", "image": image_path("rocket.jpg")},

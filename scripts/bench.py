@@ -1,19 +1,23 @@
 #!/usr/bin/env python
 """Benchmark Atlas VLM against its peers in one process, on the same prompts; prints ratios.
 
-    python scripts/bench.py                 # all sections (text, vlm, serve), ~20 min on 2 cores
+    python scripts/bench.py                 # all sections (text, vlm, serve, detok), ~45 min on 2 cores
     python scripts/bench.py --quick         # smaller sizes, a few minutes
     python scripts/bench.py --text --serve --json results.json
     python scripts/bench.py --server --quick  # HTTP: atlas-vlm serve vs transformers serve
     python scripts/bench.py --replicas --quick  # 1 vs 2 replicas (Ray Serve), cache-aware vs least-loaded
 
-Sections: --text (decode tok/s paged/contiguous vs HF generate; KV waste), --vlm (time to
-first token with one image vs HF Qwen2.5-VL), --serve (many requests vs HF sequential,
-padded batches and HF continuous batching; KV reserved-but-empty; decode FLOP/s vs the
-measured GEMM peak; VLM mix with prefix + encoder caches on vs off), --detok (output
+Sections: --text (decode tok/s paged/contiguous vs HF generate and llama.cpp, against the
+bandwidth limit; a 2,048-token prefill vs the GEMM peak; KV waste), --vlm (time to first token
+with one image vs HF Qwen2.5-VL), --serve (many requests vs HF sequential, padded batches, HF
+continuous batching and llama.cpp; KV reserved-but-empty; decode FLOP/s vs the measured GEMM
+peak; VLM mix with prefix + encoder caches on vs off), --detok (output
 processing cost per token at the start and the end of a long output), --server (open-loop
 Poisson HTTP load on atlas-vlm serve and transformers serve, offline LLM.chat on the same
-requests; not part of the default run). Logic: benchmarks/.
+requests; not part of the default run). --text/--vlm/--serve run every system in the
+``--dtype`` (default: what ``dtype="auto"`` picks here, bf16 on a CPU with AMX/AVX512-BF16)
+and end with the issue-10 targets table. llama.cpp is optional (``pip install
+llama-cpp-python``; "not installed" otherwise). Logic: benchmarks/.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--replicas", action="store_true",
                    help="issue 11: 1 vs 2 replicas (Ray Serve), cache-aware vs least-loaded routing; needs the ray extra")
     p.add_argument("--quick", action="store_true", help="smaller sizes for a smoke run")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="dtype of ours and the HF peers in --text/--vlm/--serve (auto: as LLM(dtype='auto') on "
+                        "this machine)")
     p.add_argument("--json", metavar="PATH", help="write all results (seconds, bytes, ratios) as JSON")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads for every system (default: torch's choice); on a CPU shared "
@@ -53,7 +60,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from benchmarks import detokenize, serve, server, text, vlm
+    from atlas_vlm import EngineConfig
+    from benchmarks import detokenize, serve, server, targets, text, vlm
 
     replicas = None
     if args.replicas:
@@ -63,12 +71,17 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
-    results = {"quick": args.quick, "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+    dtype = EngineConfig(model="-", dtype=args.dtype, device="cpu").torch_dtype()
+    results = {"quick": args.quick, "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+               "dtype": str(dtype)}
+    print(f"dtype {dtype} (--dtype {args.dtype}), torch {torch.__version__}, {torch.get_num_threads()} threads")
     start = time.perf_counter()
     for name, module in (("text", text), ("vlm", vlm), ("serve", serve), ("detok", detokenize), ("server", server),
                          ("replicas", replicas)):
         if getattr(args, name):
-            results[name] = module.run(quick=args.quick)
+            kwargs = {"dtype": dtype} if name in ("text", "vlm", "serve") else {}
+            results[name] = module.run(quick=args.quick, **kwargs)
+    results["targets"] = targets.report(results)
     results["wall_s"] = time.perf_counter() - start
     print(f"\n(total benchmark wall time {results['wall_s']:.0f} s)")
     if args.json:

@@ -3,9 +3,11 @@
 ``F.linear`` in bf16 on CPU calls oneDNN with the plain ``[out, in]`` weight and reorders it
 into oneDNN's blocked layout on every call. Reordering once at load time (what
 ``torch.compile``'s CPU weight freezing does: ``torch.ops.mkldnn._reorder_linear_weight`` +
-``torch.ops.mkldnn._linear_pointwise``) gives the same bits and, on an AVX512-BF16 CPU, 2-3x
-the speed of one decode token's GEMV and 1.1-1.5x at 32-2048 rows
-(``benchmarks/linear.py``). fp32 keeps ``nn.Linear``: it is the exactness reference.
+``torch.ops.mkldnn._linear_pointwise``) gives the same bits and, on this project's
+AVX512-BF16 CPU with SmolLM2-135M's shapes, 1.5-1.9x the speed of one decode token's GEMV,
+1.2-1.3x at 32 rows and 1.02-1.05x at 2,048 (``python -m benchmarks.linear``). The engine packs
+its decoder and vision tower on such CPUs (``ModelRunner``). fp32 keeps ``nn.Linear``: it is
+the exactness reference.
 """
 
 from __future__ import annotations

@@ -65,6 +65,8 @@ class ModelRunner:
 
             self.vision = build_vision_encoder(loaded.hf_config, loaded.vision_state_dict,
                                                dtype=self.dtype, device=self.device)
+            if can_pack(self.dtype, self.device):
+                self.num_packed_linears += pack_linears(self.vision)
         spec = kv_cache_spec(arch.num_layers, arch.num_kv_heads, arch.head_dim, self.dtype)
         contiguous = config.kv_cache == "contiguous"
         self.block_size = max_model_len if contiguous else config.kvcache_block_size

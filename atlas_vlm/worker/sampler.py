@@ -77,12 +77,14 @@ def sample(logits: torch.Tensor, requests) -> SamplerOutput:
         requests: objects with ``request_id``, ``sampling_params`` and ``generator``.
     """
     num_rows = logits.shape[0]
-    bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | ~torch.isfinite(logits).any(-1)  # [rows]
+    # One pass for both: a row's max is NaN if it holds a NaN, +inf if it holds +inf, -inf if
+    # it has no finite value; otherwise finite, and its index is the greedy token (first maximum).
+    row_max, tokens = logits.max(dim=-1)  # [rows], [rows]; greedy rows keep tokens
+    bad = ~torch.isfinite(row_max)  # [rows]
     bad_rows = bad.nonzero()[:, 0].tolist() if num_rows else []
     if bad_rows:
         logits = logits.masked_fill(bad[:, None], 0.0)
     params = [r.sampling_params for r in requests]
-    tokens = logits.argmax(dim=-1)  # [rows]; greedy rows keep it
     rows = [i for i, p in enumerate(params) if not is_greedy(p.temperature)]
     if rows:
         idx = torch.tensor(rows, device=logits.device)

@@ -188,13 +188,17 @@ def test_vectorised_sampler_equals_the_old_one(seed):
 
 
 def test_bad_rows_fail_alone():
-    logits = torch.randn(4, 50)
+    logits = torch.randn(6, 50)
     logits[1, 3] = float("nan")
     logits[2] = float("-inf")
-    reqs = [_Req(i, SamplingParams(temperature=0.0 if i % 2 else 1.0, logprobs=1)) for i in range(4)]
+    logits[4, 7] = float("inf")
+    logits[5, :40] = float("-inf")  # masked entries but finite ones left: a valid row
+    reqs = [_Req(i, SamplingParams(temperature=0.0 if i % 2 else 1.0, logprobs=1)) for i in range(6)]
     out = sample(logits, reqs)
-    assert out.token_ids[1] is None and out.token_ids[2] is None
-    assert "'1'" in out.errors[1] and "'2'" in out.errors[2] and out.errors[0] is None and out.errors[3] is None
+    assert [i for i, t in enumerate(out.token_ids) if t is None] == [1, 2, 4]
+    assert [i for i, e in enumerate(out.errors) if e] == [1, 2, 4]
+    assert "'1'" in out.errors[1] and "'2'" in out.errors[2] and "'4'" in out.errors[4]
     assert out.token_ids[3] == int(logits[3].argmax())
+    assert out.token_ids[5] == int(logits[5].argmax()) >= 40
     ref = _old_sample(logits[[0]], [_Req(0, reqs[0].sampling_params)])
     assert out.token_ids[0] == ref[0]

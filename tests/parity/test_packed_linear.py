@@ -8,10 +8,12 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import IMAGES, conv
 from atlas_vlm import LLM, SamplingParams
 from atlas_vlm.layers.linear import PackedLinear, can_pack, pack_linears
 
 pytestmark = pytest.mark.text
+PACKS = can_pack(torch.bfloat16, "cpu")
 
 
 def test_can_pack_only_bf16_on_a_cpu_with_onednn():
@@ -52,8 +54,8 @@ def test_engine_packs_its_decoder_and_decodes_the_same_bits(tiny_models, monkeyp
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     packed = LLM(str(folder), dtype="bfloat16", device="cpu", max_model_len=64, num_kvcache_blocks=16)
     layers = hf.config.num_hidden_layers
-    assert packed.engine.runner.num_packed_linears == (4 * layers + 1 if can_pack(torch.bfloat16, "cpu") else 0)
-    assert isinstance(packed.engine.runner.model.lm_head, PackedLinear) == can_pack(torch.bfloat16, "cpu")
+    assert packed.engine.runner.num_packed_linears == (4 * layers + 1 if PACKS else 0)
+    assert isinstance(packed.engine.runner.model.lm_head, PackedLinear) == PACKS
     monkeypatch.setattr("atlas_vlm.worker.model_runner.can_pack", lambda dtype, device: False)
     plain = LLM(str(folder), dtype="bfloat16", device="cpu", max_model_len=64, num_kvcache_blocks=16)
     assert plain.engine.runner.num_packed_linears == 0
@@ -61,4 +63,25 @@ def test_engine_packs_its_decoder_and_decodes_the_same_bits(tiny_models, monkeyp
     ref = plain.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for a, b in zip(ours, ref):
         assert a.token_ids == b.token_ids
-        assert a.logprobs == b.logprobs  # every step's top-3 logprobs, bit for bit
+        assert len(a.logprobs) == 12 and a.logprobs == b.logprobs  # every step's top-3 logprobs, bit for bit
+
+
+@pytest.mark.vlm
+def test_vision_tower_packed_gives_the_same_bits(tiny_models, monkeypatch):
+    """Qwen2.5-VL in bf16: the decoder and HF's vision tower (every nn.Linear: blocks'
+    qkv/proj/MLP, merger) packed; image + text greedy tokens and logprobs equal the unpacked
+    engine's."""
+    folder, hf = tiny_models["qwen2_5_vl"]
+    messages = conv(IMAGES / "chelsea.png", text="Describe this image.")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    kwargs = dict(dtype="bfloat16", device="cpu", max_model_len=1024, num_kvcache_blocks=64)
+    packed = LLM(str(folder), **kwargs)
+    decoder = 4 * hf.config.text_config.num_hidden_layers + 1
+    vision = sum(isinstance(m, nn.Linear) for m in hf.model.visual.modules())  # blocks' qkv/proj/MLP + merger
+    assert vision > 0 and packed.engine.runner.num_packed_linears == ((decoder + vision) if PACKS else 0)
+    monkeypatch.setattr("atlas_vlm.worker.model_runner.can_pack", lambda dtype, device: False)
+    plain = LLM(str(folder), **kwargs)
+    a = packed.chat(messages, params, use_tqdm=False)[0]
+    b = plain.chat(messages, params, use_tqdm=False)[0]
+    assert len(a.token_ids) == 8 and len(a.logprobs) == 8
+    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs

@@ -1,0 +1,73 @@
+"""The speed targets of issue 10, read off one run's results: measured value, target, met.
+
+Each target is computed only from sections that ran (``--text``, ``--vlm``, ``--serve``);
+a peer that did not run (llama.cpp not installed, HF continuous batching failed) makes its
+row "not measured". Nothing here times anything.
+"""
+
+from __future__ import annotations
+
+from benchmarks.common import markdown_table, section
+
+
+def _serve_ratio(serve: dict, prefix: str) -> float | None:
+    systems = serve["systems"]
+    ours = systems["(a) ours, one generate call"]
+    peer = next((r for name, r in systems.items() if name.startswith(prefix)), None)
+    if peer is None or "seconds" not in peer:
+        return None
+    return peer["seconds"] / ours["seconds"]
+
+
+def rows(results: dict) -> list[dict]:
+    """``[{"target", "measured", "goal", "met"}]``: ratios (x) and fractions (%), ``measured``
+    None when the section or the peer did not run."""
+    out = []
+
+    def add(target: str, value: float | None, goal: float, unit: str) -> None:
+        out.append({"target": target, "measured": value, "goal": goal, "unit": unit,
+                    "met": None if value is None else value >= goal})
+
+    serve, text, vlm = results.get("serve"), results.get("text"), results.get("vlm")
+    if serve:
+        n = serve["num_requests"]
+        add(f"{n} mixed requests: ours / HF generate one at a time", _serve_ratio(serve, "(b)"), 8, "x")
+        add(f"{n} mixed requests: ours / HF continuous batching", _serve_ratio(serve, "(d)"), 3, "x")
+        add(f"{n} mixed requests: ours / llama.cpp one at a time", _serve_ratio(serve, "(e)"), 3, "x")
+        big = max(serve["decode_flops"], key=lambda f: f["batch"])
+        add(f"decode at batch {big['batch']}: of the {serve['dtype']} GEMM peak (whole engine step)",
+            big["frac_peak_step"], 0.5, "%")
+    if text:
+        pre = text["prefill"]
+        add(f"{pre['tokens']}-token prefill: of the {text['dtype']} GEMM peak",
+            pre["systems"]["ours"]["frac_peak"], 0.6, "%")
+        dec = text["decode"]
+        ours, hf = dec["ours paged"]["decode_tok_s"], dec["HF generate"]["decode_tok_s"]
+        add("single-request decode: ours / HF generate", ours / hf, 1.2, "x")
+        add("single-request decode: of the bandwidth limit", ours / text["bandwidth_limit_tok_s"], 0.75, "%")
+        lcpp = next((r for name, r in dec.items() if name.startswith("llama.cpp")), None)
+        add("single-request decode: ours / llama.cpp (reported, no target)",
+            None if lcpp is None else ours / lcpp["decode_tok_s"], 0, "x")
+    if vlm and "1024x28x28" in vlm:
+        add("image TTFT at 1024*28*28 pixels: HF / ours", vlm["1024x28x28"]["speedup_hf_over_ours"], 1.3, "x")
+    return out
+
+
+def report(results: dict) -> list[dict]:
+    """Print the targets table; return ``rows(results)``."""
+    table = rows(results)
+    if not table:
+        return table
+    section("Targets (issue 10): this run against each goal")
+
+    def cell(value: float | None, unit: str) -> str:
+        if value is None:
+            return "not measured"
+        return f"{100 * value:.0f}%" if unit == "%" else f"{value:.2f}x"
+
+    print(markdown_table(["target", "measured", "goal", "met"],
+                         [[r["target"], cell(r["measured"], r["unit"]),
+                           "-" if r["goal"] == 0 else cell(r["goal"], r["unit"]),
+                           "-" if r["goal"] == 0 or r["met"] is None else ("yes" if r["met"] else "no")]
+                          for r in table]))
+    return table
