@@ -10,7 +10,7 @@ import torch
 from mm_token_pipeline import DEFAULT_HTTP_MAX_BYTES, DEFAULT_HTTP_TIMEOUT_S, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
 
 KV_CACHE_KINDS = ("paged", "contiguous")
-ATTENTION_BACKENDS = ("reference", "bucketed")  # as atlas_vlm.layers.attention.ATTENTION_BACKENDS
+ATTENTION_BACKENDS = ("auto", "reference", "bucketed", "decode_kernel")  # atlas_vlm.layers.attention's + "auto"
 CPU_BF16_FEATURES = ("amx_bf16", "avx512_bf16")  # x86 flags with native bf16 dot products
 
 
@@ -63,9 +63,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # share computed full blocks by content hash
     dtype: str = "auto"  # "auto": bf16 on CUDA (fp16 without bf16) and on a CPU with AMX/AVX512-BF16, else fp32
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
-    # "bucketed" (layers/attention_bucketed; default: 2.2x the reference at batch 32, benchmarks/attention.py)
-    # or "reference" (padded SDPA with a dense mask, the exactness reference for the bucketed path)
-    attention_backend: str = "bucketed"
+    # "auto" (default): "decode_kernel" on CPU where the C decode kernel builds, else "bucketed";
+    # "decode_kernel" (bucketed prefill + layers/csrc/paged_decode.c for decode rows, from the blocks),
+    # "bucketed" (layers/attention_bucketed: SDPA per context-length bucket), or "reference"
+    # (padded SDPA with a dense mask, the exactness reference for the other two)
+    attention_backend: str = "auto"
     min_pixels: int = DEFAULT_MIN_PIXELS  # per-image lower bound after smart_resize (pixels)
     max_pixels: int = DEFAULT_MAX_PIXELS  # per-image upper bound after smart_resize (pixels)
     allow_http_images: bool = False  # fetch http(s) image URLs

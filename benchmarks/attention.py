@@ -1,4 +1,4 @@
-"""Micro-benchmark of one decode step's attention: ``"bucketed"`` vs ``"reference"``.
+"""Micro-benchmark of one decode step's attention: ``"decode_kernel"`` and ``"bucketed"`` vs ``"reference"``.
 
 SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim 64, 30 layers, 16-token
 blocks); ``--batch`` decode requests with context lengths drawn uniformly from
@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from atlas_vlm.layers import decode_kernel
 from atlas_vlm.layers.attention import build_attention_metadata, paged_attention
 from mm_kv_cache_management import KVCacheSpec, PagedKVCache
 
@@ -63,12 +64,14 @@ def main(argv=None) -> None:
     cache.v_cache.normal_()
     q = torch.randn(args.batch, HEADS, HEAD_DIM, dtype=dtype)
     k, v = torch.randn(2, args.batch, KV_HEADS, HEAD_DIM, dtype=dtype)
+    backends = ["reference", "bucketed"] + (["decode_kernel"] if decode_kernel.available() else [])
     with torch.inference_mode():
-        ref = time_step("reference", step, cache, q, k, v, args.repeats)
-        ours = time_step("bucketed", step, cache, q, k, v, args.repeats)
+        times = {b: time_step(b, step, cache, q, k, v, args.repeats) for b in backends}
     print(f"decode step attention, batch {args.batch}, context {args.min_ctx}..{args.max_ctx} "
           f"(mean {statistics.mean(step[1]):.0f}), {args.dtype}, {LAYERS} layers, {torch.get_num_threads()} threads")
-    print(f"reference {ref * 1e3:.1f} ms  bucketed {ours * 1e3:.1f} ms  speedup {ref / ours:.2f}x")
+    print("  ".join(f"{b} {t * 1e3:.1f} ms ({times['reference'] / t:.2f}x)" for b, t in times.items()))
+    if "decode_kernel" not in times:
+        print("decode_kernel: not available (no C compiler?)")
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from atlas_vlm.layers import decode_kernel
 from atlas_vlm.layers.attention_bucketed import BucketedLayout, bucketed_paged_attention, build_bucketed_layout
 
-ATTENTION_BACKENDS = ("reference", "bucketed")
+ATTENTION_BACKENDS = ("reference", "bucketed", "decode_kernel")
 
 
 @dataclass
@@ -38,6 +39,30 @@ class AttentionMetadata:
         return max(self.context_lens)
 
 
+def resolve_attention_backend(requested: str, device: torch.device | str, dtype: torch.dtype, num_heads: int,
+                              num_kv_heads: int, head_dim: int) -> str:
+    """``EngineConfig.attention_backend`` -> the backend a model runs with.
+
+    ``"auto"``: ``"decode_kernel"`` where the C decode kernel serves the model (CPU, fp32 or
+    bf16, sizes in range, a compiler to build it), else ``"bucketed"``. Any other name is
+    kept.
+
+    Raises:
+        ValueError: ``"decode_kernel"`` asked for where it cannot serve (the reason is named),
+            or an unknown name.
+    """
+    if requested not in (*ATTENTION_BACKENDS, "auto"):
+        raise ValueError(f"attention backend must be 'auto' or one of {ATTENTION_BACKENDS}, got {requested!r}")
+    if requested not in ("auto", "decode_kernel"):
+        return requested
+    why_not = decode_kernel.unsupported_reason(device, dtype, num_heads, num_kv_heads, head_dim)
+    if why_not is None:
+        return "decode_kernel"
+    if requested == "decode_kernel":
+        raise ValueError(f"attention_backend='decode_kernel' cannot serve this model: {why_not}")
+    return "bucketed"
+
+
 def build_attention_metadata(
     query_lens: list[int],
     context_lens: list[int],
@@ -49,7 +74,9 @@ def build_attention_metadata(
     """Pure layout math for one step (no model, no cache).
 
     ``backend``: ``"reference"`` builds the padded query rows and the dense mask below;
-    ``"bucketed"`` builds ``attention_bucketed.BucketedLayout`` instead (no dense mask).
+    ``"bucketed"`` builds ``attention_bucketed.BucketedLayout`` instead (no dense mask);
+    ``"decode_kernel"`` the same layout with the decode requests in one batch for the C
+    kernel (``attention_bucketed.DecodeBatch``).
 
     Query ``i`` of a request with ``q`` new tokens and ``c`` context tokens sits at absolute
     position ``c - q + i`` and attends keys ``0 .. c - q + i``. Padded query rows attend key
@@ -75,8 +102,9 @@ def build_attention_metadata(
     token_index = (torch.arange(num_seqs)[:, None] * max_q + rows[None, :])[valid]  # [num_tokens]
     query_pos = (c_lens - q_lens)[:, None] + rows[None, :]  # [num_seqs, max_q] absolute positions
     mask = bucketed = None
-    if backend == "bucketed":
-        bucketed = build_bucketed_layout(list(query_lens), list(context_lens), block_tables, device)
+    if backend in ("bucketed", "decode_kernel"):
+        bucketed = build_bucketed_layout(list(query_lens), list(context_lens), block_tables, device,
+                                         decode_kernel=backend == "decode_kernel")
     else:
         keys = torch.arange(max_c)
         mask = keys[None, None, :] <= query_pos[:, :, None]  # [num_seqs, max_q, max_c] causal, within length

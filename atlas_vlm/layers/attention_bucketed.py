@@ -14,7 +14,10 @@ step is split once (per step, not per layer) into:
   offset by the cached tokens).
 
 The grouping is vLLM's "split decode from prefill" layout (``FlashAttentionMetadata``'s
-decode / prefill split) with length buckets in place of a variable-length kernel.
+decode / prefill split) with length buckets in place of a variable-length kernel. The
+``"decode_kernel"`` backend builds the same layout with all decode requests in one
+``DecodeBatch`` instead of buckets, attended by the C kernel of ``decode_kernel`` straight
+from the blocks (no gather, no padding); its prefill chunks are the same.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from atlas_vlm.layers import decode_kernel
 
 BUCKET_RATIO = 1.25  # longest / shortest context in one decode bucket
 BUCKET_SLACK = 64  # tokens of padding always allowed in a bucket (short contexts: few buckets)
@@ -39,6 +44,15 @@ class DecodeBucket:
 
 
 @dataclass
+class DecodeBatch:
+    """Every decode request of a step, for the decode kernel."""
+
+    token_index: torch.Tensor  # [D] int64: flat token (query row) of each request
+    block_tables: torch.Tensor  # [D, max_blocks] int64, padded with block 0 (never read)
+    context_lens: torch.Tensor  # [D] int64: tokens in cache per request, the new one included
+
+
+@dataclass
 class PrefillChunk:
     """One request with several new tokens."""
 
@@ -51,8 +65,9 @@ class PrefillChunk:
 
 @dataclass
 class BucketedLayout:
-    decode_buckets: list[DecodeBucket]
+    decode_buckets: list[DecodeBucket]  # empty when decode_batch is set
     prefills: list[PrefillChunk]
+    decode_batch: DecodeBatch | None = None  # the "decode_kernel" backend's decode requests
 
 
 def decode_groups(context_lens: list[int], ratio: float = BUCKET_RATIO, slack: int = BUCKET_SLACK) -> list[list[int]]:
@@ -73,14 +88,22 @@ def decode_groups(context_lens: list[int], ratio: float = BUCKET_RATIO, slack: i
 
 
 def build_bucketed_layout(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-                          device: torch.device | str = "cpu") -> BucketedLayout:
-    """Split one step into decode buckets and prefill chunks (lengths already validated by
-    ``attention.build_attention_metadata``)."""
+                          device: torch.device | str = "cpu", decode_kernel: bool = False) -> BucketedLayout:
+    """Split one step into decode buckets (or, ``decode_kernel``, one ``DecodeBatch``) and
+    prefill chunks (lengths already validated by ``attention.build_attention_metadata``)."""
     starts = [0]
     for q in query_lens[:-1]:
         starts.append(starts[-1] + q)
     decodes = [i for i, (q, c) in enumerate(zip(query_lens, context_lens)) if q == 1 and c > 1]
-    buckets = []
+    buckets, batch = [], None
+    if decode_kernel and decodes:
+        width = max(len(block_tables[s]) for s in decodes)
+        batch = DecodeBatch(
+            token_index=torch.tensor([starts[s] for s in decodes], device=device),
+            block_tables=torch.tensor([block_tables[s] + [0] * (width - len(block_tables[s])) for s in decodes],
+                                      dtype=torch.long, device=device),
+            context_lens=torch.tensor([context_lens[s] for s in decodes], dtype=torch.long, device=device))
+        decodes = []
     for group in decode_groups([context_lens[i] for i in decodes]):
         seqs = [decodes[g] for g in group]
         lens = torch.tensor([context_lens[s] for s in seqs])  # [B]
@@ -102,7 +125,7 @@ def build_bucketed_layout(query_lens: list[int], context_lens: list[int], block_
             mask = (torch.arange(c)[None, :] <= torch.arange(c - q, c)[:, None]).to(device)  # [q, c]
         prefills.append(PrefillChunk(start=starts[i], end=starts[i] + q, context_len=c, causal_mask=mask,
                                      block_table=torch.tensor([block_tables[i]], dtype=torch.long, device=device)))
-    return BucketedLayout(decode_buckets=buckets, prefills=prefills)
+    return BucketedLayout(decode_buckets=buckets, prefills=prefills, decode_batch=batch)
 
 
 def bucketed_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, layer: int,
@@ -118,9 +141,13 @@ def bucketed_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     gqa = num_heads != num_kv_heads
-    if kv_cache is None and layout.decode_buckets:
+    if kv_cache is None and (layout.decode_buckets or layout.decode_batch is not None):
         raise ValueError("without a KV cache every request must be a full prefill")
     out = q.new_empty(num_tokens, num_heads, head_dim)
+    if (d := layout.decode_batch) is not None:
+        o = decode_kernel.paged_decode_attention(q[d.token_index], kv_cache.k_cache[layer], kv_cache.v_cache[layer],
+                                                 d.block_tables, d.context_lens, scale)  # [D, heads, head_dim]
+        out.index_copy_(0, d.token_index, o)
     for b in layout.decode_buckets:
         k_ctx, v_ctx = kv_cache.gather_kv_for_attention(layer, b.block_tables, b.max_len)  # [B, L, kv_heads, hd]
         num_seqs = b.token_index.numel()

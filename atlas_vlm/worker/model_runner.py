@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from atlas_vlm.config import EngineConfig
+from atlas_vlm.layers.attention import resolve_attention_backend
 from atlas_vlm.layers.linear import can_pack, pack_linears
 from atlas_vlm.worker.input_prep import ModelInput, prepare_inputs
 from atlas_vlm.loader import LoadedModel
@@ -57,8 +58,9 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         self.num_packed_linears = pack_linears(self.model) if can_pack(self.dtype, self.device) else 0
         self.mrope = self.model.arch.mrope_section is not None
-        self.attention_backend = config.attention_backend
         arch = self.model.arch
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device, self.dtype,
+                                                           arch.num_heads, arch.num_kv_heads, arch.head_dim)
         self.vision = None  # built before the KV cache so the CUDA budget sees its weights
         if loaded.vision_state_dict is not None:
             from mm_token_pipeline.towers import build_vision_encoder  # one dispatch per family

@@ -1,0 +1,164 @@
+"""A small C kernel for CPU decode attention straight from KV blocks (``csrc/paged_decode.c``).
+
+One query token per request: for each (request, KV head) it reads the request's context
+through its block table (no gather into a padded batch, no mask), keeps scores, softmax and
+the weighted sum in fp32, and writes the output once in the cache dtype (fp32 or bf16). The
+``"bucketed"`` backend's decode rows call it when it is available; everything else (prefill
+chunks, CUDA) keeps PyTorch's SDPA. Tested against the reference backend
+(``tests/parity/test_decode_kernel.py``).
+
+The source is compiled on first use with the system C compiler (``$CC``, else ``cc``):
+``-O3 -fno-math-errno -fopenmp``, ``-march=x86-64-v4`` where the CPU has AVX-512 (F, BW, CD,
+DQ, VL) or ``x86-64-v3`` where it has AVX2 + FMA, and glibc's vector ``expf`` (libmvec) when it
+links, into
+``$ATLAS_VLM_CACHE/kernels/`` (default ``~/.cache/atlas_vlm``), named by a hash of source
+and flags, and loaded with ``ctypes`` after torch, so it shares torch's OpenMP runtime
+(``libgomp``). Without a compiler (or if the build fails) ``available()`` is False, the
+reason is logged once, and the engine uses SDPA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+MAX_HEAD_DIM, MAX_GROUP = 256, 16  # as the C source
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return set()
+
+
+def _compile_flags() -> list[str]:
+    flags = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+    cpu = _cpu_flags()
+    if {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= cpu:
+        flags.append("-march=x86-64-v4")
+    elif {"avx2", "fma", "f16c"} <= cpu:
+        flags.append("-march=x86-64-v3")
+    return flags
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("ATLAS_VLM_CACHE", Path.home() / ".cache" / "atlas_vlm")) / "kernels"
+
+
+def _build(compiler: str, flags: list[str]) -> Path:
+    """The shared library for ``flags``, compiled unless already in the cache.
+
+    Raises:
+        subprocess.SubprocessError: the compiler failed; OSError: the cache is not writable.
+    """
+    key = hashlib.sha1(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"paged_decode-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            libs = [f for f in flags if f.startswith("-l")]
+            opts = [f for f in flags if not f.startswith("-l")]
+            subprocess.run([compiler, *opts, "-o", str(built), str(SOURCE), *libs], check=True,
+                           capture_output=True, text=True, timeout=120)
+            os.replace(built, target)  # atomic: concurrent builders each rename a whole file
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """Build (once per source + flags) and load the kernel; None (logged) when impossible."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.info("no C compiler found ($CC, cc, gcc): decode attention uses SDPA")
+        return None
+    lib, errors = None, []
+    # glibc's vector expf (libmvec) first, plain libm if it is missing
+    for extra in (["-DATLAS_LIBMVEC", "-lmvec", "-lm"], ["-lm"]):
+        try:
+            lib = ctypes.CDLL(str(_build(compiler, [*_compile_flags(), *extra])))
+            break
+        except (OSError, subprocess.SubprocessError) as e:
+            errors.append((getattr(e, "stderr", "") or str(e)).strip()[:300])
+    if lib is None:
+        log.warning("building the decode attention kernel failed, using SDPA: %s", " | ".join(errors))
+        return None
+    args = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + \
+        [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    for name in ("paged_decode_f32", "paged_decode_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded (builds it on the first call)."""
+    return _library() is not None
+
+
+def unsupported_reason(device: torch.device | str, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                       head_dim: int) -> str | None:
+    """Why the kernel cannot serve a model with these sizes on ``device``; None when it can
+    (builds the kernel on the first call)."""
+    if torch.device(device).type != "cpu":
+        return f"it runs on CPU only, not {torch.device(device).type}"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"it takes float32 or bfloat16, not {dtype}"
+    if head_dim > MAX_HEAD_DIM or num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
+        return (f"it takes head_dim <= {MAX_HEAD_DIM} and <= {MAX_GROUP} query heads per KV head, got "
+                f"head_dim {head_dim}, {num_heads} / {num_kv_heads} heads")
+    if not available():
+        return "it could not be built here (no C compiler, or the build failed: see the log)"
+    return None
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one new token per request over its cached context.
+
+    Args:
+        q: ``[num_seqs, num_heads, head_dim]`` (RoPE applied), the cache's dtype.
+        k_cache, v_cache: one layer, ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+            holding each request's context including the new token.
+        block_tables: ``[num_seqs, max_blocks]`` int64 (padding entries are never read).
+        context_lens: ``[num_seqs]`` int64, tokens in cache per request (>= 1).
+        scale: softmax scale.
+
+    Returns:
+        ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype.
+
+    Raises:
+        RuntimeError: the kernel is not available, or refused the sizes (a context longer
+            than its block table, head_dim > 256, more than 16 query heads per KV head).
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the decode attention kernel is not available (see the log)")
+    q = q.contiguous()
+    tables = block_tables.to(torch.int64).contiguous()
+    lens = context_lens.to(torch.int64).contiguous()
+    out = torch.empty_like(q)
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    fn = lib.paged_decode_bf16 if q.dtype == torch.bfloat16 else lib.paged_decode_f32
+    status = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+                lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(),
+                torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"decode attention kernel refused the sizes: heads {num_heads}/{num_kv_heads}, "
+                           f"head_dim {head_dim}, block tables {tuple(tables.shape)}, contexts up to {int(lens.max())}")
+    return out
