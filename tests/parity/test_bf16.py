@@ -22,7 +22,8 @@ from atlas_vlm.loader import gguf_to_folder
 pytestmark = pytest.mark.text
 
 MIN_TOP1_AGREEMENT = 0.9  # measured 160 / 160 = 1.00 (torch 2.14.1, AVX512-BF16 CPU, 2026-11-30)
-MIN_GREEDY_PREFIX = 8  # measured common greedy prefixes 32, 32, 28, 28, 32 of 32 tokens
+MIN_GREEDY_PREFIX = 8  # measured common greedy prefixes 24, 32, 32, 28, 32 of 32 tokens (2026-12-01,
+# packed bf16 linears; the same with the "bucketed" and the "decode_kernel" attention backends)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def test_teacher_forced_top1_agrees_with_hf_bf16(hf_bf16, llm_bf16):
 
 def test_greedy_tokens_follow_hf_bf16(hf_bf16, llm_bf16):
     """The engine's own greedy decode (paged KV, batched) matches HF bf16 ``generate`` for at
-    least the first 8 tokens of every prompt (measured 28-32 of 32)."""
+    least the first 8 tokens of every prompt (measured 24-32 of 32)."""
     _, _, runs = hf_bf16
     outs = llm_bf16.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
                              use_tqdm=False)
