@@ -142,12 +142,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype.
 
     Raises:
+        ValueError: ``q`` and the caches differ in dtype or device, or a cache is not contiguous.
         RuntimeError: the kernel is not available, or refused the sizes (a context longer
             than its block table, head_dim > 256, more than 16 query heads per KV head).
     """
     lib = _library()
     if lib is None:
         raise RuntimeError("the decode attention kernel is not available (see the log)")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dtype != q.dtype or cache.device.type != "cpu" or q.device.type != "cpu" or not cache.is_contiguous():
+            raise ValueError(f"decode kernel: {name} must be a contiguous CPU tensor of q's dtype {q.dtype}, "
+                             f"got {cache.dtype} on {cache.device} (contiguous: {cache.is_contiguous()})")
     q = q.contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()

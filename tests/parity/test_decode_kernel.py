@@ -124,3 +124,11 @@ def test_a_context_past_its_block_table_is_refused():
     with pytest.raises(RuntimeError, match="refused the sizes"):
         decode_kernel.paged_decode_attention(q, cache.k_cache[0], cache.v_cache[0], torch.tensor([[3]]),
                                              torch.tensor([17]), HEAD_DIM ** -0.5)
+
+
+@needs_kernel
+def test_mismatched_dtypes_are_refused():
+    cache = filled(torch.float32, 2)
+    with pytest.raises(ValueError, match="q's dtype"):
+        decode_kernel.paged_decode_attention(torch.randn(1, HEADS, HEAD_DIM).bfloat16(), cache.k_cache[0],
+                                             cache.v_cache[0], torch.tensor([[3]]), torch.tensor([5]), 0.1)
