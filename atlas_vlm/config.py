@@ -28,17 +28,22 @@ def cpu_has_fast_bf16(capabilities: Mapping[str, object] | None = None) -> bool:
     return any(bool(capabilities.get(flag, False)) for flag in CPU_BF16_FEATURES)
 
 
+def cpuinfo_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """The ``flags`` line of Linux's ``cpuinfo`` (e.g. ``avx2``, ``avx512f``); empty where the
+    file is missing or has none (not Linux / not x86)."""
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as f:
+            return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return set()
+
+
 def _detected_cpu_capabilities(cpuinfo: str = "/proc/cpuinfo") -> Mapping[str, object]:
     """``torch.cpu.get_capabilities()``, else ``{flag: True}`` for the flags in ``cpuinfo``."""
     get = getattr(torch.cpu, "get_capabilities", None)
     if get is not None:
         return get()
-    try:
-        with open(cpuinfo, encoding="ascii", errors="replace") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return {flag: True for flag in flags}
+    return {flag: True for flag in cpuinfo_flags(cpuinfo)}
 
 
 @dataclass

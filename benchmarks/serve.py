@@ -27,20 +27,8 @@ import random
 import torch
 
 from benchmarks import llamacpp, vlm
-from benchmarks.common import (
-    compare_tokens,
-    dtype_name,
-    fmt,
-    gemm_peak_flops,
-    log,
-    markdown_table,
-    match_str,
-    nonembedding_params,
-    now,
-    random_prompts,
-    section,
-    text_model_paths,
-)
+from benchmarks.common import (compare_tokens, dtype_name, fmt, gemm_peak_flops, log, markdown_table, match_str,
+                               nonembedding_params, now, random_prompts, section, text_model_paths)
 
 
 def _ours(llm, prompts, outs) -> tuple[float, list[list[int]], list[dict]]:

@@ -30,7 +30,8 @@ from pathlib import Path
 
 from benchmarks.common import log, markdown_table, section, text_model_paths
 
-WORDS = ["time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part", "child", "eye", "woman", "place", "work", "week", "case", "point", "government", "company", "number", "group", "problem", "fact", "river", "mountain", "city", "music", "story", "light", "water"]
+WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "  # noqa: SIM905
+         "government company number group problem fact river mountain city music story light water").split()
 
 
 def make_requests(num: int, seed: int = 0) -> list[dict]:
@@ -162,6 +163,26 @@ def _run_system(name, cmd, url, model, reqs_per_rate, rates, timeout_s) -> dict:
         _stop(proc)
 
 
+def compare_servers(ours_model: str, hf_model: str, served_name: str, max_model_len: int, reqs_per_rate: list,
+                    rates: list[float], timeout_s: float) -> dict:
+    """``atlas-vlm serve`` on ``ours_model`` and ``transformers serve`` on ``hf_model`` (a folder
+    with the same weights), both fp32 on CPU, started one after the other on a free port and
+    given the same load; ``{"ours": per-rate figures, "transformers serve": ...}`` (or
+    ``{"error": ...}`` for a server that would not start)."""
+    port = _free_port()
+    ours_cmd = [sys.executable, "-m", "atlas_vlm.serve", ours_model, "--port", str(port), "--max-model-len",
+                str(max_model_len), "--served-model-name", served_name, "--log-level", "warning", "--dtype", "float32"]
+    results = {"ours": _run_system("atlas-vlm serve", ours_cmd, f"http://127.0.0.1:{port}", served_name,
+                                   reqs_per_rate, rates, timeout_s)}
+    port = _free_port()
+    cli = Path(sys.executable).with_name("transformers")  # the venv's console script, on PATH or not
+    hf_cmd = [str(cli) if cli.exists() else "transformers", "serve", "--device", "cpu", "--force_model", hf_model,
+              "--port", str(port), "--dtype", "float32"]
+    results["transformers serve"] = _run_system("transformers serve", hf_cmd, f"http://127.0.0.1:{port}", hf_model,
+                                                reqs_per_rate, rates, timeout_s)
+    return results
+
+
 def _offline(gguf: str, reqs: list[dict]) -> dict:
     from atlas_vlm import LLM, SamplingParams
 
@@ -184,17 +205,7 @@ def run(quick: bool = False) -> dict:
     reqs_per_rate = [make_requests(num, seed=100 + k) for k in range(len(rates))]
     section(f"HTTP serving: {num} chat requests (8..160 words, 16..64 output tokens, greedy, streamed), Poisson "
             f"arrivals at {rates} req/s, SmolLM2-135M fp32")
-    port = _free_port()
-    ours_cmd = [sys.executable, "-m", "atlas_vlm.serve", gguf, "--port", str(port), "--max-model-len", "1024",
-                "--served-model-name", "smollm2", "--log-level", "warning", "--dtype", "float32"]
-    results = {"ours": _run_system("atlas-vlm serve", ours_cmd, f"http://127.0.0.1:{port}", "smollm2", reqs_per_rate,
-                                   rates, timeout_s)}
-    port = _free_port()
-    cli = Path(sys.executable).with_name("transformers")  # the venv's console script, on PATH or not
-    hf_cmd = [str(cli) if cli.exists() else "transformers", "serve", "--device", "cpu", "--force_model", str(folder), "--port", str(port),
-              "--dtype", "float32"]
-    results["transformers serve"] = _run_system("transformers serve", hf_cmd, f"http://127.0.0.1:{port}",
-                                                str(folder), reqs_per_rate, rates, timeout_s)
+    results = compare_servers(gguf, str(folder), "smollm2", 1024, reqs_per_rate, rates, timeout_s)
     log("offline LLM.chat on the requests of the last rate")
     results["offline"] = _offline(gguf, reqs_per_rate[-1])
     rows = []

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.common import log, markdown_table, section, vlm_model_path
-from benchmarks.server import WORDS, _free_port, _run_system
+from benchmarks.server import WORDS, compare_servers
 
 PHOTOS = ("rocket.jpg", "chelsea.png", "coffee.png", "grace_hopper.jpg")
 IMAGE_SHARE = 3  # every third request carries an image
@@ -53,17 +53,7 @@ def run(quick: bool = False) -> dict:
     reqs_per_rate = [make_requests(num, seed=200 + k, images_dir=images_dir) for k in range(len(rates))]
     section(f"HTTP serving, image mix: {num} chat requests, 1 in {IMAGE_SHARE} with a photo (<= 224 px, data: URI), "
             f"Poisson arrivals at {rates} req/s, random-weight Qwen2.5-VL fp32 (words not meaningful)")
-    port = _free_port()
-    ours_cmd = [sys.executable, "-m", "atlas_vlm.serve", folder, "--port", str(port), "--max-model-len", "2048",
-                "--served-model-name", "vlm", "--log-level", "warning", "--dtype", "float32"]
-    results = {"ours": _run_system("atlas-vlm serve", ours_cmd, f"http://127.0.0.1:{port}", "vlm", reqs_per_rate,
-                                   rates, timeout_s)}
-    port = _free_port()
-    cli = Path(sys.executable).with_name("transformers")
-    hf_cmd = [str(cli) if cli.exists() else "transformers", "serve", "--device", "cpu", "--force_model", folder,
-              "--port", str(port), "--dtype", "float32"]
-    results["transformers serve"] = _run_system("transformers serve", hf_cmd, f"http://127.0.0.1:{port}", folder,
-                                                reqs_per_rate, rates, timeout_s)
+    results = compare_servers(folder, folder, "vlm", 2048, reqs_per_rate, rates, timeout_s)
     rows = []
     for system, r in results.items():
         if "error" in r:

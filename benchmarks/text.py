@@ -25,23 +25,9 @@ import random
 import torch
 
 from benchmarks import llamacpp
-from benchmarks.common import (
-    best_of,
-    compare_tokens,
-    decode_weight_bytes,
-    dtype_name,
-    fmt,
-    gemm_peak_flops,
-    log,
-    markdown_table,
-    match_str,
-    nonembedding_params,
-    now,
-    random_prompts,
-    read_bandwidth,
-    section,
-    text_model_paths,
-)
+from benchmarks.common import (best_of, compare_tokens, decode_weight_bytes, dtype_name, fmt, gemm_peak_flops, log,
+                               markdown_table, match_str, nonembedding_params, now, random_prompts, read_bandwidth,
+                               section, text_model_paths)
 
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
           "Describe the sea, the weather and how the keeper feels.")
@@ -174,8 +160,8 @@ def run(quick: bool = False, dtype: torch.dtype = torch.float32) -> dict:
     threads = torch.get_num_threads()
     section(f"Text decode: SmolLM2-135M {dname}, 1 request, {n} new tokens, best of {repeats} ({threads} threads)")
     gguf, folder = text_model_paths()
-    paged = LLM(gguf, dtype=dtype_name(dtype), kv_cache="paged", max_model_len=2048, num_kvcache_blocks=256)
-    contig = LLM(gguf, dtype=dtype_name(dtype), kv_cache="contiguous", max_model_len=2048, num_kvcache_blocks=2)
+    paged = LLM(gguf, dtype=dname, kv_cache="paged", max_model_len=2048, num_kvcache_blocks=256)
+    contig = LLM(gguf, dtype=dname, kv_cache="contiguous", max_model_len=2048, num_kvcache_blocks=2)
     tok = paged.tokenizer
     ids = list(tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=True))
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark Atlas VLM against its peers in one process, on the same prompts; prints ratios.
 
-    python scripts/bench.py                 # all sections (text, vlm, serve, detok), ~45 min on 2 cores
+    python scripts/bench.py                 # all sections (text, vlm, serve, detok), ~9 min on 2 cores
     python scripts/bench.py --quick         # smaller sizes, a few minutes
     python scripts/bench.py --text --serve --json results.json
     python scripts/bench.py --server --quick  # HTTP: atlas-vlm serve vs transformers serve
@@ -16,8 +16,8 @@ processing cost per token at the start and the end of a long output), --server (
 Poisson HTTP load on atlas-vlm serve and transformers serve, offline LLM.chat on the same
 requests; not part of the default run). --text/--vlm/--serve run every system in the
 ``--dtype`` (default: what ``dtype="auto"`` picks here, bf16 on a CPU with AMX/AVX512-BF16)
-and end with the issue-10 targets table. llama.cpp is optional (``pip install
-llama-cpp-python``; "not installed" otherwise). Logic: benchmarks/.
+and end with the issue-10 targets table. llama.cpp is optional (``bash scripts/setup.sh
+--bench`` builds llama-cpp-python; "not installed" otherwise). Logic: benchmarks/.
 """
 
 from __future__ import annotations

@@ -31,23 +31,17 @@ from pathlib import Path
 
 import torch
 
+from atlas_vlm.config import cpuinfo_flags
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 MAX_HEAD_DIM, MAX_GROUP = 256, 16  # as the C source
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
-    except OSError:
-        return set()
-
-
 def _compile_flags() -> list[str]:
     flags = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-    cpu = _cpu_flags()
+    cpu = cpuinfo_flags()
     if {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= cpu:
         flags.append("-march=x86-64-v4")
     elif {"avx2", "fma", "f16c"} <= cpu:
@@ -59,20 +53,19 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("ATLAS_VLM_CACHE", Path.home() / ".cache" / "atlas_vlm")) / "kernels"
 
 
-def _build(compiler: str, flags: list[str]) -> Path:
-    """The shared library for ``flags``, compiled unless already in the cache.
+def _build(compiler: str, opts: list[str], libs: list[str]) -> Path:
+    """The shared library for compiler options ``opts`` and link flags ``libs``, compiled
+    unless already in the cache.
 
     Raises:
         subprocess.SubprocessError: the compiler failed; OSError: the cache is not writable.
     """
-    key = hashlib.sha1(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    key = hashlib.sha1(SOURCE.read_bytes() + " ".join([compiler, *opts, *libs]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"paged_decode-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            libs = [f for f in flags if f.startswith("-l")]
-            opts = [f for f in flags if not f.startswith("-l")]
             subprocess.run([compiler, *opts, "-o", str(built), str(SOURCE), *libs], check=True,
                            capture_output=True, text=True, timeout=120)
             os.replace(built, target)  # atomic: concurrent builders each rename a whole file
@@ -86,11 +79,11 @@ def _library() -> ctypes.CDLL | None:
     if compiler is None:
         log.info("no C compiler found ($CC, cc, gcc): decode attention uses SDPA")
         return None
-    lib, errors = None, []
+    lib, errors, opts = None, [], _compile_flags()
     # glibc's vector expf (libmvec) first, plain libm if it is missing
-    for extra in (["-DATLAS_LIBMVEC", "-lmvec", "-lm"], ["-lm"]):
+    for defines, libs in ((["-DATLAS_LIBMVEC"], ["-lmvec", "-lm"]), ([], ["-lm"])):
         try:
-            lib = ctypes.CDLL(str(_build(compiler, [*_compile_flags(), *extra])))
+            lib = ctypes.CDLL(str(_build(compiler, [*opts, *defines], libs)))
             break
         except (OSError, subprocess.SubprocessError) as e:
             errors.append((getattr(e, "stderr", "") or str(e)).strip()[:300])

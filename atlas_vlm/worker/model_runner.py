@@ -56,7 +56,8 @@ class ModelRunner:
         self.model = loaded.model
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
-        self.num_packed_linears = pack_linears(self.model) if can_pack(self.dtype, self.device) else 0
+        pack = can_pack(self.dtype, self.device)  # CPU bf16: linear weights packed for oneDNN once
+        self.num_packed_linears = pack_linears(self.model) if pack else 0
         self.mrope = self.model.arch.mrope_section is not None
         arch = self.model.arch
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device, self.dtype,
@@ -67,7 +68,7 @@ class ModelRunner:
 
             self.vision = build_vision_encoder(loaded.hf_config, loaded.vision_state_dict,
                                                dtype=self.dtype, device=self.device)
-            if can_pack(self.dtype, self.device):
+            if pack:
                 self.num_packed_linears += pack_linears(self.vision)
         spec = kv_cache_spec(arch.num_layers, arch.num_kv_heads, arch.head_dim, self.dtype)
         contiguous = config.kv_cache == "contiguous"
