@@ -110,11 +110,15 @@ def _run_waves(url: str, seed: int) -> tuple[float, float]:
 
 def test_cache_aware_routing_hits_more_prefix_blocks_than_least_loaded(ray_app):
     url, ingress = ray_app
-    ingress.set_routing.remote("cache_aware").result()
+    # Wave 2's 12 requests arrive at once and can all belong to one replica's prefixes: with the
+    # default imbalance threshold (4) whether some leave for the idle replica depends on how fast
+    # the first ones finish (seen: 11 of 12 hits under load). This test is about placement; the
+    # fallback has its own test (test_replica_router), so the threshold is lifted above the wave.
+    ingress.set_routing.remote("cache_aware", imbalance_threshold=12).result()
     ca_hits, ca_queries = _run_waves(url, seed=1)
     ingress.set_routing.remote("least_loaded").result()
     ll_hits, ll_queries = _run_waves(url, seed=2)  # fresh prefixes: the first run's cache does not help
-    ingress.set_routing.remote("cache_aware").result()
+    ingress.set_routing.remote("cache_aware", imbalance_threshold=4).result()  # the app's setting again
     assert ca_queries == ll_queries == 16 * (PREFIX_TOKENS + 16)
     assert ca_hits == 12 * PREFIX_TOKENS  # every wave-2 request found its prefix on its replica
     assert ll_hits < ca_hits  # least-loaded splits each prefix's requests over both replicas
