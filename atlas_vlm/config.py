@@ -2,50 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from atlas_vlm import hardware
 from mm_token_pipeline import DEFAULT_HTTP_MAX_BYTES, DEFAULT_HTTP_TIMEOUT_S, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
 
 KV_CACHE_KINDS = ("paged", "contiguous")
 ATTENTION_BACKENDS = ("auto", "reference", "bucketed", "decode_kernel")  # atlas_vlm.layers.attention's + "auto"
-CPU_BF16_FEATURES = ("amx_bf16", "avx512_bf16")  # x86 flags with native bf16 dot products
-
-
-def cpu_has_fast_bf16(capabilities: Mapping[str, object] | None = None) -> bool:
-    """Whether this CPU computes bf16 matmuls natively (AMX-BF16 or AVX512-BF16).
-
-    Detected, not assumed: ``capabilities`` defaults to ``torch.cpu.get_capabilities()``
-    (torch >= 2.8; cpuinfo-based, keys as Linux ``/proc/cpuinfo`` flags, e.g. ``amx_bf16``,
-    ``avx512_bf16``). On an older torch without it, the ``flags`` line of ``/proc/cpuinfo``
-    is read; where neither exists (not Linux/x86), the answer is False. Without these
-    instructions oneDNN emulates bf16 through fp32 and is slower than fp32, so fp32 stays.
-    """
-    if capabilities is None:
-        capabilities = _detected_cpu_capabilities()
-    return any(bool(capabilities.get(flag, False)) for flag in CPU_BF16_FEATURES)
-
-
-def cpuinfo_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
-    """The ``flags`` line of Linux's ``cpuinfo`` (e.g. ``avx2``, ``avx512f``); empty where the
-    file is missing or has none (not Linux / not x86)."""
-    try:
-        with open(cpuinfo, encoding="ascii", errors="replace") as f:
-            return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
-    except OSError:
-        return set()
-
-
-def _detected_cpu_capabilities(cpuinfo: str = "/proc/cpuinfo") -> Mapping[str, object]:
-    """``torch.cpu.get_capabilities()``, else ``{flag: True}`` for the flags in ``cpuinfo``."""
-    get = getattr(torch.cpu, "get_capabilities", None)
-    if get is not None:
-        return get()
-    return {flag: True for flag in cpuinfo_flags(cpuinfo)}
-
-
 @dataclass
 class EngineConfig:
     """Engine settings (names follow vLLM).
@@ -110,8 +75,9 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         """The compute / weight / KV dtype.
 
-        ``"auto"``: on CUDA bf16 (fp16 where the GPU lacks bf16); on CPU bf16 where
-        ``cpu_has_fast_bf16()``, else fp32. fp32 is the exactness reference: parity tests
+        ``"auto"``: on CUDA bf16 (fp16 where the GPU lacks bf16); on CPU bf16 where it has
+        native bf16 dot products (``hardware.cpu_features().fast_bf16``: AMX-BF16 or
+        AVX512-BF16), else fp32 (emulated bf16 is slower than fp32). fp32 is the exactness reference: parity tests
         pass ``dtype="float32"``.
 
         Raises:
@@ -119,7 +85,7 @@ class EngineConfig:
         """
         if self.dtype == "auto":
             if self.torch_device().type != "cuda":
-                return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+                return torch.bfloat16 if hardware.cpu_features().fast_bf16 else torch.float32
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
         if self.dtype not in dtypes:

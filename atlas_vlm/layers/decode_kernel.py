@@ -8,9 +8,10 @@ chunks, CUDA) keeps PyTorch's SDPA. Tested against the reference backend
 (``tests/parity/test_decode_kernel.py``).
 
 The source is compiled on first use with the system C compiler (``$CC``, else ``cc``):
-``-O3 -fno-math-errno -fopenmp``, ``-march=x86-64-v4`` where the CPU has AVX-512 (F, BW, CD,
-DQ, VL) or ``x86-64-v3`` where it has AVX2 + FMA, and glibc's vector ``expf`` (libmvec) when it
-links, into
+``-O3 -fno-math-errno -fopenmp``, ``-march`` from ``hardware.cpu_features().kernel_march``
+(``x86-64-v4`` where the CPU has AVX-512 F/BW/CD/DQ/VL, ``x86-64-v3`` where it has AVX2 + FMA +
+F16C, else the compiler's default target: plain C, it builds for any CPU), and glibc's vector
+``expf`` (libmvec) when it links, into
 ``$ATLAS_VLM_CACHE/kernels/`` (default ``~/.cache/atlas_vlm``), named by a hash of source
 and flags, and loaded with ``ctypes`` after torch, so it shares torch's OpenMP runtime
 (``libgomp``). Without a compiler (or if the build fails) ``available()`` is False, the
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from atlas_vlm.config import cpuinfo_flags
+from atlas_vlm import hardware
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +42,9 @@ MAX_HEAD_DIM, MAX_GROUP = 256, 16  # as the C source
 
 def _compile_flags() -> list[str]:
     flags = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-    cpu = cpuinfo_flags()
-    if {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= cpu:
-        flags.append("-march=x86-64-v4")
-    elif {"avx2", "fma", "f16c"} <= cpu:
-        flags.append("-march=x86-64-v3")
+    march = hardware.cpu_features().kernel_march
+    if march is not None:
+        flags.append(f"-march={march}")
     return flags
 
 

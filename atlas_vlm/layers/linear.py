@@ -8,6 +8,11 @@ AVX512-BF16 CPU with SmolLM2-135M's shapes, 1.5-1.9x the speed of one decode tok
 1.2-1.3x at 32 rows and 1.02-1.05x at 2,048 (``python -m benchmarks.linear``). The engine packs
 its decoder and vision tower on such CPUs (``ModelRunner``). fp32 keeps ``nn.Linear``: it is
 the exactness reference.
+
+oneDNN's bf16 path runs only on CPUs that PyTorch's ``mkldnn_bf16_device_check`` accepts
+(AVX512-BW/VL/DQ, AVX-NE-CONVERT or AMX on x86; BF16 on aarch64): elsewhere the reorder raises,
+so ``can_pack`` asks ``hardware.cpu_features().onednn_bf16`` and the model keeps ``nn.Linear``
+(the same bits, slower).
 """
 
 from __future__ import annotations
@@ -15,11 +20,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from atlas_vlm import hardware
+
 
 def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether ``pack_linears`` applies: bf16 on a CPU whose torch has oneDNN and its ops."""
+    """Whether ``pack_linears`` applies: bf16 on a CPU that runs oneDNN's bf16 path
+    (``hardware.cpu_features().onednn_bf16``), with a torch that has oneDNN and its ops."""
     return (torch.device(device).type == "cpu" and dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available()
+            and hardware.cpu_features().onednn_bf16 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 

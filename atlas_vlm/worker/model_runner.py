@@ -3,11 +3,13 @@ batched forward per engine step. Scheduling and stopping rules live elsewhere.""
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 
+from atlas_vlm import hardware
 from atlas_vlm.config import EngineConfig
 from atlas_vlm.layers.attention import resolve_attention_backend
 from atlas_vlm.layers.linear import can_pack, pack_linears
@@ -16,6 +18,8 @@ from atlas_vlm.loader import LoadedModel
 from atlas_vlm.worker.sampler import SamplerOutput, sample
 from atlas_vlm.memory_plan import kv_cache_spec, num_kv_blocks
 from mm_kv_cache_management import ContiguousKVCache, PagedKVCache
+
+log = logging.getLogger(__name__)
 
 
 class KVBudgetError(ValueError):
@@ -56,6 +60,9 @@ class ModelRunner:
         self.model = loaded.model
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not hardware.cpu_features().fast_bf16:
+            log.warning("bfloat16 on this CPU (%s) is emulated through fp32 and slower than float32; "
+                        "dtype='auto' picks float32 here", hardware.cpu_features().describe())
         pack = can_pack(self.dtype, self.device)  # CPU bf16: linear weights packed for oneDNN once
         self.num_packed_linears = pack_linears(self.model) if pack else 0
         self.mrope = self.model.arch.mrope_section is not None

@@ -1,61 +1,98 @@
-"""``dtype="auto"`` on CPU: bf16 exactly where the CPU has AMX-BF16 or AVX512-BF16, detected
-through ``torch.cpu.get_capabilities()`` (or ``/proc/cpuinfo`` flags on an older torch), fp32
-elsewhere; explicit dtypes and CUDA are unaffected by the detection."""
+"""CPU capability detection (``atlas_vlm.hardware``) and the fast paths it picks, on faked
+CPUs of every kind seen (AMX, AVX512-BF16, AVX-512 without BF16, AVX2 only, aarch64 with and
+without BF16): ``dtype="auto"`` (bf16 only with native bf16 dot products), oneDNN-packed bf16
+linears (PyTorch's ``mkldnn_bf16_device_check``), the decode kernel's ``-march``. The engine on
+a faked AVX2-only CPU is in ``tests/parity/test_packed_linear.py``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from atlas_vlm import EngineConfig
-from atlas_vlm import config as config_module
-from atlas_vlm.config import cpu_has_fast_bf16
+from atlas_vlm import EngineConfig, hardware
+from atlas_vlm.hardware import CpuFeatures
+from atlas_vlm.layers import decode_kernel
+from atlas_vlm.layers.linear import can_pack
 
 pytestmark = pytest.mark.text
 
-NO_BF16 = {"avx2": True, "avx512_f": True, "avx512_vnni": True, "amx_tile": True, "amx_bf16": False,
-           "avx512_bf16": False}
+AVX2 = "fpu sse2 avx avx2 fma f16c"
+AVX512 = AVX2 + " avx512f avx512bw avx512cd avx512dq avx512vl avx512_vnni"
+CPUS = {  # name: (machine, flags, auto dtype bf16, oneDNN bf16 packing, kernel -march)
+    "sapphire_rapids_amx": ("x86_64", AVX512 + " avx512_bf16 amx_tile amx_bf16 amx_int8", True, True, "x86-64-v4"),
+    "zen4_avx512_bf16": ("x86_64", AVX512 + " avx512_bf16", True, True, "x86-64-v4"),
+    "skylake_avx512": ("x86_64", AVX512, False, True, "x86-64-v4"),
+    "epyc_avx2_only": ("x86_64", AVX2, False, False, "x86-64-v3"),
+    "arrow_lake_avx_ne_convert": ("x86_64", AVX2 + " avx_vnni avx_ne_convert", False, True, "x86-64-v3"),
+    "old_x86_sse": ("x86_64", "fpu sse sse2 sse4_2", False, False, None),
+    "graviton3_bf16": ("aarch64", "fp asimd sve bf16 i8mm", False, True, None),
+    "graviton2": ("aarch64", "fp asimd", False, False, None),
+}
 
 
-@pytest.mark.parametrize("caps, expected", [
-    ({"amx_bf16": True, "amx_tile": True}, True),  # Sapphire Rapids and later
-    ({"avx512_f": True, "avx512_bf16": True}, True),  # Cooper Lake, Zen 4
-    (NO_BF16, False),  # AVX-512 without BF16 (Skylake-SP), AMX tiles without BF16
-    ({"neon": True, "bf16": True}, False),  # ARM: not in the x86 bf16 list
-    ({}, False),
-])
-def test_detection_from_capabilities(caps, expected):
-    assert cpu_has_fast_bf16(caps) is expected
-
-
-@pytest.mark.parametrize("caps, expected", [({"avx512_bf16": True}, torch.bfloat16),
-                                            ({"amx_bf16": True}, torch.bfloat16),
-                                            (NO_BF16, torch.float32)])
-def test_auto_dtype_on_cpu_follows_detection(monkeypatch, caps, expected):
-    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps)
-    assert EngineConfig(model="unused", device="cpu").torch_dtype() == expected
-    assert EngineConfig(model="unused", device="cpu", dtype="auto").torch_dtype() == expected
+@pytest.mark.parametrize("name", sorted(CPUS))
+def test_fast_paths_follow_the_cpu(monkeypatch, name):
+    machine, flags, bf16, packs, march = CPUS[name]
+    cpu = CpuFeatures(frozenset(flags.split()), machine)
+    assert (cpu.fast_bf16, cpu.onednn_bf16, cpu.kernel_march) == (bf16, packs, march)
+    monkeypatch.setattr(hardware, "cpu_features", lambda: cpu)
+    assert EngineConfig(model="unused", device="cpu").torch_dtype() == (torch.bfloat16 if bf16 else torch.float32)
     assert EngineConfig(model="unused", device="cpu", dtype="float32").torch_dtype() == torch.float32
     assert EngineConfig(model="unused", device="cpu", dtype="bfloat16").torch_dtype() == torch.bfloat16
+    assert can_pack(torch.bfloat16, "cpu") == (packs and torch.backends.mkldnn.is_available())
+    assert not can_pack(torch.float32, "cpu") and not can_pack(torch.bfloat16, "cuda")
+    assert [f for f in decode_kernel._compile_flags() if f.startswith("-march")] == ([f"-march={march}"] if march else [])
+    assert cpu.describe().startswith(machine)
 
 
-@pytest.mark.parametrize("flags, expected", [("fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni", True),
-                                             ("fpu sse2 avx2 amx_tile amx_bf16 amx_int8", True),
-                                             ("fpu sse2 avx2 avx512f avx512_vnni", False)])
-def test_cpuinfo_fallback_without_torch_capabilities(monkeypatch, tmp_path, flags, expected):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: test\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
+@pytest.mark.parametrize("flags, machine, expected", [
+    ("fpu avx2 fma f16c avx", "x86_64", "x86_64, AVX2: auto dtype fp32, plain bf16 linears, kernel x86-64-v3"),
+    (AVX512 + " avx512_bf16", "x86_64", "x86_64, AVX-512 with BF16: auto dtype bf16, packed bf16 linears, kernel x86-64-v4"),
+    ("fp asimd bf16", "aarch64", "aarch64, BF16: auto dtype fp32, packed bf16 linears, kernel default target"),
+])
+def test_describe_names_the_paths(flags, machine, expected):
+    assert CpuFeatures(frozenset(flags.split()), machine).describe() == expected
+
+
+def test_env_override_replaces_detection(monkeypatch):
+    monkeypatch.setenv(hardware.FLAGS_ENV, "avx,avx2 fma f16c")
+    hardware.cpu_features.cache_clear()
+    try:
+        cpu = hardware.cpu_features()
+        assert cpu.flags == {"avx", "avx2", "fma", "f16c"}
+        assert (cpu.fast_bf16, cpu.onednn_bf16) == (False, False)
+    finally:
+        monkeypatch.delenv(hardware.FLAGS_ENV)
+        hardware.cpu_features.cache_clear()
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n\nprocessor\t: 1\nflags\t: other\n", {"fpu", "avx2", "avx512_bf16"}),
+    ("processor\t: 0\nFeatures\t: fp asimd bf16\n", {"fp", "asimd", "bf16"}),  # aarch64 spelling
+    ("processor\t: 0\nmodel name\t: test\n", set()),
+])
+def test_cpuinfo_flags(tmp_path, text, expected):
+    (tmp_path / "cpuinfo").write_text(text)
+    assert hardware.cpuinfo_flags(str(tmp_path / "cpuinfo")) == expected
+    assert hardware.cpuinfo_flags(str(tmp_path / "absent")) == set()
+
+
+def test_torch_capabilities_in_cpuinfo_spelling(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_bw": True, "avx512_bf16": True,
+                                                                 "amx_bf16": False, "avx2": True})
+    flags = hardware._torch_flags()
+    assert {"avx512bw", "avx512_bw", "avx512_bf16", "avx2"} <= flags and "amx_bf16" not in flags
     monkeypatch.delattr(torch.cpu, "get_capabilities")
-    assert cpu_has_fast_bf16(config_module._detected_cpu_capabilities(str(cpuinfo))) is expected
-
-
-def test_missing_cpuinfo_means_fp32(monkeypatch, tmp_path):
-    monkeypatch.delattr(torch.cpu, "get_capabilities")
-    assert cpu_has_fast_bf16(config_module._detected_cpu_capabilities(str(tmp_path / "absent"))) is False
+    assert hardware._torch_flags() == set()
 
 
 def test_detection_on_this_machine_agrees_with_proc_cpuinfo():
-    """torch's cpuinfo-based answer and the kernel's flags line name the same bf16 support."""
-    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-        flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
-    assert cpu_has_fast_bf16() is ("amx_bf16" in flags or "avx512_bf16" in flags)
+    """Unless overridden, the detected flags include /proc/cpuinfo's, and torch's own oneDNN
+    bf16 check agrees with ``onednn_bf16``."""
+    if hardware.FLAGS_ENV in __import__("os").environ:
+        pytest.skip(f"{hardware.FLAGS_ENV} overrides the detection in this run")
+    cpu = hardware.cpu_features()
+    assert hardware.cpuinfo_flags() <= cpu.flags
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if check is not None and cpu.x86:
+        assert check() == cpu.onednn_bf16

@@ -132,3 +132,36 @@ def test_mismatched_dtypes_are_refused():
     with pytest.raises(ValueError, match="q's dtype"):
         decode_kernel.paged_decode_attention(torch.randn(1, HEADS, HEAD_DIM).bfloat16(), cache.k_cache[0],
                                              cache.v_cache[0], torch.tensor([[3]]), torch.tensor([5]), 0.1)
+
+
+TARGETS = {"x86-64-v4": "avx512f avx512bw avx512cd avx512dq avx512vl avx avx2 fma f16c",
+           "x86-64-v3": "avx avx2 fma f16c", None: "sse2"}
+
+
+@needs_kernel
+@pytest.mark.parametrize("march", list(TARGETS), ids=lambda m: m or "default-target")
+def test_kernel_built_for_each_cpu_target_equals_reference(monkeypatch, march):
+    """The kernel built as on an AVX-512, an AVX2-only or a pre-AVX2 CPU (faked flags pick the
+    ``-march``) gives the reference's answer. Each target runs where this CPU has its
+    instructions (every x86-64 runs the default target); the others skip, naming them."""
+    from atlas_vlm import hardware
+    from atlas_vlm.hardware import CpuFeatures
+
+    real = hardware.cpu_features()
+    wanted = set(TARGETS[march].split()) - {"sse2"}
+    if not real.x86 and march is not None:
+        pytest.skip(f"-march={march} is an x86-64 target; this CPU is {real.machine}")
+    if not wanted <= real.flags:
+        pytest.skip(f"-march={march} needs {sorted(wanted - real.flags)}, which this CPU lacks")
+    monkeypatch.setattr(hardware, "cpu_features", lambda: CpuFeatures(frozenset(TARGETS[march].split()), real.machine))
+    decode_kernel._library.cache_clear()
+    try:
+        assert [f for f in decode_kernel._compile_flags() if f.startswith("-march")] == (
+            [f"-march={march}"] if march and real.x86 else [])
+        assert decode_kernel.available()
+        q_lens, c_lens, slots, tables = random_step(random.Random(3), 16, 0.8)
+        results = run_both(filled(torch.float32, 2, seed=3), q_lens, c_lens, slots, tables, 3,
+                           backends=("reference", "decode_kernel"))
+        torch.testing.assert_close(results["decode_kernel"][0], results["reference"][0], atol=1e-5, rtol=0)
+    finally:
+        decode_kernel._library.cache_clear()
