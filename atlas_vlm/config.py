@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from atlas_vlm import hardware
-from mm_token_pipeline import DEFAULT_HTTP_MAX_BYTES, DEFAULT_HTTP_TIMEOUT_S, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
+from mm_token_pipeline import DEFAULT_HTTP_MAX_BYTES, DEFAULT_HTTP_TIMEOUT_S, MultiModalOptions
 
 KV_CACHE_KINDS = ("paged", "contiguous")
 ATTENTION_BACKENDS = ("auto", "reference", "bucketed", "decode_kernel")  # atlas_vlm.layers.attention's + "auto"
@@ -38,8 +38,11 @@ class EngineConfig:
     # "bucketed" (layers/attention_bucketed: SDPA per context-length bucket), or "reference"
     # (padded SDPA with a dense mask, the exactness reference for the other two)
     attention_backend: str = "auto"
-    min_pixels: int = DEFAULT_MIN_PIXELS  # per-image lower bound after smart_resize (pixels)
-    max_pixels: int = DEFAULT_MAX_PIXELS  # per-image upper bound after smart_resize (pixels)
+    # per-image area bounds after smart_resize (pixels); None: the checkpoint's own
+    # (preprocessor_config.json, mm_token_pipeline.image_processor_settings)
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    limit_request_pixels: bool = False  # requests may lower max_pixels, never raise it (the server sets this)
     allow_http_images: bool = False  # fetch http(s) image URLs
     http_image_timeout_s: float = DEFAULT_HTTP_TIMEOUT_S  # overall deadline of one image download (s)
     http_image_max_bytes: int = DEFAULT_HTTP_MAX_BYTES  # byte cap of one image download
@@ -64,8 +67,34 @@ class EngineConfig:
         if isinstance(self.http_image_max_bytes, bool) or not isinstance(self.http_image_max_bytes, int) \
                 or self.http_image_max_bytes < 1:
             raise ValueError(f"http_image_max_bytes must be an int >= 1, got {self.http_image_max_bytes!r}")
-        if not 0 < self.min_pixels <= self.max_pixels:
-            raise ValueError(f"need 0 < min_pixels <= max_pixels, got {self.min_pixels} and {self.max_pixels}")
+        for name in ("min_pixels", "max_pixels"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 (pixels) or None (the checkpoint's), got {value!r}")
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels ({self.min_pixels}) must be <= max_pixels ({self.max_pixels})")
+
+    def image_bounds(self, settings) -> MultiModalOptions:
+        """The engine's image bounds: the checkpoint's ``settings``
+        (``mm_token_pipeline.ImageProcessorSettings``) with this config's ``min_pixels`` /
+        ``max_pixels`` over them. SmolVLM bounds by its processor's longest edge: only this
+        config's own values are returned there.
+
+        Raises:
+            ValueError: the resolved ``min_pixels > max_pixels``; the message says where each
+                came from (this config, i.e. ``--min-pixels`` / ``--max-pixels``, or the checkpoint).
+        """
+        if settings is None or settings.longest_edge is not None:
+            return MultiModalOptions(min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+        lo = settings.min_pixels if self.min_pixels is None else self.min_pixels
+        hi = settings.max_pixels if self.max_pixels is None else self.max_pixels
+        if lo > hi:
+            def origin(mine, flag):
+                return f"set by {flag}" if mine is not None else f"from {settings.source}"
+            raise ValueError(f"max_pixels {hi} ({origin(self.max_pixels, 'max_pixels / --max-pixels')}) is below "
+                             f"min_pixels {lo} ({origin(self.min_pixels, 'min_pixels / --min-pixels')}); "
+                             "set both so that min_pixels <= max_pixels")
+        return MultiModalOptions(min_pixels=lo, max_pixels=hi)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ __all__ = ["GGUF_CONVERSION_VERSION", "LoadedModel", "ModelNotFoundError", "cach
 
 #: Part of the converted folder's cache key: bump when the conversion changes, so that stale
 #: folders in the cache are not reused (v2: tokenizer settings taken from the GGUF header).
-GGUF_CONVERSION_VERSION = "v2"
+GGUF_CONVERSION_VERSION = "v3"  # v3: saved by transformers 5
 
 _STACKED = {  # HF name part -> (our fused name part, shard index)
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -51,6 +52,7 @@ class LoadedModel:
     tokenizer: object  # the transformers tokenizer
     vision_state_dict: dict[str, torch.Tensor] | None  # "visual.*" weights without the prefix
     model_dir: Path  # the folder actually loaded (the GGUF cache folder for a .gguf)
+    image_settings: object = None  # mm_token_pipeline.ImageProcessorSettings of a VLM, else None
 
 
 def cache_dir() -> Path:
@@ -98,7 +100,7 @@ def gguf_to_folder(gguf_path: Path) -> Path:
         return out
     from transformers import AutoModelForCausalLM
 
-    print(f"Converting {gguf_path.name} to {out} (once)...", flush=True)
+    print(f"Converting {gguf_path.name} to {out} (once)...", file=sys.stderr, flush=True)
     kwargs = dict(gguf_file=gguf_path.name)
     settings = gguf_tokenizer_settings(gguf_path)
     tokenizer = apply_gguf_tokenizer_settings(AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs), settings)
@@ -109,6 +111,12 @@ def gguf_to_folder(gguf_path: Path) -> Path:
     eos = [ids[k] for k in ("eos", "eot") if k in ids]
     gen.eos_token_id = sorted(set(eos), key=eos.index) if len(set(eos)) > 1 else (eos[0] if eos else None)
     gen.pad_token_id = ids.get("pad")
+
+    # transformers 5 marks a GGUF-loaded model as quantized and refuses to save it; its
+    # weights are already dequantized to fp32, so the marks go before saving
+    hf_model.hf_quantizer = None
+    if hasattr(hf_model.config, "quantization_config"):
+        del hf_model.config.quantization_config
 
     def save(tmp: Path) -> None:
         hf_model.save_pretrained(tmp)
@@ -226,4 +234,6 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
     # transformers 4.57.3-4.57.x flags every local tokenizer saved by those versions as a
     # Mistral one with a bad regex (a false positive); saying False keeps it as it is, quietly.
     tokenizer = AutoTokenizer.from_pretrained(path, fix_mistral_regex=False)
-    return LoadedModel(model, hf_config, tokenizer, visual or None, path)
+    from mm_token_pipeline import image_processor_settings
+
+    return LoadedModel(model, hf_config, tokenizer, visual or None, path, image_processor_settings(path, hf_config))

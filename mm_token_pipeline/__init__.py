@@ -46,6 +46,7 @@ from .options import MultiModalOptions
 from .processor import ProcessedImage, preprocess_image
 from .prompt import (QWEN2_5_VL_CHAT_TEMPLATE, build_prompt_ids, expand_image_pads, extract_image_items, extract_images,
                      qwen_tokenizer_dir)
+from .processor_config import ImageProcessorSettings, image_processor_settings
 from .resize import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, MAX_ASPECT_RATIO, smart_resize
 from .vision import VisionEncoder
 
@@ -63,6 +64,8 @@ __all__ = [
     "MAX_ASPECT_RATIO",
     "DEFAULT_MIN_PIXELS",
     "DEFAULT_MAX_PIXELS",
+    "ImageProcessorSettings",
+    "image_processor_settings",
     "ProcessedImage",
     "preprocess_image",
     "expand_image_pads",

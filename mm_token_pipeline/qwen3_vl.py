@@ -2,8 +2,9 @@
 
 Scope: what differs from Qwen2.5-VL. Images are resized with the same qwen-vl-utils
 ``smart_resize`` rule but with factor 32 (patch 16 x merge 2), so ``max_pixels`` allows at
-most ``max_pixels // (32*32)`` visual tokens, and normalised with mean = std = 0.5 (the
-``preprocessor_config.json`` of the Qwen3-VL checkpoints); patchify stays
+most ``max_pixels // (32*32)`` visual tokens, and normalised with mean = std = 0.5; bounds,
+geometry and normalisation come from the checkpoint's ``preprocessor_config.json``
+(``processor_config.image_processor_settings``; released: 65536 / 16777216 pixels); patchify stays
 ``Qwen2VLImageProcessor(do_resize=False)`` with ``patch_size=16`` given explicitly, so the
 slow processor's ignored-``size`` fault (transformers #42910) cannot change the grid.
 The vision tower is HF's ``Qwen3VLVisionModel``: it returns the merged features and one
@@ -22,7 +23,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
 from .vision import VisionEncoder
 
-__all__ = ["QWEN3_VL_CHAT_TEMPLATE", "QWEN3_VL_IMAGE_MEAN", "QWEN3_VL_IMAGE_STD", "image_kwargs",
+__all__ = ["QWEN3_VL_CHAT_TEMPLATE", "QWEN3_VL_IMAGE_MEAN", "QWEN3_VL_IMAGE_STD",
            "Qwen3VLVisionEncoder"]
 
 #: Per-channel mean and std of Qwen3-VL's image processor (its preprocessor_config.json).
@@ -43,18 +44,6 @@ QWEN3_VL_CHAT_TEMPLATE = (
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-def image_kwargs(hf_config) -> dict:
-    """Keyword arguments of :func:`preprocess_image` for a Qwen2.5-VL or Qwen3-VL config:
-    the tower's ``patch_size``, ``merge_size``, ``temporal_patch_size`` and, for Qwen3-VL,
-    its normalisation (CLIP's for Qwen2.5-VL is ``preprocess_image``'s default)."""
-    vc = hf_config.vision_config
-    kwargs = dict(patch_size=vc.patch_size, merge_size=vc.spatial_merge_size,
-                  temporal_patch_size=vc.temporal_patch_size)
-    if getattr(hf_config, "model_type", None) == "qwen3_vl":
-        kwargs.update(image_mean=QWEN3_VL_IMAGE_MEAN, image_std=QWEN3_VL_IMAGE_STD)
-    return kwargs
 
 
 class Qwen3VLVisionEncoder(VisionEncoder):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from transformers.models.smolvlm.configuration_smolvlm import SmolVLMConfig
 from transformers.models.smolvlm.modeling_smolvlm import SmolVLMConnector, SmolVLMModel, SmolVLMVisionTransformer
-from transformers.modeling_utils import no_init_weights
+from transformers.initialization import no_init_weights
 
 from .image_io import ImageInputError
 

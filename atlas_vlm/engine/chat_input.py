@@ -87,18 +87,31 @@ class ChatInput:
 
     Args:
         tokenizer: the model's transformers tokenizer (its ``chat_template`` is the default).
-        config: ``EngineConfig`` (``min_pixels``/``max_pixels`` defaults, ``allow_http_images``,
-            ``http_image_timeout_s``, ``http_image_max_bytes``).
+        config: ``EngineConfig`` (``min_pixels``/``max_pixels`` over the checkpoint's,
+            ``limit_request_pixels``, ``allow_http_images``, ``http_image_timeout_s``,
+            ``http_image_max_bytes``).
         hf_config: the model's transformers config: a ``vision_config`` means images (the
             Qwen2-VL / Qwen2.5-VL / Qwen3-VL path, or SmolVLM2's HF processor).
+        image_settings: the checkpoint's ``ImageProcessorSettings`` (its
+            ``preprocessor_config.json``; ``LoadedModel.image_settings``), None for text models
+            (read from ``hf_config`` alone, i.e. the released defaults, when not given).
+
+    Raises:
+        ValueError: the engine's pixel bounds contradict the checkpoint's (``EngineConfig.image_bounds``).
     """
 
-    def __init__(self, tokenizer, config, hf_config):
+    def __init__(self, tokenizer, config, hf_config, image_settings=None):
+        from mm_token_pipeline import image_processor_settings
+
         self.tokenizer = tokenizer
         self.config = config
         self.hf_config = hf_config
         self.is_vlm = hasattr(hf_config, "vision_config")
         self.model_type = getattr(hf_config, "model_type", None)
+        if image_settings is None and self.is_vlm:
+            image_settings = image_processor_settings(None, hf_config)
+        self.image_settings = image_settings
+        self.engine_bounds = config.image_bounds(image_settings)  # checkpoint, then engine options
         self._hf_processor = None  # SmolVLM2: the checkpoint's HF processor, loaded on first use
 
     def process(self, prompt: dict) -> tuple[list[int], list]:
@@ -121,7 +134,7 @@ class ChatInput:
                                                      return_dict=False, **template_args)
             return list(ids), []
         from mm_token_pipeline import build_prompt_ids, preprocess_image
-        from mm_token_pipeline.qwen3_vl import QWEN3_VL_CHAT_TEMPLATE, image_kwargs
+        from mm_token_pipeline.qwen3_vl import QWEN3_VL_CHAT_TEMPLATE
 
         if self.model_type == "smolvlm":
             return self._smolvlm(p)
@@ -132,7 +145,7 @@ class ChatInput:
                                  "min_pixels / max_pixels")
             min_pixels, max_pixels = opts.resolved()
             images.append(preprocess_image(pil, min_pixels=min_pixels, max_pixels=max_pixels,
-                                           **image_kwargs(self.hf_config)))
+                                           **self.image_settings.preprocess_kwargs()))
         ids = build_prompt_ids(self.tokenizer, p["messages"], images,
                                add_generation_prompt=p["add_generation_prompt"],
                                continue_final_message=p["continue_final_message"],
@@ -142,18 +155,35 @@ class ChatInput:
 
     def _images(self, p: dict):
         """``(options, RGB PIL image)`` per image item: the item's bounds over the request's
-        ``mm_options`` over the engine's ``min_pixels`` / ``max_pixels``."""
+        ``mm_options`` over the engine's (its ``min_pixels`` / ``max_pixels`` over the
+        checkpoint's). With ``config.limit_request_pixels`` (the server) a request or item
+        may lower ``max_pixels`` / ``longest_edge``, never raise them: checked before the
+        image is loaded.
+
+        Raises:
+            ValueError: a bound above the engine's under ``limit_request_pixels`` (named).
+        """
         from mm_token_pipeline import extract_image_items, load_image
 
-        engine_opts = MultiModalOptions(min_pixels=self.config.min_pixels, max_pixels=self.config.max_pixels)
-        request_opts = p["mm_options"].merged_over(engine_opts)
+        request_opts = p["mm_options"].merged_over(self.engine_bounds)
         for index, (source, item) in enumerate(extract_image_items(p["messages"])):
             item_opts = {k: item[k] for k in ("min_pixels", "max_pixels", "longest_edge") if k in item}
             opts = MultiModalOptions.from_value(item_opts, where=f"image {index}").merged_over(request_opts)
+            if self.config.limit_request_pixels:
+                self._check_limits(opts, index)
             pil = load_image(source, allow_http=self.config.allow_http_images,
                              http_timeout_s=self.config.http_image_timeout_s,
                              max_http_bytes=self.config.http_image_max_bytes)
             yield opts, pil
+
+    def _check_limits(self, opts: MultiModalOptions, index: int) -> None:
+        limits = {"max_pixels": self.engine_bounds.max_pixels,
+                  "longest_edge": self.image_settings.longest_edge if self.image_settings else None}
+        for name, limit in limits.items():
+            value = getattr(opts, name)
+            if value is not None and limit is not None and value > limit:
+                raise ValueError(f"image {index}: {name} {value} is above this server's {name} {limit}; "
+                                 "a request may lower the image bounds, not raise them")
 
     def _smolvlm(self, p: dict) -> tuple[list[int], list]:
         """SmolVLM2: ids and tiles from the checkpoint's HF processor (loaded once from the

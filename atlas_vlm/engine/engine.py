@@ -67,7 +67,8 @@ class LLMEngine:
                                    max_model_len=self.max_model_len,
                                    eos_token_ids=eos_token_ids(self.tokenizer, loaded.model_dir))
         self.input_processor = InputProcessor(self.tokenizer, self.hf_config, config, arch.vocab_size,
-                                              self.max_model_len, self.block_manager, self.runner.device)
+                                              self.max_model_len, self.block_manager, self.runner.device,
+                                              loaded.image_settings)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = arch.vocab_size
         self.requests: dict[str, Request] = {}

@@ -62,10 +62,11 @@ class InputProcessor:
         max_model_len: tokens per request (prompt + output).
         block_manager: read for the KV capacity (``num_blocks``, ``num_blocks_needed``).
         device: where each request's sampling ``torch.Generator`` lives.
+        image_settings: the checkpoint's ``ImageProcessorSettings`` (see ``ChatInput``).
     """
 
     def __init__(self, tokenizer, hf_config, config, vocab_size: int, max_model_len: int,
-                 block_manager, device: torch.device | str = "cpu"):
+                 block_manager, device: torch.device | str = "cpu", image_settings=None):
         self.tokenizer = tokenizer
         self.hf_config = hf_config
         self.config = config
@@ -74,7 +75,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.block_manager = block_manager
         self.device = device
-        self.chat = ChatInput(tokenizer, config, hf_config)
+        self.chat = ChatInput(tokenizer, config, hf_config, image_settings)
         self._ids = itertools.count()  # default request ids
         self._seeds = itertools.count()  # default seeds: engine seed + arrival index
 

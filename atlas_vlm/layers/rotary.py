@@ -1,8 +1,10 @@
 """Rotary position embeddings: plain RoPE (Llama, Qwen2), Qwen2.5-VL's M-RoPE and
 Qwen3-VL's interleaved M-RoPE.
 
-The inverse frequencies come from transformers' ``ROPE_INIT_FUNCTIONS`` (default, llama3,
-linear, dynamic, yarn, ...), so scaled variants follow HF exactly. M-RoPE (Qwen2-VL paper,
+The RoPE settings come from ``models.arch.rope_parameters`` (either config layout). Plain
+RoPE's inverse frequencies are HF's ``compute_default_rope_parameters``
+(``1 / theta ** (arange(0, dim, 2) / dim)``); scaled variants (llama3, linear, dynamic, yarn,
+...) come from transformers' ``ROPE_INIT_FUNCTIONS``, so they follow HF exactly. M-RoPE (Qwen2-VL paper,
 HF ``apply_multimodal_rotary_pos_emb``) splits the rotary channels into ``mrope_section``
 chunks taken from the temporal, height and width position rows. Interleaved M-RoPE
 (Qwen3-VL, HF ``Qwen3VLTextRotaryEmbedding.apply_interleaved_mrope``) takes the same counts
@@ -17,23 +19,31 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from atlas_vlm.models.arch import rope_parameters
+
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for a step's positions.
 
     Args:
-        hf_text_config: the HF (text) config: ``rope_theta``, ``rope_scaling``, head dim.
+        hf_text_config: the HF (text) config: RoPE settings (either layout), head dim.
         mrope_section: per-axis rotary pair counts (sums to ``head_dim // 2``), or ``None``.
         mrope_interleaved: lay the sections out interleaved (Qwen3-VL) instead of in blocks.
     """
 
     def __init__(self, hf_text_config, mrope_section: list[int] | None = None, mrope_interleaved: bool = False):
         super().__init__()
-        scaling = getattr(hf_text_config, "rope_scaling", None) or {}
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type == "mrope":
-            rope_type = "default"
-        inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_text_config, "cpu")
+        params = rope_parameters(hf_text_config)
+        if params["rope_type"] == "default":
+            dim = getattr(hf_text_config, "head_dim", None) or \
+                hf_text_config.hidden_size // hf_text_config.num_attention_heads
+            inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            self.attention_scaling = 1.0
+        elif params["rope_type"] in ROPE_INIT_FUNCTIONS:
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_text_config, "cpu")
+        else:
+            raise ValueError(f"unsupported rope_type {params['rope_type']!r}; known: default, "
+                             f"{', '.join(ROPE_INIT_FUNCTIONS)}")
         # [head_dim // 2] fp32; a plain attribute (not a buffer) so model.to(bf16) keeps it exact
         self.inv_freq = inv_freq.float()
         self.mrope_section = mrope_section

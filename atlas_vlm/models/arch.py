@@ -7,7 +7,47 @@ from dataclasses import dataclass
 
 from atlas_vlm.models.registry import SUPPORTED_ARCHITECTURES, UnsupportedModelError, resolve_family, text_config_of
 
-__all__ = ["ModelArch", "SUPPORTED_ARCHITECTURES", "UnsupportedModelError"]
+__all__ = ["ModelArch", "SUPPORTED_ARCHITECTURES", "UnsupportedModelError", "rope_parameters"]
+
+#: Qwen3-VL's section when its config has none: HF ``Qwen3VLTextRotaryEmbedding``'s default.
+QWEN3_VL_DEFAULT_MROPE_SECTION = (24, 20, 20)
+
+
+def rope_parameters(hf_config) -> dict:
+    """The RoPE settings of a (text) config as one dict, whichever layout wrote it.
+
+    transformers >= 5 writes ``rope_parameters`` (``rope_theta``, ``rope_type``,
+    ``mrope_section``, scaling fields); 4.x wrote ``rope_scaling`` (``type`` / ``rope_type``,
+    ``mrope_section``, scaling fields) beside a top-level ``rope_theta``. Either may sit on the
+    config itself or, for the VLMs, under ``text_config``: the text config's own settings win,
+    the outer config fills what it lacks. Returned keys: ``rope_theta`` (default 10000.0, as
+    HF's ``default_theta``), ``rope_type`` (``"default"`` when unset or ``"mrope"``), and every
+    other key as found (``mrope_section``, ``factor``, ...).
+    """
+    layers = [c for c in (getattr(hf_config, "text_config", None), hf_config) if c is not None]
+    merged: dict = {}
+    for config in reversed(layers):  # outer first, then the text config over it
+        found = {}
+        for key in ("rope_scaling", "rope_parameters"):
+            value = _as_dict(config, key)
+            if value:
+                found.update(value)
+        theta = _as_dict(config, "rope_theta")
+        if theta is not None and "rope_theta" not in found:
+            found["rope_theta"] = theta
+        merged.update({k: v for k, v in found.items() if v is not None})
+    rope_type = merged.pop("type", None)
+    merged["rope_type"] = merged.get("rope_type") or rope_type or "default"
+    if merged["rope_type"] == "mrope":
+        merged["rope_type"] = "default"
+    merged.setdefault("rope_theta", 10000.0)
+    return merged
+
+
+def _as_dict(config, key):
+    """``config.key`` for a transformers config or a plain dict (None when absent)."""
+    value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+    return dict(value) if isinstance(value, dict) else value
 
 
 @dataclass(frozen=True)
@@ -29,7 +69,7 @@ class ModelArch:
     hidden_act: str  # hidden_act
     tie_word_embeddings: bool  # tie_word_embeddings
     max_position_embeddings: int  # max_position_embeddings
-    mrope_section: tuple[int, ...] | None  # rope_scaling["mrope_section"] (Qwen2-VL, Qwen2.5-VL)
+    mrope_section: tuple[int, ...] | None  # rope_parameters / rope_scaling "mrope_section" (Qwen2/2.5/3-VL)
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     mrope_interleaved: bool = False  # M-RoPE sections interleaved, not in blocks (Qwen3-VL)
 
@@ -39,10 +79,19 @@ class ModelArch:
 
         Raises:
             UnsupportedModelError: architecture not in ``SUPPORTED_ARCHITECTURES``.
+            ValueError: a family that needs M-RoPE (Qwen2-VL, Qwen2.5-VL) whose config has no
+                ``mrope_section`` under ``rope_parameters`` or ``rope_scaling`` (never run with
+                1-D positions). Qwen3-VL without one takes HF's default (24, 20, 20).
         """
         fam = resolve_family(hf_config)
         text = text_config_of(hf_config, fam)
-        scaling = getattr(text, "rope_scaling", None) or {}
+        section = rope_parameters(hf_config).get("mrope_section")
+        if fam.mrope and section is None:
+            if fam.name != "qwen3_vl":
+                raise ValueError(f"{fam.name} needs M-RoPE but its config has no mrope_section: set "
+                                 "text_config.rope_parameters['mrope_section'] (transformers 5) or "
+                                 "rope_scaling['mrope_section'] (transformers 4)")
+            section = QWEN3_VL_DEFAULT_MROPE_SECTION
         attention_bias = bool(getattr(text, "attention_bias", False))
         return cls(
             family=fam.name,
@@ -60,7 +109,7 @@ class ModelArch:
             hidden_act=text.hidden_act,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             max_position_embeddings=text.max_position_embeddings,
-            mrope_section=tuple(scaling["mrope_section"]) if "mrope_section" in scaling else None,
+            mrope_section=tuple(section) if fam.mrope else None,
             qk_norm=fam.qk_norm,
             mrope_interleaved=fam.name == "qwen3_vl",  # HF Qwen3-VL always interleaves
         )

@@ -34,6 +34,7 @@ class ModelFamily:
             ``None``: read ``attention_bias`` from the config (Llama).
         qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3, HF ``Qwen3Attention``).
         multimodal: takes images (has a ``vision_config``).
+        mrope: positions are M-RoPE's ``[3, num_tokens]`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
     """
 
     name: str
@@ -44,6 +45,7 @@ class ModelFamily:
     qkv_bias: bool | None = None
     qk_norm: bool = False
     multimodal: bool = False
+    mrope: bool = False
 
 
 FAMILIES: tuple[ModelFamily, ...] = (
@@ -51,12 +53,12 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), qkv_bias=True),
     ModelFamily("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), qkv_bias=None, qk_norm=True),
     ModelFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",), ("qwen2_vl",),
-                nested_text_config=True, qkv_bias=True, multimodal=True),
+                nested_text_config=True, qkv_bias=True, multimodal=True, mrope=True),
     ModelFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), ("qwen2_5_vl",),
-                nested_text_config=True, qkv_bias=True, multimodal=True),
+                nested_text_config=True, qkv_bias=True, multimodal=True, mrope=True),
     ModelFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",), ("qwen3_vl",),
                 model_cls="atlas_vlm.models.qwen3_vl:Qwen3VLForCausalLM", nested_text_config=True,
-                qkv_bias=None, qk_norm=True, multimodal=True),
+                qkv_bias=None, qk_norm=True, multimodal=True, mrope=True),
     ModelFamily("smolvlm", ("SmolVLMForConditionalGeneration",), ("smolvlm",),
                 nested_text_config=True, qkv_bias=None, multimodal=True),
 )

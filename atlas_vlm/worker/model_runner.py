@@ -26,12 +26,13 @@ class KVBudgetError(ValueError):
     """The KV memory budget cannot hold a single block."""
 
 
-def kv_cache_budget_bytes(config: EngineConfig, device: torch.device, hf_config=None) -> int:
+def kv_cache_budget_bytes(config: EngineConfig, device: torch.device, hf_config=None,
+                          max_pixels: int | None = None) -> int:
     """Bytes the KV cache may take: ``kv_cache_memory`` on CPU; on CUDA
     ``memory_plan.kv_cache_budget``: ``gpu_memory_utilization`` of the device minus what is
     already allocated (weights of the decoder and the vision tower, measured) minus the
-    activation reserve (``ACTIVATION_RESERVE_BYTES`` + the vision tower's peak at
-    ``config.max_pixels``, ``memory_plan.vision_activation_peak``)."""
+    activation reserve (``ACTIVATION_RESERVE_BYTES`` + the vision tower's peak at the engine's
+    ``max_pixels``, ``memory_plan.vision_activation_peak``)."""
     if device.type != "cuda":
         return config.kv_cache_memory
     from atlas_vlm import memory_plan
@@ -39,8 +40,8 @@ def kv_cache_budget_bytes(config: EngineConfig, device: torch.device, hf_config=
     free, total = torch.cuda.mem_get_info(device)
     dtype_bytes = torch.empty((), dtype=config.torch_dtype()).element_size()
     reserve = memory_plan.ACTIVATION_RESERVE_BYTES
-    if hf_config is not None:
-        reserve += memory_plan.vision_activation_peak(hf_config, config.max_pixels, dtype_bytes)
+    if hf_config is not None and max_pixels is not None:
+        reserve += memory_plan.vision_activation_peak(hf_config, max_pixels, dtype_bytes)
     return memory_plan.kv_cache_budget(total, config.gpu_memory_utilization, total - free, reserve)
 
 
@@ -80,7 +81,9 @@ class ModelRunner:
         spec = kv_cache_spec(arch.num_layers, arch.num_kv_heads, arch.head_dim, self.dtype)
         contiguous = config.kv_cache == "contiguous"
         self.block_size = max_model_len if contiguous else config.kvcache_block_size
-        budget = kv_cache_budget_bytes(config, self.device, loaded.hf_config)
+        settings = loaded.image_settings  # the checkpoint's bounds, the engine's options over them
+        max_pixels = (config.image_bounds(settings).max_pixels or settings.max_pixels) if settings else None
+        budget = kv_cache_budget_bytes(config, self.device, loaded.hf_config, max_pixels)
         num_blocks = config.num_kvcache_blocks
         if num_blocks == -1:
             num_blocks = num_kv_blocks(budget, spec, self.block_size)

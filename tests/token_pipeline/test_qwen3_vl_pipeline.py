@@ -12,7 +12,7 @@ import pytest
 from transformers import Qwen2VLImageProcessorFast
 
 import mm_token_pipeline as mtp
-from mm_token_pipeline.qwen3_vl import QWEN3_VL_IMAGE_MEAN, QWEN3_VL_IMAGE_STD, image_kwargs
+from mm_token_pipeline.qwen3_vl import QWEN3_VL_IMAGE_MEAN, QWEN3_VL_IMAGE_STD
 from helpers import IMAGES as IMAGE_DIR
 from tiny_vlms import QWEN3_VL_PIX
 
@@ -39,10 +39,12 @@ def test_grid_equals_hf_fast_processor_and_bound_holds(max_tokens):
         assert (ours.pixel_values - ref["pixel_values"]).abs().max() <= 2.5 / 127.5, name
 
 
-def test_image_kwargs_follow_the_config():
+def test_released_defaults_follow_the_family():
     from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
 
-    q3 = image_kwargs(Qwen3VLConfig())
-    assert q3 == dict(patch_size=16, merge_size=2, temporal_patch_size=2,
-                      image_mean=QWEN3_VL_IMAGE_MEAN, image_std=QWEN3_VL_IMAGE_STD)
-    assert image_kwargs(Qwen2_5_VLConfig()) == dict(patch_size=14, merge_size=2, temporal_patch_size=2)
+    q3 = mtp.image_processor_settings(None, Qwen3VLConfig())
+    assert q3.preprocess_kwargs() == dict(patch_size=16, merge_size=2, temporal_patch_size=2,
+                                          image_mean=QWEN3_VL_IMAGE_MEAN, image_std=QWEN3_VL_IMAGE_STD)
+    assert (q3.min_pixels, q3.max_pixels) == (65536, 16777216) and "released qwen3_vl defaults" in q3.source
+    q25 = mtp.image_processor_settings(None, Qwen2_5_VLConfig())
+    assert (q25.patch_size, q25.merge_size, q25.min_pixels, q25.max_pixels) == (14, 2, 3136, 12845056)
