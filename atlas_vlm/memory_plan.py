@@ -74,6 +74,15 @@ def _smolvlm_tiles(hf_config, max_pixels: int) -> tuple[int, int, int]:
     return n * n + (1 if n > 1 else 0), (v.image_size // v.patch_size) ** 2, tile
 
 
+def engine_max_pixels(config, image_settings) -> int | None:
+    """The bound the engine sizes its vision reserve for: ``EngineConfig.image_bounds`` over
+    the checkpoint's ``image_settings`` (its ``max_pixels`` where the config sets none; None
+    for a text-only model). ``plan`` with ``max_pixels=None`` takes the same value."""
+    if image_settings is None:
+        return None
+    return config.image_bounds(image_settings).max_pixels or image_settings.max_pixels
+
+
 def vision_activation_peak(hf_config, max_pixels: int, dtype_bytes: int) -> int:
     """Estimated peak activation bytes of the vision tower on one image of ``max_pixels``.
 
@@ -100,8 +109,8 @@ def vision_activation_peak(hf_config, max_pixels: int, dtype_bytes: int) -> int:
         tiles, per_tile, _ = _smolvlm_tiles(hf_config, max_pixels)
         n, d, inter = tiles * per_tile, v.hidden_size, v.intermediate_size
     else:
-        d = v.embed_dim if v.model_type == "qwen2_vl" else v.hidden_size
-        inter = int(d * v.mlp_ratio) if v.model_type == "qwen2_vl" else v.intermediate_size
+        d = v.embed_dim if v.model_type.removesuffix("_vision") == "qwen2_vl" else v.hidden_size
+        inter = int(d * v.mlp_ratio) if v.model_type.removesuffix("_vision") == "qwen2_vl" else v.intermediate_size
         n = max_pixels // v.patch_size**2
     return VISION_PEAK_FACTOR * n * (5 * d + 2 * inter) * dtype_bytes
 
@@ -123,9 +132,28 @@ class MemoryPlan:
     kv_budget_bytes: int
     num_blocks: int  # what num_kvcache_blocks=-1 gets
     max_model_len: int  # L: tokens of one sequence (prompt with its image + output)
-    max_pixels: int
+    max_pixels: int  # 0 for a text-only model
     image_tokens: int  # visual tokens of one image at max_pixels (0: text-only model)
     max_num_seqs: int  # sequences of L tokens (each with one image) held at once; 0 if L < image_tokens
+    pixels_source: str = ""  # where max_pixels came from ("max_pixels=" or the checkpoint's settings)
+
+    @property
+    def fits(self) -> bool:
+        """At least one sequence of L tokens (with its image) fits."""
+        return self.max_num_seqs > 0
+
+    def why_not(self) -> str | None:
+        """Why no sequence fits (None when one does), in a user's terms."""
+        if self.kv_budget_bytes == 0 or self.num_blocks == 0:
+            return (f"does not fit: {self.gpu_memory / GiB:.2f} GiB x {self.gpu_memory_utilization} holds no KV block "
+                    f"after {self.weight_bytes / GiB:.2f} GiB of weights and the activation reserve "
+                    "(a larger GPU, a smaller dtype or a smaller model)")
+        if self.max_model_len < self.image_tokens:
+            return (f"does not fit: one image at max_pixels={self.max_pixels:,} is {self.image_tokens:,} visual "
+                    f"tokens, more than L={self.max_model_len:,} (raise --max-model-len or lower --max-pixels)")
+        if self.max_num_seqs == 0:
+            return f"does not fit: {self.num_blocks} blocks hold less than one sequence of L={self.max_model_len:,}"
+        return None
 
     @property
     def blocks_per_seq(self) -> int:
@@ -133,13 +161,16 @@ class MemoryPlan:
 
 
 def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_utilization: float = 0.9,
-         max_model_len: int | None = None, max_pixels: int = 1280 * 28 * 28, dtype: str = "bf16",
-         block_size: int = 16) -> MemoryPlan:
+         max_model_len: int | None = None, max_pixels: int | None = None, dtype: str = "bf16",
+         block_size: int = 16, image_settings=None) -> MemoryPlan:
     """Plan one model on one GPU (see the module docstring for every formula).
 
     Args:
         hf_config: a transformers config (``AutoConfig.from_pretrained(folder)``).
         max_model_len: L; ``None``: ``min(max_position_embeddings, 4096)`` as the engine.
+        max_pixels: the one image's bound; ``None``: the checkpoint's, as the engine takes it
+            (``image_settings``, i.e. ``mm_token_pipeline.image_processor_settings`` of the
+            folder; the family's released defaults when that is None too).
 
     Raises:
         ValueError: unknown ``dtype``, or a vision tower without a formula.
@@ -149,6 +180,13 @@ def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_u
     b = DTYPE_BYTES[dtype]
     text = text_config(hf_config)
     vis = vision_params(hf_config) * b
+    source = f"max_pixels={max_pixels:,}" if max_pixels is not None else ""
+    if vis and max_pixels is None:
+        from mm_token_pipeline import image_processor_settings
+
+        image_settings = image_settings or image_processor_settings(None, hf_config)
+        max_pixels, source = image_settings.max_pixels, image_settings.source
+    max_pixels = max_pixels if vis else 0
     weights = text_params(hf_config) * b + vis
     peak = vision_activation_peak(hf_config, max_pixels, b)
     spec = kv_cache_spec(text.num_hidden_layers, num_kv_heads(text), head_dim(text), TORCH_DTYPES[b])
@@ -160,4 +198,4 @@ def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_u
     seqs = blocks // -(-length // block_size) if length >= image_tokens else 0
     return MemoryPlan(model, b, weights, vis, peak, spec.bytes_per_token, spec.bytes_per_token * block_size,
                       block_size, gpu_memory, gpu_memory_utilization, budget, blocks, length, max_pixels,
-                      image_tokens, seqs)
+                      image_tokens, seqs, source)

@@ -163,7 +163,7 @@ def run(quick: bool = False, dtype: torch.dtype = torch.float32) -> dict:
     paged = LLM(gguf, dtype=dname, kv_cache="paged", max_model_len=2048, num_kvcache_blocks=256)
     contig = LLM(gguf, dtype=dname, kv_cache="contiguous", max_model_len=2048, num_kvcache_blocks=2)
     tok = paged.tokenizer
-    ids = list(tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=True))
+    ids = list(tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=True, return_dict=False))
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     why_not = llamacpp.available()
     lcpp = llamacpp.load(gguf, n_ctx=4096, threads=threads) if why_not is None else None

@@ -70,5 +70,5 @@ class Qwen3VLVisionEncoder(VisionEncoder):
         return vision_config, Qwen3VLVisionModel
 
     def _tower(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-        merged, deepstack = self.model(pixel_values, grid_thw=grid)
-        return torch.cat([merged, *deepstack], dim=-1)  # [num_tokens, out_hidden * (1 + K)]
+        out = self.model(pixel_values, grid_thw=grid)  # transformers 5: BaseModelOutputWithDeepstackFeatures
+        return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)  # [num_tokens, out_hidden * (1 + K)]

@@ -38,7 +38,7 @@ def _as_vision_config(vision_config) -> Qwen2_5_VLVisionConfig | Qwen2VLVisionCo
         return vision_config.vision_config
     if isinstance(vision_config, dict):
         fields = {k: v for k, v in vision_config.items() if k != "model_type"}
-        if vision_config.get("model_type") == "qwen2_vl":
+        if str(vision_config.get("model_type", "")).removesuffix("_vision") == "qwen2_vl":
             return Qwen2VLVisionConfig(**fields)
         return Qwen2_5_VLVisionConfig(**fields)
     if isinstance(vision_config, tuple(_TOWERS)):
@@ -117,8 +117,10 @@ class VisionEncoder(torch.nn.Module):
         return self._tower(pixel_values.to(device=self.device, dtype=self.dtype), grid)
 
     def _tower(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-        """The HF tower's forward -> ``[sum num_tokens, columns]`` (subclasses override)."""
-        return self.model(pixel_values, grid_thw=grid)
+        """The HF tower's forward -> ``[sum num_tokens, columns]`` (subclasses override).
+        transformers 5 returns a ``BaseModelOutputWithPooling`` whose ``pooler_output`` holds
+        the merged patches."""
+        return self.model(pixel_values, grid_thw=grid).pooler_output
 
     @torch.no_grad()
     def encode_images(self, images: list[ProcessedImage]) -> list[torch.Tensor]:

@@ -16,8 +16,9 @@ CHAIN = ("Qwen/Qwen3-VL-4B-Instruct", "Qwen/Qwen2.5-VL-3B-Instruct", "HuggingFac
          "Qwen/Qwen2.5-0.5B-Instruct")  # the brief's fallback chain, largest first
 MATRIX_GIB = (8, 12, 16, 24, 48, 80)
 def load_config(model: str, revision: str | None = None):
-    """A transformers config for ``model``: a local folder, a bundled chain config (by Hub id
-    or name), or the Hub's ``config.json``.
+    """``(transformers config, folder)`` for ``model``: a local folder, a bundled chain config
+    (by Hub id or name; with the released ``preprocessor_config.json``), or the Hub's
+    ``config.json`` (and ``preprocessor_config.json`` where the cache has it).
 
     Raises:
         atlas_vlm.loader.ModelNotFoundError: none of those has it.
@@ -30,13 +31,26 @@ def load_config(model: str, revision: str | None = None):
         raise ValueError(f"{model} is a file; plan reads a config.json: pass a model folder, a Hub id "
                          "(ORG/NAME) or one of the bundled chain models")
     if path.is_dir():
-        return AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(path), path
     bundled = BUNDLED_CONFIGS / model.split("/")[-1]
     if (bundled / "config.json").exists() and revision is None:
-        return AutoConfig.from_pretrained(bundled)
+        return AutoConfig.from_pretrained(bundled), bundled
     from atlas_vlm.hub import resolve_model_path
 
-    return AutoConfig.from_pretrained(resolve_model_path(model, revision, config_only=True))
+    folder = resolve_model_path(model, revision, config_only=True)
+    return AutoConfig.from_pretrained(folder), folder
+
+
+def plan_model(model: str, args, **overrides) -> MemoryPlan:
+    """``memory_plan.plan`` of ``model`` with the CLI's options, its image bound from the
+    folder's processor settings unless ``--max-pixels`` is given (as the engine)."""
+    from mm_token_pipeline import image_processor_settings
+
+    cfg, folder = load_config(model, getattr(args, "revision", None))
+    kwargs = dict(model=model, gpu_memory=args.gpu_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+                  max_model_len=args.max_model_len, max_pixels=args.max_pixels, dtype=args.dtype,
+                  block_size=args.block_size, image_settings=image_processor_settings(folder, cfg))
+    return plan(cfg, **{**kwargs, **overrides})
 
 
 def _gib(n: int) -> str:
@@ -49,9 +63,10 @@ def format_plan(p: MemoryPlan) -> str:
         ("model", p.model),
         ("dtype", f"{p.dtype_bytes} bytes per parameter / KV element"),
         ("weights", f"{_gib(p.weight_bytes)} ({p.weight_bytes:,} bytes; vision tower {_gib(p.vision_weight_bytes)})"),
-        ("vision activation peak", f"{_gib(p.vision_peak_bytes)} at max_pixels={p.max_pixels:,} "
-                                   f"({p.image_tokens} visual tokens per image)" if p.image_tokens
-                                   else "none (text-only model)"),
+        ("image bound", f"max_pixels={p.max_pixels:,} ({p.image_tokens:,} visual tokens per image; "
+                        f"{'from ' + p.pixels_source if not p.pixels_source.startswith('max_pixels') else 'given'})"
+                        if p.image_tokens else "none (text-only model)"),
+        ("vision activation peak", f"{_gib(p.vision_peak_bytes)}" if p.image_tokens else "none"),
         ("KV per token", f"{p.kv_bytes_per_token:,} bytes"),
         (f"KV per block ({p.block_size} tokens)", f"{p.kv_bytes_per_block:,} bytes"),
         ("GPU memory", f"{_gib(p.gpu_memory)} x gpu_memory_utilization {p.gpu_memory_utilization}"),
@@ -61,26 +76,31 @@ def format_plan(p: MemoryPlan) -> str:
                                               + (", one image each)" if p.image_tokens else ")")),
     ]
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    if p.why_not():
+        lines.append(p.why_not())
+    return "\n".join(lines)
 
 
 def format_matrix(args) -> str:
     """One row per chain model: weights, KV bytes per token, then per GPU size
     ``sequences (blocks)`` for sequences of ``max_model_len`` tokens with one image each."""
-    head = f"{'model':<38} {'weights':>10} {'KV/token':>9} " + " ".join(f"{f'{g} GiB':>14}" for g in MATRIX_GIB)
-    lines = [f"sequences of L={args.max_model_len or 4096} tokens (one image at max_pixels={args.max_pixels:,}) "
-             f"held at once (KV blocks of {args.block_size}), {args.dtype}, "
-             f"gpu_memory_utilization={args.gpu_memory_utilization}", head]
+    length = args.max_model_len or 4096
+    bound = f"max_pixels={args.max_pixels:,}" if args.max_pixels else "each model's own max_pixels"
+    head = (f"{'model':<38} {'weights':>10} {'KV/token':>9} {'image tok':>9} "
+            + " ".join(f"{f'{g} GiB':>14}" for g in MATRIX_GIB))
+    lines = [f"sequences of L={length} tokens (one image at {bound}) held at once (KV blocks of "
+             f"{args.block_size}), {args.dtype}, gpu_memory_utilization={args.gpu_memory_utilization}; "
+             "'-': weights do not fit, 'img>L': one image is longer than L", head]
     for model in CHAIN:
-        cfg = load_config(model)
         cells, first = [], None
         for g in MATRIX_GIB:
-            p = plan(cfg, model=model, gpu_memory=g * GiB, gpu_memory_utilization=args.gpu_memory_utilization,
-                     max_model_len=args.max_model_len or 4096, max_pixels=args.max_pixels, dtype=args.dtype,
-                     block_size=args.block_size)
+            p = plan_model(model, args, gpu_memory=g * GiB, max_model_len=length)
             first = first or p
-            cells.append(f"{p.max_num_seqs if p.num_blocks else '-':>5} {f'({p.num_blocks})':>8}")
-        lines.append(f"{model:<38} {_gib(first.weight_bytes):>10} {first.kv_bytes_per_token:>9,} " + " ".join(cells))
+            seqs = "-" if not p.num_blocks else "img>L" if p.image_tokens > length else f"{p.max_num_seqs}"
+            cells.append(f"{seqs:>5} {f'({p.num_blocks})':>8}")
+        lines.append(f"{model:<38} {_gib(first.weight_bytes):>10} {first.kv_bytes_per_token:>9,} "
+                     f"{first.image_tokens or '-':>9} " + " ".join(cells))
     return "\n".join(lines)
 
 
@@ -93,7 +113,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--gpu-memory", type=bytes_arg(bare_unit=GiB), default=24 * GiB, help="device memory (default 24GiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-model-len", type=int, default=None, help="L, tokens per sequence (default min(model, 4096))")
-    p.add_argument("--max-pixels", type=int, default=1280 * 28 * 28, help="pixels of the one image per sequence")
+    p.add_argument("--max-pixels", type=int, default=None,
+                   help="bound of the one image per sequence, in pixels (default: the checkpoint's own, from its "
+                        "preprocessor_config.json, as the engine)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--block-size", type=int, default=16, help="kvcache_block_size")
     p.add_argument("--matrix", action="store_true", help="the four chain models on 8/12/16/24/48/80 GiB")
@@ -106,8 +128,6 @@ def run(args) -> int:
         return 0
     if not args.model:
         raise ValueError("plan needs --model M (or --matrix)")
-    cfg = load_config(args.model, args.revision)
-    print(format_plan(plan(cfg, model=args.model, gpu_memory=args.gpu_memory,
-                           gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-                           max_pixels=args.max_pixels, dtype=args.dtype, block_size=args.block_size)))
-    return 0
+    p = plan_model(args.model, args)
+    print(format_plan(p))
+    return 0 if p.fits else 1

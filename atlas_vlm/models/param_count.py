@@ -51,7 +51,7 @@ def _linear(n_in: int, n_out: int, bias: bool = True) -> int:
 def _qwen_vision(v) -> int:
     """Qwen2-VL (``Qwen2VisionTransformerPretrainedModel``), Qwen2.5-VL
     (``Qwen2_5_VisionTransformerPretrainedModel``), Qwen3-VL (``Qwen3VLVisionModel``)."""
-    kind = v.model_type
+    kind = v.model_type.removesuffix("_vision")  # transformers 5 names the towers "<family>_vision"
     d = v.embed_dim if kind == "qwen2_vl" else v.hidden_size
     out = v.hidden_size if kind == "qwen2_vl" else v.out_hidden_size
     m2 = v.spatial_merge_size**2

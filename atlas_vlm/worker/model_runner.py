@@ -81,8 +81,9 @@ class ModelRunner:
         spec = kv_cache_spec(arch.num_layers, arch.num_kv_heads, arch.head_dim, self.dtype)
         contiguous = config.kv_cache == "contiguous"
         self.block_size = max_model_len if contiguous else config.kvcache_block_size
-        settings = loaded.image_settings  # the checkpoint's bounds, the engine's options over them
-        max_pixels = (config.image_bounds(settings).max_pixels or settings.max_pixels) if settings else None
+        from atlas_vlm.memory_plan import engine_max_pixels
+
+        max_pixels = engine_max_pixels(config, loaded.image_settings)  # the checkpoint's, engine options over it
         budget = kv_cache_budget_bytes(config, self.device, loaded.hf_config, max_pixels)
         num_blocks = config.num_kvcache_blocks
         if num_blocks == -1:

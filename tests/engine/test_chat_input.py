@@ -63,7 +63,7 @@ def test_prompt_ids_equal_apply_chat_template(engines, model, form):
     llm = engines[model]
     prompt, hf_messages, kwargs = FORMS[form]
     ids = llm.engine.process_prompt(prompt).prompt_token_ids
-    ref = llm.tokenizer.apply_chat_template(hf_messages, tokenize=True, **kwargs)
+    ref = llm.tokenizer.apply_chat_template(hf_messages, tokenize=True, return_dict=False, **kwargs)
     assert ids == list(ref)
     if form == "continue_final":  # the prefill is the end of the prompt: no end-of-turn after it
         tail = llm.tokenizer("of France is", add_special_tokens=False)["input_ids"]
@@ -78,7 +78,7 @@ def test_qwen_template_variable_enable_thinking(engines):
     messages = [{"role": "user", "content": "Hi"}]
     ids = engines["qwen"].engine.process_prompt({"messages": messages,
                                                  "chat_template_kwargs": {"enable_thinking": False}}).prompt_token_ids
-    assert ids == tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, enable_thinking=False)
+    assert ids == tok.apply_chat_template(messages, tokenize=True, return_dict=False, add_generation_prompt=True, enable_thinking=False)
     assert ids != engines["qwen"].engine.process_prompt({"messages": messages}).prompt_token_ids
 
 

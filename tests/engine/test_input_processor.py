@@ -23,7 +23,7 @@ def test_every_prompt_form_gives_a_request(llm):
     proc: InputProcessor = llm.engine.input_processor
     tok = llm.tokenizer
     text_ids = tok("Hello there")["input_ids"]
-    chat_ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=True, add_generation_prompt=True)
+    chat_ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=True, return_dict=False, add_generation_prompt=True)
     forms = [("Hello there", text_ids), ({"prompt": "Hello there"}, text_ids), ([5, 6, 7], [5, 6, 7]),
              ({"prompt_token_ids": [5, 6, 7]}, [5, 6, 7]),
              ({"messages": [{"role": "user", "content": "Hi"}]}, chat_ids)]

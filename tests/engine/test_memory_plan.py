@@ -12,15 +12,18 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from helpers import REPO
 from atlas_vlm import LLM
 from atlas_vlm.config import EngineConfig
-from atlas_vlm.memory_plan import (ACTIVATION_RESERVE_BYTES, RUNTIME_OVERHEAD_BYTES, GiB, kv_cache_spec, num_kv_blocks,
-                                   plan, vision_activation_peak, visual_tokens_per_image)
+from atlas_vlm.entrypoints.plan import BUNDLED_CONFIGS as BUNDLED
+from atlas_vlm.memory_plan import (ACTIVATION_RESERVE_BYTES, RUNTIME_OVERHEAD_BYTES, GiB, engine_max_pixels,
+                                   kv_cache_spec, num_kv_blocks, plan, vision_activation_peak,
+                                   visual_tokens_per_image)
+from mm_token_pipeline import image_processor_settings
 from atlas_vlm.models.param_count import text_params, vision_params
 from atlas_vlm.worker.model_runner import kv_cache_budget_bytes
 
 pytestmark = pytest.mark.text
 
 CONFIGS = REPO / "tests" / "data" / "configs"
-P = 1280 * 28 * 28  # 1,003,520 pixels: the planner's default max_pixels
+P = 1280 * 28 * 28  # 1,003,520 pixels: an explicit bound (the default is each checkpoint's own)
 NAMES = ("Qwen3-VL-4B-Instruct", "Qwen2.5-VL-3B-Instruct", "SmolVLM2-2.2B-Instruct", "Qwen2.5-0.5B-Instruct")
 # (layers x 2 (K, V) x kv heads x head_dim x 2 bytes) in bf16
 KV_PER_TOKEN = {
@@ -125,6 +128,12 @@ def test_engine_cuda_budget_is_the_planners_formula(monkeypatch):
     used = p.weight_bytes + RUNTIME_OVERHEAD_BYTES
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (24 * GiB - used, 24 * GiB))
     cfg = EngineConfig(model="unused", gpu_memory_utilization=0.85, max_pixels=P, dtype="bfloat16")
-    assert kv_cache_budget_bytes(cfg, torch.device("cuda"), c) == p.kv_budget_bytes
+    settings = image_processor_settings(BUNDLED / "Qwen2.5-VL-3B-Instruct", c)
+    assert kv_cache_budget_bytes(cfg, torch.device("cuda"), c, engine_max_pixels(cfg, settings)) == p.kv_budget_bytes
+    # no bound given: the engine and the planner both take the checkpoint's (12,845,056 pixels)
+    default = plan(c, gpu_memory=24 * GiB, gpu_memory_utilization=0.85, dtype="bf16", image_settings=settings)
+    cfg = EngineConfig(model="unused", gpu_memory_utilization=0.85, dtype="bfloat16")
+    assert engine_max_pixels(cfg, settings) == default.max_pixels == 12845056 and default.image_tokens == 16384
+    assert kv_cache_budget_bytes(cfg, torch.device("cuda"), c, engine_max_pixels(cfg, settings)) == default.kv_budget_bytes
     assert vision_activation_peak(c, P, 2) == VISION_PEAK["Qwen2.5-VL-3B-Instruct"]
     assert visual_tokens_per_image(c, P) == 1280

@@ -26,7 +26,7 @@ def test_plan_a_local_folder_and_options(capsys, tiny_models):
                  "--max-model-len", "512", "--max-pixels", str(64 * 28 * 28)]) == 0
     out = capsys.readouterr().out
     assert "KV per token                    512 bytes" in out  # 2 layers x 2 (K, V) x 2 kv heads x 16 x 4 bytes
-    assert "(64 visual tokens per image)" in out
+    assert "max_pixels=50,176 (64 visual tokens per image; given)" in out
     # weights 78,422,912 bytes (fp32); vision peak: 2 x 256 patches x (5 x 32 + 2 x 64) x 4 bytes
     budget = int(2 * GiB * 0.9) - (78_422_912 + (512 << 20)) - ((512 << 20) + 2 * 256 * 288 * 4)
     assert f"blocks (num_kvcache_blocks=-1)  {budget // 8192:,} " in out
@@ -40,9 +40,34 @@ def test_matrix_prints_the_four_models_on_six_gpus(capsys):
         assert f"{g} GiB" in header
     rows = {line.split()[0]: line.split() for line in lines[2:]}
     assert list(rows) == list(CHAIN)
-    assert rows["Qwen/Qwen3-VL-4B-Instruct"][4:6] == ["-", "(0)"]  # 8 GiB cannot hold 8.27 GiB of weights
-    assert rows["Qwen/Qwen2.5-0.5B-Instruct"][3] == "12,288"
-    assert rows["Qwen/Qwen2.5-0.5B-Instruct"][10:12] == ["419", "(107477)"]  # 24 GiB column
+    assert "each model's own max_pixels" in lines[0]
+    assert rows["Qwen/Qwen3-VL-4B-Instruct"][5:7] == ["-", "(0)"]  # 8 GiB cannot hold 8.27 GiB of weights
+    # the released processors allow 16,384-token images (Qwen3-VL: 16,777,216 px / 32**2), longer than L
+    assert rows["Qwen/Qwen3-VL-4B-Instruct"][4] == "16384" and rows["Qwen/Qwen3-VL-4B-Instruct"][11] == "img>L"
+    assert rows["Qwen/Qwen2.5-VL-3B-Instruct"][4] == "16384"  # 12,845,056 px / 28**2
+    assert rows["Qwen/Qwen2.5-0.5B-Instruct"][3:5] == ["12,288", "-"]
+    assert rows["Qwen/Qwen2.5-0.5B-Instruct"][11:13] == ["419", "(107477)"]  # 24 GiB column
+
+
+def test_matrix_with_an_explicit_bound(capsys):
+    assert main(["plan", "--matrix", "--max-pixels", str(1280 * 28 * 28)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "one image at max_pixels=1,003,520" in lines[0]
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert rows["Qwen/Qwen2.5-VL-3B-Instruct"][4] == "1280" and rows["Qwen/Qwen2.5-VL-3B-Instruct"][11] != "img>L"
+
+
+def test_plan_takes_the_checkpoints_bound_and_says_so(capsys):
+    """Qwen2.5-VL-3B at its released max_pixels: one image is 16,384 tokens, so no sequence of
+    4,096 fits; plan says why and exits 1 (as the engine, which refuses such a request)."""
+    assert main(["plan", "--model", "Qwen/Qwen2.5-VL-3B-Instruct"]) == 1
+    out = capsys.readouterr().out
+    assert "max_pixels=12,845,056 (16,384 visual tokens per image; from " in out
+    assert "Qwen2.5-VL-3B-Instruct/preprocessor_config.json)" in out
+    assert "does not fit: one image at max_pixels=12,845,056 is 16,384 visual tokens, more than L=4,096" in out
+    assert main(["plan", "--model", "Qwen/Qwen2.5-VL-3B-Instruct", "--max-model-len", "32768"]) == 0
+    assert main(["plan", "--model", "Qwen/Qwen3-VL-4B-Instruct", "--gpu-memory", "8GiB"]) == 1
+    assert "does not fit: 8.00 GiB x 0.9 holds no KV block after 8.27 GiB of weights" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("text", "value"), [("24GiB", 24 * GiB), ("24G", 24 * GiB), ("80", 80 * GiB),

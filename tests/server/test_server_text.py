@@ -127,7 +127,7 @@ def test_vllm_add_generation_prompt_and_continue_final_message(text_server, text
     tok = text_llm.tokenizer
     msgs = [{"role": "user", "content": "What is the capital of France?"},
             {"role": "assistant", "content": "The capital of France is"}]
-    expected = tok.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True, tokenize=True)
+    expected = tok.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True, tokenize=True, return_dict=False)
     client = text_server.client()
     r = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=8, temperature=0,
                                        extra_body={"add_generation_prompt": False, "continue_final_message": True})
@@ -135,7 +135,7 @@ def test_vllm_add_generation_prompt_and_continue_final_message(text_server, text
                             greedy(8), use_tqdm=False)[0]
     assert r.usage.prompt_tokens == len(expected)
     assert ref.prompt_token_ids == list(expected) and r.choices[0].message.content == ref.text
-    no_gen = tok.apply_chat_template(user(QUESTIONS[0]), add_generation_prompt=False, tokenize=True)
+    no_gen = tok.apply_chat_template(user(QUESTIONS[0]), add_generation_prompt=False, tokenize=True, return_dict=False)
     r = client.chat.completions.create(model="smollm2", messages=user(QUESTIONS[0]), max_tokens=2, temperature=0,
                                        extra_body={"add_generation_prompt": False})
     assert r.usage.prompt_tokens == len(no_gen)
