@@ -47,6 +47,9 @@ class EngineConfig:
     http_image_timeout_s: float = DEFAULT_HTTP_TIMEOUT_S  # overall deadline of one image download (s)
     http_image_max_bytes: int = DEFAULT_HTTP_MAX_BYTES  # byte cap of one image download
     seed: int = 0  # default sampling seed of requests that set none
+    # CPU threads for torch; None: $OMP_NUM_THREADS if set, else the usable cores less those
+    # busy with other work, chosen once per process (hardware.default_num_threads)
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -56,6 +59,9 @@ class EngineConfig:
         for name in ("kvcache_block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_threads is not None and (isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int)
+                                             or self.num_threads < 1):
+            raise ValueError(f"num_threads must be an int >= 1 or None (auto), got {self.num_threads!r}")
         if self.num_kvcache_blocks == 0 or self.num_kvcache_blocks < -1:
             raise ValueError(f"num_kvcache_blocks must be -1 (auto) or >= 1, got {self.num_kvcache_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["CpuFeatures", "cpu_features", "cpuinfo_flags", "FLAGS_ENV"]
+__all__ = ["CpuFeatures", "cpu_features", "cpuinfo_flags", "default_num_threads", "usable_cpus", "FLAGS_ENV"]
 
 FLAGS_ENV = "ATLAS_VLM_CPU_FLAGS"
 X86_64_V3 = frozenset({"avx", "avx2", "fma", "f16c"})
@@ -132,3 +132,61 @@ def cpu_features() -> CpuFeatures:
     if override is not None:
         return CpuFeatures(frozenset(override.replace(",", " ").split()))
     return CpuFeatures(frozenset(_torch_flags() | cpuinfo_flags()))
+
+
+def usable_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """CPUs this process may really run on: its affinity mask, capped by a cgroup CPU quota
+    (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``; e.g. ``docker --cpus``)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = None
+    try:
+        with open(os.path.join(cgroup_root, "cpu.max")) as f:
+            q, period = f.read().split()[:2]
+            if q != "max":
+                quota = int(q) / int(period)
+    except (OSError, ValueError):
+        try:
+            with open(os.path.join(cgroup_root, "cpu", "cpu.cfs_quota_us")) as f:
+                q = int(f.read())
+            with open(os.path.join(cgroup_root, "cpu", "cpu.cfs_period_us")) as f:
+                period = int(f.read())
+            quota = q / period if q > 0 else None
+        except (OSError, ValueError):
+            pass
+    if quota is not None:
+        cpus = min(cpus, max(1, int(quota)))
+    return max(1, cpus)
+
+
+def default_num_threads(load_1min: float | None = None, cpus: int | None = None) -> int:
+    """Threads for torch when neither ``OMP_NUM_THREADS`` nor ``EngineConfig.num_threads`` says:
+    the usable CPUs less those busy with other work (the 1-minute load average, rounded),
+    at least 1. OpenMP threads spin-wait for each other, so one thread more than the free
+    cores costs far more than one thread less (measured on this project's shared 2-core
+    machine: README snippets 89 s at 2 threads beside other work, 34 s at 1)."""
+    cpus = usable_cpus() if cpus is None else cpus
+    if load_1min is None:
+        try:
+            load_1min = os.getloadavg()[0]
+        except (AttributeError, OSError):
+            load_1min = 0.0
+    return max(1, cpus - int(round(load_1min)))
+
+
+_threads_chosen = False
+
+
+def apply_num_threads(num_threads: int | None) -> int:
+    """Set torch's CPU threads for an engine: ``num_threads`` if given; else, where
+    ``OMP_NUM_THREADS`` is unset, ``default_num_threads()`` once per process (later engines
+    keep it: the load then includes this process's own work). Returns the threads in use."""
+    global _threads_chosen
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    elif "OMP_NUM_THREADS" not in os.environ and not _threads_chosen:
+        torch.set_num_threads(default_num_threads())
+        _threads_chosen = True
+    return torch.get_num_threads()

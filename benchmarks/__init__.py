@@ -3,9 +3,9 @@
 ``scripts/bench.py`` is the command line; each section lives in its own module and returns a
 plain dict (JSON-serialisable) and prints a markdown table:
 
-- ``text``  (issue 2): decode tokens/s, paged and contiguous cache vs HF ``generate``; KV waste.
-- ``vlm``   (issue 3): time to first token with one image vs HF Qwen2.5-VL ``generate``.
-- ``serve`` (issue 4): many requests: output tokens/s vs HF sequential, padded batches and HF
+- ``text`` : decode tokens/s, paged and contiguous cache vs HF ``generate``; KV waste.
+- ``vlm``  : time to first token with one image vs HF Qwen2.5-VL ``generate``.
+- ``serve``: many requests: output tokens/s vs HF sequential, padded batches and HF
   continuous batching; KV reserved-but-empty; decode FLOP/s vs measured GEMM peak; a VLM mix
   with prefix + encoder caches on vs off.
 

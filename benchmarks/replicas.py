@@ -1,4 +1,4 @@
-"""Replicas benchmark (issue 11): the same open-loop HTTP load against ``atlas-vlm serve``
+"""Replicas benchmark: the same open-loop HTTP load against ``atlas-vlm serve``
 with 1 replica (the plain server) and with 2 replicas on Ray Serve, routed least-loaded and
 cache-aware.
 

@@ -1,4 +1,4 @@
-"""HTTP serving benchmark (issue 8): open-loop Poisson load against ``atlas-vlm serve`` and
+"""HTTP serving benchmark: open-loop Poisson load against ``atlas-vlm serve`` and
 ``transformers serve`` on the same model folder, plus our offline ``LLM.chat`` on the same
 requests.
 

@@ -1,4 +1,4 @@
-"""HTTP serving benchmark, image mix (issue 8): the same open-loop Poisson load as
+"""HTTP serving benchmark, image mix: the same open-loop Poisson load as
 ``benchmarks.server`` on the embedded random-weight Qwen2.5-VL, one request in three carrying
 an image (a real photo, pre-resized to at most 224 px so every system sees the same pixels,
 sent as a ``data:`` URI), against ``atlas-vlm serve`` and ``transformers serve`` on the same

@@ -1,4 +1,4 @@
-"""The speed targets of issue 10, read off one run's results: measured value, target, met.
+"""The speed targets (README "Performance"), read off one run's results: measured value, target, met.
 
 Each target is computed only from sections that ran (``--text``, ``--vlm``, ``--serve``);
 a peer that did not run (llama.cpp not installed, HF continuous batching failed) makes its
@@ -58,7 +58,7 @@ def report(results: dict) -> list[dict]:
     table = rows(results)
     if not table:
         return table
-    section("Targets (issue 10): this run against each goal")
+    section("Targets: this run against each goal")
 
     def cell(value: float | None, unit: str) -> str:
         if value is None:

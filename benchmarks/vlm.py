@@ -1,6 +1,6 @@
 """VLM benchmarks on the default random-weight Qwen2.5-VL (same weights for us and HF).
 
-``run`` (issue 3): time to first token (TTFT) with one real photo resized to about
+``run``: time to first token (TTFT) with one real photo resized to about
 ``N = 256*28*28`` and ``1024*28*28`` pixels (``min_pixels = max_pixels = N``, so the photo is
 scaled to that budget: ~256 / ~1024 visual tokens), ours vs HF
 ``Qwen2_5_VLForConditionalGeneration.generate(max_new_tokens=1)`` on the same input ids,
@@ -8,7 +8,7 @@ scaled to that budget: ~256 / ~1024 visual tokens), ours vs HF
 start from preprocessed pixels; our encoder cache is cleared and prefix caching is off, so
 every run runs the vision tower and the full prefill. Reported: speed-up = HF TTFT / ours.
 
-``mix`` (part of issue 4): requests arriving one after another over 2 distinct photos with
+``mix``: requests arriving one after another over 2 distinct photos with
 the same question; per-request TTFT through the stream API with prefix caching + encoder
 cache on vs off (``enable_prefix_caching=False`` and an encoder cache of size 0).
 

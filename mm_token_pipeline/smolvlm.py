@@ -113,7 +113,9 @@ def smolvlm_prompt(processor, messages: list[dict], images: list, longest_edge: 
             ``<image>`` in user text), or video items.
     """
     text = processor.apply_chat_template(_as_template_messages(messages), add_generation_prompt=True, tokenize=False)
-    kwargs = dict(images=images, size={"longest_edge": longest_edge}) if images else {}
+    # channels-last said explicitly: transformers guesses the layout from the array's shape,
+    # and a 1- or 2-pixel-wide image (1, 1, 3) would read as channels-first
+    kwargs = dict(images=images, size={"longest_edge": longest_edge}, input_data_format="channels_last") if images else {}
     out = processor(text=text, return_tensors="pt", **kwargs)
     ids = out["input_ids"][0].tolist()
     seq_len = processor.image_seq_len
@@ -206,5 +208,6 @@ class SmolVLMVisionEncoder(torch.nn.Module):
         device = next(self.parameters()).device
         pixel_values = torch.stack([t.pixel_values for t in tiles])[None].to(device)  # [1, n, 3, tile, tile]
         masks = torch.stack([t.pixel_attention_mask for t in tiles])[None].to(device)  # [1, n, tile, tile]
-        features = self.get_image_features(pixel_values, masks)  # [n, image_seq_len, text_hidden]
-        return list(features.unbind(0))
+        # transformers 5: pooler_output holds, per batch row, its real tiles' rows flattened
+        flat = torch.cat(self.get_image_features(pixel_values, masks).pooler_output)  # [n * image_seq_len, text_hidden]
+        return list(flat.reshape(len(tiles), -1, flat.shape[-1]).unbind(0))  # n x [image_seq_len, text_hidden]

@@ -31,14 +31,14 @@ from pathlib import Path
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--text", action="store_true", help="issue 2: decode speed and KV memory (SmolLM2-135M)")
-    p.add_argument("--vlm", action="store_true", help="issue 3: time to first token with one image")
-    p.add_argument("--serve", action="store_true", help="issue 4: many requests, KV use, FLOP/s, VLM mix")
-    p.add_argument("--detok", action="store_true", help="issue 7: output processing cost per token vs output length")
+    p.add_argument("--text", action="store_true", help="decode speed and KV memory (SmolLM2-135M)")
+    p.add_argument("--vlm", action="store_true", help="time to first token with one image")
+    p.add_argument("--serve", action="store_true", help="many requests, KV use, FLOP/s, VLM mix")
+    p.add_argument("--detok", action="store_true", help="output processing cost per token vs output length")
     p.add_argument("--server", action="store_true",
-                   help="issue 8: HTTP load (Poisson arrivals) on atlas-vlm serve vs transformers serve")
+                   help="HTTP load (Poisson arrivals) on atlas-vlm serve vs transformers serve")
     p.add_argument("--replicas", action="store_true",
-                   help="issue 11: 1 vs 2 replicas (Ray Serve), cache-aware vs least-loaded routing; needs the ray extra")
+                   help="1 vs 2 replicas (Ray Serve), cache-aware vs least-loaded routing; needs the ray extra")
     p.add_argument("--quick", action="store_true", help="smaller sizes for a smoke run")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="dtype of ours and the HF peers in --text/--vlm/--serve (auto: as LLM(dtype='auto') on "

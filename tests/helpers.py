@@ -131,6 +131,15 @@ def chat(llm, convs, n_tokens, mm_options=None):
 
 
 # ---- HF reference ------------------------------------------------------------------------------
+IMAGE_PAD_ID, VIDEO_PAD_ID = 151655, 151656  # Qwen's <|image_pad|>, <|video_pad|>
+
+
+def mm_token_type_ids(ids: torch.Tensor) -> torch.Tensor:
+    """transformers 5's ``mm_token_type_ids`` of Qwen ids ``[batch, n]``: 0 text, 1 image, 2 video
+    (what ``Qwen2_5_VLProcessor`` returns and ``get_rope_index`` reads)."""
+    return (ids == IMAGE_PAD_ID).int() + 2 * (ids == VIDEO_PAD_ID).int()
+
+
 def hf_inputs(p):
     ids = torch.tensor([p.prompt_token_ids])
     kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
@@ -140,6 +149,7 @@ def hf_inputs(p):
     elif p.images:
         kwargs["pixel_values"] = torch.cat([im.pixel_values for im in p.images])
         kwargs["image_grid_thw"] = torch.tensor([list(im.grid_thw) for im in p.images])
+        kwargs["mm_token_type_ids"] = mm_token_type_ids(ids)
     return kwargs
 
 
@@ -158,7 +168,8 @@ def assert_rope_matches_hf(hf, p):
     """MAC-V3: our prompt positions and rope_delta equal HF ``get_rope_index``."""
     kwargs = hf_inputs(p)
     # keywords: Qwen2.5-VL's signature has second_per_grid_ts, Qwen2-VL's and Qwen3-VL's do not
-    pos, delta = hf.model.get_rope_index(kwargs["input_ids"], image_grid_thw=kwargs.get("image_grid_thw"),
+    pos, delta = hf.model.get_rope_index(kwargs["input_ids"], mm_token_type_ids(kwargs["input_ids"]),
+                                         image_grid_thw=kwargs.get("image_grid_thw"),
                                          attention_mask=kwargs["attention_mask"])
     assert p.mrope_positions.shape == (3, len(p.prompt_token_ids))
     assert torch.equal(p.mrope_positions.long(), pos[:, 0].long())

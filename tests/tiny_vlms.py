@@ -73,7 +73,7 @@ def smolvlm_tokenizer():
     tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
     extra = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
     extra += [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
-    tokenizer.add_special_tokens({"additional_special_tokens": extra}, replace_additional_special_tokens=False)
+    tokenizer.add_special_tokens({"extra_special_tokens": extra})  # transformers 5's name
     tokenizer.eos_token = "<end_of_utterance>"
     return tokenizer
 

@@ -13,6 +13,7 @@ import copy
 import functools
 import threading
 
+from atlas_vlm import hardware
 from atlas_vlm.config import EngineConfig
 from atlas_vlm.engine.input_processor import InputProcessor, ProcessedPrompt, RequestTooLongError
 from atlas_vlm.engine.output_processor import OutputProcessor
@@ -50,6 +51,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         device, dtype = config.torch_device(), config.torch_dtype()
+        if device.type == "cpu":
+            hardware.apply_num_threads(config.num_threads)
         loaded = load_model(config.model, dtype=dtype, device=device, revision=config.revision)
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config

@@ -1,6 +1,7 @@
 """``atlas-vlm plan``: print a ``memory_plan.plan`` for one model, or the ``--matrix`` of the
-four chain models over 8-80 GiB GPUs. Configs come from a local folder, the bundled copies
-of the chain models' public configs (``atlas_vlm/data/configs``), or the Hub (config.json
+four models of the fallback chain (Qwen3-VL-4B, Qwen2.5-VL-3B, SmolVLM2-2.2B,
+Qwen2.5-0.5B) over 8-80 GiB GPUs. Configs come from a local folder, the bundled copies
+of those models' public configs (``atlas_vlm/data/configs``), or the Hub (config.json
 only, through huggingface_hub's cache; ``HF_HUB_OFFLINE`` honoured)."""
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def load_config(model: str, revision: str | None = None):
     path = Path(model).expanduser()
     if path.is_file():
         raise ValueError(f"{model} is a file; plan reads a config.json: pass a model folder, a Hub id "
-                         "(ORG/NAME) or one of the bundled chain models")
+                         "(ORG/NAME) or one of the bundled models (see --matrix)")
     if path.is_dir():
         return AutoConfig.from_pretrained(path), path
     bundled = BUNDLED_CONFIGS / model.split("/")[-1]
@@ -83,7 +84,7 @@ def format_plan(p: MemoryPlan) -> str:
 
 
 def format_matrix(args) -> str:
-    """One row per chain model: weights, KV bytes per token, then per GPU size
+    """One row per model of the fallback chain: weights, KV bytes per token, then per GPU size
     ``sequences (blocks)`` for sequences of ``max_model_len`` tokens with one image each."""
     length = args.max_model_len or 4096
     bound = f"max_pixels={args.max_pixels:,}" if args.max_pixels else "each model's own max_pixels"
@@ -108,7 +109,7 @@ def add_parser(subparsers) -> None:
     """Register the ``plan`` subcommand."""
     p = subparsers.add_parser("plan", help="KV memory plan of a model from its config.json (no weights)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="model folder, Hub id ORG/NAME, or a chain model's name")
+    p.add_argument("--model", help="model folder, Hub id ORG/NAME, or a bundled model's name (Qwen3-VL-4B-Instruct, Qwen2.5-VL-3B-Instruct, SmolVLM2-2.2B-Instruct, Qwen2.5-0.5B-Instruct)")
     p.add_argument("--revision", default=None, help="Hub branch / tag / commit")
     p.add_argument("--gpu-memory", type=bytes_arg(bare_unit=GiB), default=24 * GiB, help="device memory (default 24GiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -118,7 +119,7 @@ def add_parser(subparsers) -> None:
                         "preprocessor_config.json, as the engine)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--block-size", type=int, default=16, help="kvcache_block_size")
-    p.add_argument("--matrix", action="store_true", help="the four chain models on 8/12/16/24/48/80 GiB")
+    p.add_argument("--matrix", action="store_true", help="Qwen3-VL-4B, Qwen2.5-VL-3B, SmolVLM2-2.2B and Qwen2.5-0.5B on 8/12/16/24/48/80 GiB GPUs")
     p.set_defaults(func=run)
 
 

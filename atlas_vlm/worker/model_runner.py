@@ -113,7 +113,7 @@ class ModelRunner:
         """Fill ``req.image_embeds``: per image ``[num_tokens, hidden]`` (Qwen3-VL: with its
         DeepStack columns), reusing cached images. An image whose tokens are all computed
         already (a prefix-cache hit covering it) needs no features and stays ``None`` until
-        a recompute (preemption) reaches it again (models-vl branch, issue 9)."""
+        a recompute (preemption) reaches it again."""
         if not req.images:
             return
         embeds = list(req.image_embeds) if req.image_embeds is not None else [None] * len(req.images)
@@ -142,7 +142,7 @@ class ModelRunner:
             self.encode_images(req)
         inp = prepare_inputs(chunks, self.device, self.mrope, self.attention_backend)
         x = self.model.embed(inp.input_ids, inp.mm_embeds, inp.mm_token_index)  # [num_tokens, hidden]
-        # Qwen3-VL's DeepStack adds image rows inside the decoder (models-vl branch, issue 9)
+        # Qwen3-VL's DeepStack adds image rows inside the decoder
         mm = dict(mm_embeds=inp.mm_embeds, mm_token_index=inp.mm_token_index) \
             if getattr(self.model, "takes_mm_in_forward", False) else {}
         hidden = self.model(x, inp.positions, self.kv_cache, inp.meta, **mm)

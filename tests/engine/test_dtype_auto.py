@@ -96,3 +96,30 @@ def test_detection_on_this_machine_agrees_with_proc_cpuinfo():
     check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     if check is not None and cpu.x86:
         assert check() == cpu.onednn_bf16
+
+
+@pytest.mark.parametrize("load, cpus, expected", [(0.0, 2, 2), (0.9, 2, 1), (1.6, 2, 1), (5.0, 8, 3), (0.2, 1, 1)])
+def test_default_threads_leave_the_busy_cores(load, cpus, expected):
+    assert hardware.default_num_threads(load_1min=load, cpus=cpus) == expected
+
+
+@pytest.mark.parametrize("cpu_max, expected", [("max 100000", 4), ("150000 100000", 1), ("200000 100000", 2),
+                                               ("800000 100000", 4)])
+def test_usable_cpus_follow_the_cgroup_quota(monkeypatch, tmp_path, cpu_max, expected):
+    (tmp_path / "cpu.max").write_text(cpu_max + "\n")
+    monkeypatch.setattr(hardware.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert hardware.usable_cpus(str(tmp_path)) == expected
+    assert hardware.usable_cpus(str(tmp_path / "absent")) == 4  # no cgroup: the affinity mask
+
+
+def test_engine_threads(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        assert hardware.apply_num_threads(1) == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(2 if before > 1 else 1)
+        assert hardware.apply_num_threads(None) == torch.get_num_threads()  # the user's OMP_NUM_THREADS stands
+        with pytest.raises(ValueError, match="num_threads must be an int >= 1"):
+            EngineConfig(model="unused", num_threads=0)
+    finally:
+        torch.set_num_threads(before)

@@ -146,11 +146,12 @@ def test_deepstack_changes_the_logits(llm, hf):
     p = llm.engine.process_prompt({"messages": c, "mm_options": SMALL})
     kwargs = hf_inputs(p)
     full = hf(**kwargs).logits[0, -1]
-    embeds, _ = hf.model.get_image_features(kwargs["pixel_values"], kwargs["image_grid_thw"])
+    embeds = hf.model.get_image_features(kwargs["pixel_values"], kwargs["image_grid_thw"]).pooler_output
     x = hf.model.get_input_embeddings()(kwargs["input_ids"])
     mask = kwargs["input_ids"] == IMAGE_PAD
     x[mask] = torch.cat(embeds)
-    positions, _ = hf.model.get_rope_index(kwargs["input_ids"], image_grid_thw=kwargs["image_grid_thw"],
+    positions, _ = hf.model.get_rope_index(kwargs["input_ids"], kwargs["mm_token_type_ids"],
+                                           image_grid_thw=kwargs["image_grid_thw"],
                                            attention_mask=kwargs["attention_mask"])
     plain = hf.model.language_model(inputs_embeds=x, position_ids=positions,
                                     attention_mask=kwargs["attention_mask"]).last_hidden_state

@@ -145,7 +145,7 @@ def test_bounds_are_refused_before_allocation(sm):
     assert bm.num_free_blocks == bm.num_blocks and not llm.engine.requests
 
 
-@pytest.mark.parametrize("text, match", [("what is <image> here?", "number of images in the text"),
+@pytest.mark.parametrize("text, match", [("what is <image> here?", "number of <image> tokens"),
                                          ("row <row_1_col_1> here", "literal image token")])
 def test_literal_image_tokens_in_user_text_are_refused(llm, text, match):
     """The HF processor tokenizes user text with special tokens recognised (unlike the Qwen
@@ -153,3 +153,21 @@ def test_literal_image_tokens_in_user_text_are_refused(llm, text, match):
     with pytest.raises(ValueError, match=match):
         llm.engine.add_request({"messages": conv(IMAGES / "chelsea.png", text=text)})
     assert not llm.engine.requests
+
+
+@pytest.mark.parametrize("size", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_one_and_two_pixel_images_are_read_channels_last(llm, size):
+    """A (1, 1, 3) array is ambiguous to transformers (it would read channels-first); ours
+    goes in channels-last, so the tiles equal the HF processor's when told the layout."""
+    from PIL import Image
+
+    image = Image.new("RGB", size, (200, 30, 90))
+    p = llm.engine.process_prompt({"messages": conv(image, text="Hi")})
+    proc = llm.engine.input_processor.chat._hf_processor
+    text = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}],
+                                    add_generation_prompt=True, tokenize=False)
+    ref = proc(text=text, images=[image], return_tensors="pt", input_data_format="channels_last")
+    assert p.prompt_token_ids == ref["input_ids"][0].tolist()
+    assert len(p.images) == ref["pixel_values"].shape[1]
+    if size[0] == size[1]:  # upscaled to the 4-tile longest edge: 4 x 4 tiles + the global view
+        assert len(p.images) == 4 * 4 + 1

@@ -12,6 +12,8 @@ import re
 import pytest
 import torch
 
+from helpers import mm_token_type_ids
+
 from mm_token_pipeline import decode_position, get_rope_index
 
 pytestmark = pytest.mark.vlm
@@ -61,7 +63,8 @@ def test_equals_hf_get_rope_index(hf_model, seed):
     ids, grids = random_request(random.Random(seed))
     ours, delta = get_rope_index(ids, grids, spatial_merge_size=2, image_token_id=IMG, vision_start_token_id=VS)
     grid_tensor = torch.tensor(grids, dtype=torch.long).reshape(-1, 3) if grids else None
-    hf_pos, hf_delta = hf_model.model.get_rope_index(torch.tensor([ids]), grid_tensor, None, None, None)
+    hf_ids = torch.tensor([ids])
+    hf_pos, hf_delta = hf_model.model.get_rope_index(hf_ids, mm_token_type_ids(hf_ids), grid_tensor)
     assert torch.equal(ours, hf_pos[:, 0, :])  # HF: [3, batch=1, N]
     assert delta == int(hf_delta[0, 0])
     assert decode_position(len(ids), delta) == int(ours.max()) + 1

@@ -42,7 +42,7 @@ def test_single_image_identical_to_hf(hf_model, encoder, images):
     image = images[0]
     grid = torch.tensor([image.grid_thw])
     with torch.no_grad():
-        ref = hf_model.model.visual(image.pixel_values, grid_thw=grid)
+        ref = hf_model.model.visual(image.pixel_values, grid_thw=grid).pooler_output
         ours = encoder(image.pixel_values, [image.grid_thw])
     assert ours.shape == (image.num_tokens, 64)
     assert torch.equal(ours, ref)
@@ -52,7 +52,7 @@ def test_batched_images_identical_to_hf_and_split(hf_model, encoder, images):
     pixel_values = torch.cat([im.pixel_values for im in images])  # [sum patches, 1176]
     grid = torch.tensor([im.grid_thw for im in images])  # [3 images, 3]
     with torch.no_grad():
-        ref = hf_model.model.visual(pixel_values, grid_thw=grid)
+        ref = hf_model.model.visual(pixel_values, grid_thw=grid).pooler_output
     per_image = encoder.encode_images(images)
     assert [e.shape[0] for e in per_image] == [im.num_tokens for im in images]
     assert torch.equal(torch.cat(per_image), ref)
