@@ -30,7 +30,7 @@ def default_text_model() -> str:
 
 
 # ---- embedded random-weight Qwen2.5-VL (for the CLI without --model) ------------------------------
-DEFAULT_VLM_VERSION = "v1"  # bump when the config, seed or saved files change
+DEFAULT_VLM_VERSION = "v2"  # bump when the config, seed or saved files change (v2: transformers 5)
 DEFAULT_VLM_SEED = 0
 
 RANDOM_VLM_NOTICE = (
@@ -48,8 +48,9 @@ def _random_vlm_config():
         text_config=dict(
             vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768,
-            rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]},  # head_dim 64: 8+12+12 = 32
-            rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=True,
+            # head_dim 64: 8+12+12 = 32 rotary pairs over (t, h, w)
+            rope_parameters={"rope_type": "default", "mrope_section": [8, 12, 12], "rope_theta": 1000000.0},
+            rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=True,
             bos_token_id=bos, eos_token_id=eos,
         ),
         vision_config=dict(

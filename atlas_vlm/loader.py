@@ -32,7 +32,7 @@ __all__ = ["GGUF_CONVERSION_VERSION", "LoadedModel", "ModelNotFoundError", "cach
 
 #: Part of the converted folder's cache key: bump when the conversion changes, so that stale
 #: folders in the cache are not reused (v2: tokenizer settings taken from the GGUF header).
-GGUF_CONVERSION_VERSION = "v3"  # v3: saved by transformers 5
+GGUF_CONVERSION_VERSION = "v4"  # v4: saved by transformers 5, tokenizer settings written
 
 _STACKED = {  # HF name part -> (our fused name part, shard index)
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -121,6 +121,13 @@ def gguf_to_folder(gguf_path: Path) -> Path:
     def save(tmp: Path) -> None:
         hf_model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        # transformers 5 leaves these out of tokenizer_config.json; the header's values are
+        # written down so the folder says what it does whatever a later version defaults to
+        config_path = tmp / "tokenizer_config.json"
+        config = json.loads(config_path.read_text())
+        config.update(add_bos_token=settings.add_bos_token, add_eos_token=settings.add_eos_token,
+                      clean_up_tokenization_spaces=settings.clean_up_tokenization_spaces)
+        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
     return build_folder_once(out, save)
 

@@ -100,7 +100,7 @@ def preprocess_image(
                           min_pixels=min_pixels, max_pixels=max_pixels, source=source)
     resized = image.resize((rw, rh), resample=Image.Resampling.BICUBIC)
     proc = _hf_processor(patch_size, merge_size, temporal_patch_size, tuple(image_mean), tuple(image_std))
-    out = proc(images=[resized], return_tensors="pt")
+    out = proc(images=[resized], return_tensors="pt", input_data_format="channels_last")  # never guessed from the shape
     grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
     expected = (1, rh // patch_size, rw // patch_size)
     if grid != expected:

@@ -118,7 +118,8 @@ def test_valid_sampling_params_edges():
     (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(max_model_len=0), "max_model_len must be >= 1"),
-    (dict(min_pixels=10, max_pixels=5), "min_pixels <= max_pixels"),
+    (dict(min_pixels=10, max_pixels=5), r"min_pixels \(10\) must be <= max_pixels \(5\)"),
+    (dict(max_pixels=0), "max_pixels must be an int >= 1"),
 ])
 def test_invalid_engine_config(kwargs, cause):
     with pytest.raises(ValueError, match=cause):

@@ -45,7 +45,7 @@ def test_builds_once_into_the_cache(built, monkeypatch):
     assert cfg["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
     assert (text["hidden_size"], text["num_hidden_layers"], text["num_attention_heads"],
             text["num_key_value_heads"], text["vocab_size"]) == (256, 4, 4, 2, 151936)
-    assert text["rope_scaling"]["mrope_section"] == [8, 12, 12]
+    assert text["rope_parameters"]["mrope_section"] == [8, 12, 12]  # transformers 5's layout
     assert (cfg["vision_config"]["depth"], cfg["vision_config"]["hidden_size"],
             cfg["vision_config"]["out_hidden_size"]) == (4, 128, 256)
     template = (folder / "chat_template.jinja").read_text() if (folder / "chat_template.jinja").exists() \

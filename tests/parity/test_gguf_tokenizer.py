@@ -108,12 +108,15 @@ def test_settings_resolved_from_the_header(header):
 
 
 def test_a_tokenizer_that_ignores_add_bos_is_refused():
-    from transformers import AutoTokenizer
+    class IgnoresAddBos:
+        """A tokenizer class that takes ``add_bos_token`` but never prepends BOS (as some do)."""
 
-    from mm_token_pipeline import qwen_tokenizer_dir
+        bos_token = eos_token = unk_token = pad_token = chat_template = None
 
-    qwen = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())  # Qwen2TokenizerFast: no BOS post-processor
+        def __call__(self, text):
+            return {"input_ids": [64]}  # "a", with no BOS whatever add_bos_token says
+
     wants_bos = replace(gguf_tokenizer_settings(default_text_model()), tokens={"bos": "<|endoftext|>"},
                         token_ids={"bos": 151643}, add_bos_token=True, chat_template=None)
-    with pytest.raises(ValueError, match="does not follow the GGUF's add_bos_token=True"):
-        apply_gguf_tokenizer_settings(qwen, wants_bos)
+    with pytest.raises(ValueError, match="IgnoresAddBos does not follow the GGUF's add_bos_token=True"):
+        apply_gguf_tokenizer_settings(IgnoresAddBos(), wants_bos)
