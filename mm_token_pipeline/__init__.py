@@ -5,7 +5,7 @@ overall deadline and a byte cap), per-request options (``MultiModalOptions``), q
 with ``min_pixels``/``max_pixels``, patchify with HF ``Qwen2VLImageProcessor``
 (``preprocess_image``), the HF vision tower (``VisionEncoder``), placeholder expansion and
 prompt ids (``build_prompt_ids``), M-RoPE positions (``get_rope_index``). Imports only
-torch, Pillow, numpy, transformers, qwen-vl-utils and the standard library; never
+torch, Pillow, numpy, transformers, qwen-vl-utils, PyAV (``av``, on first video use) and the standard library; never
 ``atlas_vlm`` or ``mm_kv_cache_management``.
 
 Data path of one request (shapes for the default geometry: patch 14 px, merge 2)::
@@ -28,6 +28,11 @@ Data path of one request (shapes for the default geometry: patch 14 px, merge 2)
     embeds = encoder.encode_images(processed)                # [num_tokens_i, out_hidden] each
     next_pos = mtp.decode_position(len(ids), rope_delta)     # position of the first new token
 
+Video (``video_io``, not yet wired into the engine): ``load_video`` decodes with PyAV,
+seeking to the frames qwen-vl-utils 0.0.14 samples (``sample_frame_indices``), into uint8
+RGB ``[T, H, W, 3]`` plus fps / frame-index metadata; ``video_frame_bounds`` /
+``video_resized_size`` give its per-frame pixel bounds; bad input raises ``VideoInputError``.
+
 Other families live in their own modules: ``mm_token_pipeline.qwen3_vl`` (patch 16,
 DeepStack tower, chat template) and ``mm_token_pipeline.smolvlm`` (prompt and tiles from the
 HF ``SmolVLMProcessor``, longest-edge bound, SigLIP tower + connector).
@@ -48,6 +53,8 @@ from .prompt import (QWEN2_5_VL_CHAT_TEMPLATE, build_prompt_ids, expand_image_pa
                      qwen_tokenizer_dir)
 from .processor_config import ImageProcessorSettings, image_processor_settings
 from .resize import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, MAX_ASPECT_RATIO, smart_resize
+from .video_io import (VideoFrameBounds, VideoFrames, VideoInputError, VideoProbe, load_video, probe_video,
+                       sample_frame_indices, video_frame_bounds, video_resized_size)
 from .vision import VisionEncoder
 
 __all__ = [
@@ -77,4 +84,13 @@ __all__ = [
     "get_rope_index",
     "decode_position",
     "VisionEncoder",
+    "VideoInputError",
+    "VideoProbe",
+    "VideoFrames",
+    "VideoFrameBounds",
+    "load_video",
+    "probe_video",
+    "sample_frame_indices",
+    "video_frame_bounds",
+    "video_resized_size",
 ]
