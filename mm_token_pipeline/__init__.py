@@ -5,8 +5,8 @@ overall deadline and a byte cap), per-request options (``MultiModalOptions``), q
 with ``min_pixels``/``max_pixels``, patchify with HF ``Qwen2VLImageProcessor``
 (``preprocess_image``), the HF vision tower (``VisionEncoder``), placeholder expansion and
 prompt ids (``build_prompt_ids``), M-RoPE positions (``get_rope_index``). Imports only
-torch, Pillow, numpy, transformers, qwen-vl-utils, PyAV (``av``, on first video use) and the standard library; never
-``atlas_vlm`` or ``mm_kv_cache_management``.
+torch, Pillow, numpy, transformers, qwen-vl-utils, PyAV (``av``, on first video use) and the
+standard library; never ``atlas_vlm`` or ``mm_kv_cache_management``.
 
 Data path of one request (shapes for the default geometry: patch 14 px, merge 2)::
 

@@ -188,7 +188,8 @@ def test_unknown_source_fps_is_stated_never_defaulted():
 def test_one_frame_clip_gives_one_temporal_group(tmp_path):
     clip = write_clip(tmp_path / "one.mp4", 1)
     probe = probe_video(clip)
-    assert probe.total_frames == 1
+    assert (probe.total_frames, probe.fps) == (1, 30.0)
+    assert load_video(clip).sample_fps == 60.0  # qwen-vl-utils' nframes / frames * fps = 2 / 1 * 30
     for opts in [{}, {"fps": 0.1}, {"nframes": 1}, {"nframes": 2}]:
         out = load_video(clip, **opts)
         assert out.frame_indices == [0, 0]  # the frame, repeated: FRAME_FACTOR frames
@@ -485,7 +486,8 @@ def test_video_frame_bounds_follow_fetch_video():
     ({"nframes": 0}, r"nframes=0 must be an int >= 1"),
     ({"nframes": 4, "min_pixels": -1}, r"option min_pixels=-1 must be > 0"),
     ({"nframes": 4, "total_pixels": math.nan}, r"option total_pixels=nan must be a finite number"),
-    ({"nframes": 4, "min_pixels": 200_000, "max_pixels": 100_000}, r"option max_pixels=100000 is below min_pixels=200000: no frame size fits"),
+    ({"nframes": 4, "min_pixels": 200_000, "max_pixels": 100_000},
+     r"option max_pixels=100000 is below min_pixels=200000: no frame size fits"),
 ])
 def test_video_frame_bounds_errors(kwargs, match):
     with pytest.raises(VideoInputError, match=match):
