@@ -127,7 +127,8 @@ async def check_fetch_target(url: str, policy: MediaPolicy, param: str) -> tuple
         for address in addresses:
             rule = address_rule(address)
             if rule is not None:
-                raise APIError(400, f"{param}: image host {host!r} resolves to {address}, a {rule} address; media "
+                raise APIError(400, f"{param}: image host {host!r} resolves to {address}, {'an' if rule[0] in 'aeiou' else 'a'} "
+                               f"{rule} address; media "
                                f"fetches may only reach public addresses (name the host in "
                                f"--allowed-media-domains to allow it)", param, "media_address_refused")
     return parsed.copy_with(host=addresses[0]), host
