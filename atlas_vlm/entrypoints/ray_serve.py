@@ -68,6 +68,8 @@ class EngineReplica:
 
     def check_health(self) -> None:
         """Ray Serve's health hook: raising makes the controller replace this replica."""
+        if getattr(self.front, "dead", False):  # repeated step faults: AsyncLLM gave up on this engine
+            raise RuntimeError(f"engine is dead: {self.front._dead}")
         if not self.front.alive:
             raise RuntimeError("engine thread is not running")
 
