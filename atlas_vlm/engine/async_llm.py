@@ -128,14 +128,24 @@ class AsyncLLM:
         self._pending_adds += 1
         posted = False
         try:
-            req = await loop.run_in_executor(self._inputs, self.engine.process_request, prompt, sampling_params,
-                                             request_id)
+            try:
+                prepared = loop.run_in_executor(self._inputs, self.engine.process_request, prompt, sampling_params,
+                                                request_id)
+            except RuntimeError:  # the input pool was shut down meanwhile
+                self._check_admitting()
+                raise
+            req = await prepared
             self._check_admitting()
             done = loop.create_future()
             stream = RequestStreamState(asyncio.Queue(), loop, arrival_time or time.monotonic())
             self._post(("add", req, stream, done))
             posted = True
-            await done  # raises the engine's error (a request id in use), if any
+            while not done.done():  # the engine's answer; a thread that stopped meanwhile never gives one
+                await asyncio.wait({done}, timeout=1.0)
+                if not done.done() and not self._thread.is_alive():
+                    self._check_admitting()
+                    raise EngineDeadError("the engine thread stopped")
+            done.result()  # raises the engine's error (a request id in use), if any
         except asyncio.CancelledError:
             if posted:  # the caller left while the add was in flight: do not let it run for nobody
                 self.abort(request_id)
@@ -214,13 +224,16 @@ class AsyncLLM:
         (the engine is dead) after too many failures in a row or if the reset fails."""
         self.num_step_failures += 1
         self._consecutive_failures += 1
+        dying = self._consecutive_failures >= self.max_consecutive_step_failures
+        if dying:  # refuse new requests before anyone hears of this fault
+            self._dead, self._accepting = error, False
         logger.error("engine step failed (%d in a row); failing %d request(s) in flight",
                      self._consecutive_failures, len(self._streams), exc_info=error)
         fault = EngineStepError(f"the engine step failed ({type(error).__name__}: {error}); every request in "
                                 f"flight at that moment was failed")
         for rid in list(self._streams):
             self._deliver(rid, fault)
-        if self._consecutive_failures >= self.max_consecutive_step_failures:
+        if dying:
             self._die(error)
             return False
         try:
