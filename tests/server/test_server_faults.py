@@ -150,11 +150,12 @@ def test_sigterm_during_a_long_prefill_step_aborts_every_stream_and_exits_0(tiny
         results = {}
 
         def stream(key, prompt):
-            with httpx.stream("POST", url, json=body(prompt, max_tokens=400, ignore_eos=True, stream=True),
+            with httpx.stream("POST", url, json=body(prompt, max_tokens=900, ignore_eos=True, stream=True),
                               timeout=LIMIT_S) as resp:
                 results[key] = (resp.status_code, events(resp.iter_lines()))
 
-        a = threading.Thread(target=stream, args=("running", "Hello"))
+        # SLOW-DECODE: the first stream is still running when SIGTERM comes, however fast the machine
+        a = threading.Thread(target=stream, args=("running", "SLOW-DECODE Hello"))
         a.start()
         wait_for(lambda: server.metrics()["atlas:generation_tokens_total"] > 2, "the first stream decoding")
         b = threading.Thread(target=stream, args=("prefill", "SLOW-STEP a long prompt"))
