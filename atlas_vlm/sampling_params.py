@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 from dataclasses import dataclass, field
 from numbers import Real
 
@@ -16,6 +17,18 @@ from numbers import Real
 SAMPLING_EPS = 1e-5
 # vLLM ModelConfig.max_logprobs default: top logprobs per token at most.
 MAX_LOGPROBS = 20
+# torch.Generator.manual_seed's range; top_k goes into an int64 tensor.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+_INT64_MAX = 2**63 - 1
+
+
+def _as_float32(x: float) -> float:
+    """``x`` rounded to fp32 as the sampler's tensors hold it (0.0 below fp32's smallest
+    subnormal, inf above its max)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.inf
 
 
 def is_greedy(temperature: float) -> bool:
@@ -84,12 +97,17 @@ class SamplingParams:
         t = self.temperature
         if not _is_real(t) or not math.isfinite(t) or t < 0.0:
             raise ValueError(f"temperature must be >= 0 and finite (< {SAMPLING_EPS}: greedy), got {t!r}")
+        if not is_greedy(t) and math.isinf(_as_float32(t)):
+            raise ValueError(f"temperature must be finite in float32 (at most ~3.4e38), got {t!r}")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an int, -1 or 0 (off) or >= 1, got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if _as_float32(self.top_p) == 0.0:  # the fp32 nucleus test would mask every token
+            raise ValueError(f"top_p must be in (0, 1] and not round to 0 in float32 (>= 1.4e-45), "
+                             f"got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1 or self.top_k > _INT64_MAX:
+            raise ValueError(f"top_k must be an int, -1 or 0 (off) or in [1, 2**63 - 1], got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
+            raise ValueError(f"seed must be an int in [-2**63, 2**64 - 1] or None, got {self.seed!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an int >= 1 or None, got {self.max_tokens!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):

@@ -92,20 +92,33 @@ class LLMEngine:
         """Prompt ids, images and positions of any prompt form (``InputProcessor.process_prompt``)."""
         return self.input_processor.process_prompt(prompt)
 
+    def process_request(self, prompt, sampling_params: SamplingParams | None = None,
+                        request_id: str | None = None) -> Request:
+        """Everything heavy of ``add_request`` without touching the engine's state: tokenize,
+        load / resize / patchify images, validate. Safe to call from worker threads while
+        another thread steps the engine (``AsyncLLM`` does so); pass the ``Request`` it returns
+        to ``add_request``.
+
+        Raises: as ``add_request`` (nothing is queued or allocated).
+        """
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = copy.deepcopy(sampling_params)  # the caller may change theirs later (vLLM clones too)
+        req = self.input_processor.process(prompt, sampling_params, request_id)
+        check_for_model(req.sampling_params, self.vocab_size)
+        return req
+
     @_locked
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Validate and queue one request; returns its id.
+        """Validate and queue one request; returns its id. ``prompt`` may be a ``Request``
+        from ``process_request`` (then ``sampling_params`` and ``request_id`` are its own).
 
         Raises (nothing is queued or allocated):
             RequestTooLongError: prompt (+ ``max_tokens``) over ``max_model_len`` or the KV capacity.
             mm_token_pipeline.ImageInputError: an image cannot be loaded or resized.
             ValueError, TypeError: any other malformed input, or a request id already in use.
         """
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = copy.deepcopy(sampling_params)  # the caller may change theirs later (vLLM clones too)
-        req = self.input_processor.process(prompt, sampling_params, request_id)
-        check_for_model(req.sampling_params, self.vocab_size)
+        req = prompt if isinstance(prompt, Request) else self.process_request(prompt, sampling_params, request_id)
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
@@ -126,6 +139,30 @@ class LLMEngine:
         out = self.output_processor.finish(req)
         self._finished_outside_step.append(out)
         return out
+
+    @_locked
+    def reset(self) -> list[str]:
+        """Drop every request and start the KV cache afresh (a new ``BlockManager``: no block
+        held, no prefix-cache entry; the encoder cache emptied); the weights stay. For after a
+        step raised midway, when request and block state can no longer be trusted. Returns the
+        ids of the requests dropped (their outputs are not handed out)."""
+        dropped = list(self.requests)
+        old = self.block_manager
+        self.block_manager = BlockManager(old.num_blocks, old.block_size,
+                                          enable_prefix_caching=old.enable_prefix_caching)
+        sched = self.scheduler
+        self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
+                                   sched.enable_chunked_prefill, max_model_len=sched.max_model_len,
+                                   eos_token_ids=sched.eos_token_ids)
+        self.scheduler.num_preemptions = sched.num_preemptions  # a running total (metrics)
+        self.input_processor.block_manager = self.block_manager
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.runner.encoder_cache.clear()
+        for req in self.requests.values():
+            req.image_embeds = None
+        self.requests = {}
+        self._finished_outside_step = []
+        return dropped
 
     @_locked
     def has_unfinished_requests(self) -> bool:

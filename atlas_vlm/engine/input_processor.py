@@ -10,7 +10,9 @@ and the per-request seed. Nothing here allocates KV blocks.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +47,45 @@ def _image_spans(token_ids: list[int], images, image_token_id: int) -> list[Imag
     return spans
 
 
+class SerializedTokenizer:
+    """A tokenizer whose calls run one at a time (one re-entrant lock per tokenizer).
+
+    Why: a fast tokenizer keeps per-call settings in its shared Rust object (transformers
+    sets ``encode_special_tokens`` for ``split_special_tokens=...``, and truncation/padding);
+    two threads encoding at once then either fail (``RuntimeError: Already borrowed``) or
+    encode with the other call's setting. Input workers prepare requests concurrently, so
+    the input path goes through this wrapper; decoding elsewhere (which changes no setting)
+    needs no lock. Every attribute is the tokenizer's; methods and calls take the lock.
+    """
+
+    def __init__(self, tokenizer):
+        object.__setattr__(self, "_tokenizer", tokenizer)
+        object.__setattr__(self, "_lock", threading.RLock())
+
+    @property
+    def wrapped(self):
+        """The tokenizer itself."""
+        return self._tokenizer
+
+    def __call__(self, *args, **kwargs):
+        with self._lock:
+            return self._tokenizer(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        value = getattr(self._tokenizer, name)
+        if not callable(value) or isinstance(value, type):
+            return value
+
+        @functools.wraps(value)
+        def locked(*args, **kwargs):
+            with self._lock:
+                return value(*args, **kwargs)
+        return locked
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._tokenizer, name, value)
+
+
 def _check_keys(prompt: dict, allowed: set[str], form: str) -> None:
     unknown = sorted(str(k) for k in prompt if k not in allowed)
     if unknown:
@@ -67,7 +108,8 @@ class InputProcessor:
 
     def __init__(self, tokenizer, hf_config, config, vocab_size: int, max_model_len: int,
                  block_manager, device: torch.device | str = "cpu", image_settings=None):
-        self.tokenizer = tokenizer
+        # input workers prepare requests at once (AsyncLLM): one tokenizer call at a time
+        self.tokenizer = tokenizer if isinstance(tokenizer, SerializedTokenizer) else SerializedTokenizer(tokenizer)
         self.hf_config = hf_config
         self.config = config
         self.is_vlm = hasattr(hf_config, "vision_config")
@@ -75,7 +117,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.block_manager = block_manager
         self.device = device
-        self.chat = ChatInput(tokenizer, config, hf_config, image_settings)
+        self.chat = ChatInput(self.tokenizer, config, hf_config, image_settings)
         self._ids = itertools.count()  # default request ids
         self._seeds = itertools.count()  # default seeds: engine seed + arrival index
 

@@ -15,6 +15,11 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped (shut down, or an engine step raised)."""
 
 
+class EngineStepError(RuntimeError):
+    """An engine step raised unexpectedly (not one request's fault): every request in flight
+    at that moment fails with this error (HTTP 500), then the engine is reset and serves on."""
+
+
 class QueueFullError(RuntimeError):
     """More requests wait than ``max_waiting_requests`` allows (HTTP 503)."""
 

@@ -68,6 +68,8 @@ class EngineReplica:
 
     def check_health(self) -> None:
         """Ray Serve's health hook: raising makes the controller replace this replica."""
+        if getattr(self.front, "dead", False):  # repeated step faults: AsyncLLM gave up on this engine
+            raise RuntimeError(f"engine is dead: {self.front._dead}")
         if not self.front.alive:
             raise RuntimeError("engine thread is not running")
 
@@ -111,18 +113,25 @@ class OpenAIIngress:
         from atlas_vlm.entrypoints.openai.serving_common import ServerContext
 
         s = self.settings
-        ctx = ServerContext(self.engine, s["served_model_names"], s["is_vlm"], MediaPolicy(**s.get("media", {})),
-                            s["max_model_len"])
-        return create_app(ctx, None, s.get("api_key"), metrics_text=self.engine.metrics_text)
+        from atlas_vlm.entrypoints.openai.api_server import default_max_request_body_bytes
+
+        media = MediaPolicy(**s.get("media", {}))
+        ctx = ServerContext(self.engine, s["served_model_names"], s["is_vlm"], media, s["max_model_len"],
+                            max_prompts_per_request=s.get("max_prompts_per_request", 64), model_root=s["model"])
+        body = s.get("max_request_body_bytes") or default_max_request_body_bytes(media.max_image_bytes)
+        return create_app(ctx, None, s.get("api_key"), metrics_text=self.engine.metrics_text,
+                          max_request_body_bytes=body, protect_docs_metrics=s.get("protect_docs_metrics", False))
 
 
 def build_app(engine_kwargs: dict, num_replicas: int, *, served_model_names: list[str] | None = None,
               routing: str = "cache_aware", imbalance_threshold: int = 4, num_cpus_per_replica: float | None = None,
               num_gpus_per_replica: float = 0, max_waiting_requests: int | None = None, api_key: str | None = None,
-              media: dict | None = None):
+              media: dict | None = None, server_limits: dict | None = None):
     """The Ray Serve application (not yet running): N ``EngineReplica`` + the ingress.
 
     Args:
+        server_limits: the ingress's ``max_request_body_bytes``, ``max_prompts_per_request``
+            and ``protect_docs_metrics`` (as the plain server's flags).
         engine_kwargs: ``EngineConfig`` fields (``model`` required).
         num_cpus_per_replica: Ray CPUs per replica (default: this machine's cores / N, >= 1).
         num_gpus_per_replica: GPUs per replica (1 on a GPU cluster; 0 here).
@@ -137,7 +146,7 @@ def build_app(engine_kwargs: dict, num_replicas: int, *, served_model_names: lis
     from atlas_vlm.hub import resolve_model_path
 
     ReplicaRouter(num_replicas, routing, imbalance_threshold)  # validates the three
-    config = EngineConfig(**engine_kwargs)
+    config = EngineConfig(**{"limit_request_pixels": True, **engine_kwargs})  # served: requests cannot raise bounds
     cpus = num_cpus_per_replica if num_cpus_per_replica is not None else max(1, (os.cpu_count() or 1) // num_replicas)
     model = str(config.model)
     path = resolve_model_path(model, config.revision, config_only=True)  # a folder, a .gguf or a hub snapshot
@@ -147,7 +156,8 @@ def build_app(engine_kwargs: dict, num_replicas: int, *, served_model_names: lis
                 .bind(dataclasses.asdict(config), max_waiting_requests, int(cpus)) for i in range(num_replicas)]
     settings = dict(model=model, served_model_names=served_model_names or [model], is_vlm=is_vlm,
                     max_model_len=config.max_model_len or 4096, routing=routing,
-                    imbalance_threshold=imbalance_threshold, api_key=api_key, media=media or {})
+                    imbalance_threshold=imbalance_threshold, api_key=api_key, media=media or {},
+                    **(server_limits or {}))
     return OpenAIIngress.options(name="ingress", ray_actor_options={"num_cpus": 0}).bind(settings, *replicas)
 
 
@@ -178,14 +188,19 @@ def run_ray_server(engine_config, args) -> int:
     import ray
 
     media = dict(allowed_local_media_path=args.allowed_local_media_path, allow_http_images=args.allow_http_images,
-                 http_timeout_s=args.image_fetch_timeout, max_image_bytes=args.max_image_bytes)
+                 http_timeout_s=args.image_fetch_timeout, max_image_bytes=args.max_image_bytes,
+                 allowed_media_domains=getattr(args, "allowed_media_domains", None))
     app = build_app(dataclasses.asdict(engine_config), args.replicas,
                     served_model_names=args.served_model_name or [args.model or "SmolLM2-135M-Instruct"],
                     routing=args.routing, imbalance_threshold=args.imbalance_threshold,
                     num_cpus_per_replica=args.num_cpus_per_replica, num_gpus_per_replica=args.num_gpus_per_replica,
-                    max_waiting_requests=args.max_waiting_requests, api_key=args.api_key, media=media)
+                    max_waiting_requests=args.max_waiting_requests, api_key=args.api_key, media=media,
+                    server_limits=dict(max_request_body_bytes=getattr(args, "max_request_body_bytes", None),
+                                       max_prompts_per_request=getattr(args, "max_prompts_per_request", 64),
+                                       protect_docs_metrics=getattr(args, "protect_docs_metrics", False)))
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    ray.init(address=args.ray_address, include_dashboard=False,
+    # never join a cluster found by chance: the one named (flag or RAY_ADDRESS), else a new local one
+    ray.init(address=args.ray_address or os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}})
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

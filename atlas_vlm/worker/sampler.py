@@ -4,7 +4,10 @@ only per-row work is the seeded draw (``torch.multinomial`` with the request's o
 generator, so a seeded request gives the same tokens alone or in any batch).
 
 A row whose logits are not usable (NaN, +inf, or no finite value) fails alone: its request
-gets an error message and the other rows are sampled as if it were not there.
+gets an error message and the other rows are sampled as if it were not there. So does a row
+whose own parameters make sampling fail (its filters leave no token, a draw or its logprobs
+raise): the batched step is redone row by row for that part, the failing row's request gets
+an error naming its parameters, and no other row's tokens or generator state change.
 """
 
 from __future__ import annotations
@@ -69,12 +72,68 @@ def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, requests, rows: list[i
     return logprobs, tops
 
 
+def _params_text(p) -> str:
+    return f"temperature={p.temperature!r}, top_k={p.top_k!r}, top_p={p.top_p!r}"
+
+
+def _sampling_probs(logits: torch.Tensor, params: list, rows: list[int]) -> torch.Tensor:
+    """``[len(rows), vocab]`` probabilities of ``rows`` after temperature, top-k and top-p."""
+    dev = logits.device
+    idx = torch.tensor(rows, device=dev)
+    temps = torch.tensor([params[i].temperature for i in rows], dtype=logits.dtype, device=dev)
+    top_k = torch.tensor([params[i].top_k for i in rows], device=dev)
+    top_p = torch.tensor([params[i].top_p for i in rows], dtype=logits.dtype, device=dev)
+    return filter_top_k_top_p(logits[idx] / temps[:, None], top_k, top_p).softmax(-1)
+
+
+def _draw(logits: torch.Tensor, requests, params: list, rows: list[int], errors: list) -> dict[int, torch.Tensor]:
+    """Seeded draws of the sampled ``rows``: ``{row: token tensor [1]}``; a row whose
+    parameters leave no valid distribution, or whose draw raises, gets ``errors[row]``
+    naming its parameters instead (the others are drawn as in a batch without it)."""
+    def usable(p: torch.Tensor) -> list[bool]:  # [n, vocab] -> a distribution to draw from, per row
+        return (torch.isfinite(p).all(-1) & (p.sum(-1) > 0)).tolist()
+
+    try:
+        batch = _sampling_probs(logits, params, rows)  # [len(rows), vocab]
+        probs, valid = list(batch), usable(batch)
+    except Exception:  # noqa: BLE001 - one row's values broke the batched filter: redo row by row
+        probs, valid = [], []
+        for i in rows:
+            try:
+                p = _sampling_probs(logits, params, [i])
+                probs.append(p[0])
+                valid.append(usable(p)[0])
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                probs.append(None)
+                valid.append(False)
+                errors[i] = (f"request {requests[i].request_id!r}: sampling with {_params_text(params[i])} "
+                             f"failed ({type(e).__name__}: {e})")
+    draws = {}
+    for ok, p, i in zip(valid, probs, rows, strict=True):
+        if errors[i] is not None:
+            continue
+        if not ok:
+            errors[i] = (f"request {requests[i].request_id!r}: {_params_text(params[i])} left no token to "
+                         f"sample (the filters masked every token or the probabilities are not finite)")
+            continue
+        try:
+            draws[i] = torch.multinomial(p, 1, generator=requests[i].generator)
+        except Exception as e:  # noqa: BLE001 - this request fails alone
+            errors[i] = (f"request {requests[i].request_id!r}: sampling with {_params_text(params[i])} "
+                         f"failed ({type(e).__name__}: {e})")
+    return draws
+
+
 def sample(logits: torch.Tensor, requests) -> SamplerOutput:
     """Pick one token per row.
 
     Args:
         logits: ``[num_rows, vocab]`` fp32 logits, row ``i`` for ``requests[i]``.
         requests: objects with ``request_id``, ``sampling_params`` and ``generator``.
+
+    Returns:
+        ``SamplerOutput``; a row that cannot be sampled has token ``None`` and an error
+        naming the request and the parameter at fault. Never raises for one row's values.
     """
     num_rows = logits.shape[0]
     # One pass for both: a row's max is NaN if it holds a NaN, +inf if it holds +inf, -inf if
@@ -85,23 +144,30 @@ def sample(logits: torch.Tensor, requests) -> SamplerOutput:
     if bad_rows:
         logits = logits.masked_fill(bad[:, None], 0.0)
     params = [r.sampling_params for r in requests]
-    rows = [i for i, p in enumerate(params) if not is_greedy(p.temperature)]
-    if rows:
-        idx = torch.tensor(rows, device=logits.device)
-        dev = logits.device
-        temps = torch.tensor([params[i].temperature for i in rows], dtype=logits.dtype, device=dev)
-        top_k = torch.tensor([params[i].top_k for i in rows], device=dev)
-        top_p = torch.tensor([params[i].top_p for i in rows], dtype=logits.dtype, device=dev)
-        scaled = filter_top_k_top_p(logits[idx] / temps[:, None], top_k, top_p)
-        probs = scaled.softmax(-1)  # [n_sampled, vocab]
-        draws = [torch.multinomial(probs[j], 1, generator=requests[i].generator) for j, i in enumerate(rows)]
-        tokens = tokens.index_copy(0, idx, torch.cat(draws))
-    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
-    logprobs, tops = _logprobs(logits, tokens, requests, asked)
-    token_ids: list[int | None] = tokens.tolist()
     errors: list[str | None] = [None] * num_rows
     for i in bad_rows:
-        token_ids[i], logprobs[i], tops[i] = None, None, None
         errors[i] = (f"request {requests[i].request_id!r}: the model's logits are not finite "
                      f"(NaN, +inf or no finite value); no token can be sampled")
+    rows = [i for i, p in enumerate(params) if not is_greedy(p.temperature) and errors[i] is None]
+    if rows:
+        draws = _draw(logits, requests, params, rows, errors)
+        if draws:
+            idx = torch.tensor(list(draws), device=logits.device)
+            tokens = tokens.index_copy(0, idx, torch.cat(list(draws.values())))
+    asked = [i for i, p in enumerate(params) if p.logprobs is not None and errors[i] is None]
+    try:
+        logprobs, tops = _logprobs(logits, tokens, requests, asked)
+    except Exception:  # noqa: BLE001 - one row's logprobs broke the batch: redo row by row
+        logprobs, tops = [None] * num_rows, [None] * num_rows
+        for i in asked:
+            try:
+                lp, top = _logprobs(logits, tokens, requests, [i])
+                logprobs[i], tops[i] = lp[i], top[i]
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                errors[i] = (f"request {requests[i].request_id!r}: logprobs={params[i].logprobs!r} failed "
+                             f"({type(e).__name__}: {e})")
+    token_ids: list[int | None] = tokens.tolist()
+    for i, err in enumerate(errors):
+        if err is not None:
+            token_ids[i], logprobs[i], tops[i] = None, None, None
     return SamplerOutput(token_ids, logprobs, tops, errors)

@@ -29,7 +29,7 @@ def text_llm():
 def vlm_server(tiny_models):
     folder = str(tiny_models["qwen2_5_vl"][0])
     server = ServerProcess(folder, *VLM_ARGS, "--allowed-local-media-path", str(IMAGES), "--allow-http-images",
-                           "--max-image-bytes", "300KiB", name="tiny-vl")
+                           "--allowed-media-domains", "127.0.0.1", "--max-image-bytes", "300KiB", name="tiny-vl")
     yield server
     server.stop()
 

@@ -43,14 +43,21 @@ def port_is_free(port: int) -> bool:
 class ServerProcess:
     """``python -m atlas_vlm.serve MODEL ARGS --port P`` run from the repo root."""
 
-    def __init__(self, model: str | None, *args: str, name: str = "test-model"):
+    def __init__(self, model: str | None, *args: str, name: str = "test-model", launcher: list[str] | None = None,
+                 env: dict[str, str] | None = None):
+        """``launcher``: the command before the serve arguments (default ``python -m
+        atlas_vlm.serve``; the fault tests use ``python tests/server/fault_server.py``);
+        ``env``: extra environment variables."""
+        import os
+
         self.port = free_port()
         self.name = name
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "atlas_vlm.serve", *([model] if model else []), "--port", str(self.port),
-               "--served-model-name", name, "--log-level", "warning", *args]
+        cmd = [*(launcher or [sys.executable, "-m", "atlas_vlm.serve"]), *([model] if model else []),
+               "--port", str(self.port), "--served-model-name", name, "--log-level", "warning", *args]
         self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would block the server
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})
         self._wait_ready()
 
     def _wait_ready(self) -> None:

@@ -31,7 +31,9 @@ def test_serve_help_lists_the_server_flags(capsys):
     for flag in ("--host", "--port", "--api-key", "--max-waiting-requests", "--allowed-local-media-path",
                  "--allow-http-images", "--image-fetch-timeout", "--max-image-bytes", "--served-model-name",
                  "--max-model-len", "--dtype", "--kv-cache-memory", "--replicas", "--routing",
-                 "--imbalance-threshold", "--num-gpus-per-replica", "--num-cpus-per-replica", "--ray-address"):
+                 "--imbalance-threshold", "--num-gpus-per-replica", "--num-cpus-per-replica", "--ray-address",
+                 "--allowed-media-domains", "--max-request-body-bytes", "--max-prompts-per-request",
+                 "--protect-docs-metrics", "--input-workers", "--shutdown-timeout"):
         assert flag in out
     assert "127.0.0.1" in out and "8000" in out
 

@@ -33,7 +33,8 @@ def ray_app():
     from atlas_vlm.default_models import default_text_model
     from atlas_vlm.entrypoints.ray_serve import build_app
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    # address="local": always a new Ray of our own, never one already running on this host
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     try:
         port = free_port()

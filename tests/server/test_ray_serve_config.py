@@ -31,3 +31,21 @@ def test_deploy_yaml_is_a_serve_config_for_app_builder():
     assert set(args) - {"num_replicas"} <= set(inspect.signature(build_app).parameters)
     assert set(engine) <= {f.name for f in dataclasses.fields(EngineConfig)}
     EngineConfig(**engine)  # the values are valid too
+
+
+def test_replica_health_check_reports_a_dead_engine():
+    """Ray Serve replaces a replica whose ``check_health`` raises: it must once the engine
+    is dead (``AsyncLLM`` gave up after repeated step faults), not only when its thread ended."""
+    from types import SimpleNamespace
+
+    from atlas_vlm.entrypoints.ray_serve import EngineReplica
+
+    replica = object.__new__(EngineReplica.func_or_class)
+    replica.front = SimpleNamespace(alive=True, dead=False, _dead=None)
+    replica.check_health()  # serving: no error
+    replica.front = SimpleNamespace(alive=False, dead=True, _dead=RuntimeError("injected step fault"))
+    with pytest.raises(RuntimeError, match="engine is dead: injected step fault"):
+        replica.check_health()
+    replica.front = SimpleNamespace(alive=False, dead=False, _dead=None)
+    with pytest.raises(RuntimeError, match="engine thread is not running"):
+        replica.check_health()

@@ -50,6 +50,10 @@ ROWS = [  # (route, body, status, param, words in the message)
     (COMPL, {"model": "smollm2", "prompt": "Hi", "stream_options": {"include_usage": True}}, 400, "stream_options",
      "needs stream=true"),
     (COMPL, {"model": "nope", "prompt": "Hi"}, 404, "model", "does not exist"),
+    # issue 16: a top_p that rounds to 0 in fp32 would mask every token (it used to kill the engine)
+    (COMPL, {"model": "smollm2", "prompt": "Hello", "max_tokens": 4, "top_p": 1e-300}, 400, None,
+     "not round to 0 in float32"),
+    (COMPL, {"model": "smollm2", "prompt": "Hello", "max_tokens": 4, "seed": 2**70}, 400, None, "seed must be"),
 ]
 
 

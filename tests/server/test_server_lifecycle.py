@@ -69,6 +69,7 @@ def test_503_when_the_waiting_queue_is_full(guarded_server):
             assert r.status_code == 503, r.text
             err = r.json()["error"]
             assert "--max-waiting-requests 1" in err["message"] and err["code"] == "queue_full"
+            assert r.headers["retry-after"] == "1"
     # both streams were closed by the client: aborted, every block back, new requests served
     r = guarded_server.client(api_key=KEY).completions.create(model="tiny-qwen2", prompt="Hi", max_tokens=2)
     assert r.usage.completion_tokens == 2

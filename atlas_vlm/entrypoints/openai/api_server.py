@@ -1,46 +1,121 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory and the uvicorn runner.
 
 Routes only translate HTTP to the serving functions and back; engine work happens in
-``AsyncLLM``. Errors are OpenAI's JSON (``protocol.APIError``): a malformed body is 400
-(never FastAPI's 422), an unknown route 404. ``--api-key`` guards ``/v1/*`` (401);
-``/health`` and ``/metrics`` stay open, as in vLLM. Shutdown on SIGTERM/SIGINT: stop
-admitting, abort in-flight requests (their streams end), let uvicorn close, exit 0.
+``AsyncLLM``. Every answer that is not a success is OpenAI's JSON (``protocol.APIError``),
+whatever the input's bytes: a malformed body is 400 (never FastAPI's 422), an unknown route
+404, a wrong method 405 with ``Allow``, a body over ``--max-request-body-bytes`` 413, a
+failed engine step 500, busy or unavailable 503 with ``Retry-After``, anything unexpected
+500. ``--api-key`` guards ``/v1/*`` (401; compared in constant time); with
+``protect_docs_metrics`` also ``/docs``, ``/redoc``, ``/openapi.json`` and ``/metrics``;
+``/health`` stays open. The OpenAPI schema declares what the routes answer (JSON or SSE,
+the error statuses, ``text/plain`` metrics).
+
+Faults and shutdown: a client gone while its request is prepared or queued drops it before
+prefill; a failed engine step fails the requests in flight and the engine is reset; an engine
+declared dead stops the server with exit code 1 (a supervisor restarts it). SIGTERM/SIGINT:
+stop admitting, end every stream at once with ``finish_reason: "abort"`` and ``[DONE]``
+(even during a long step), let uvicorn close, wait for the engine thread, exit 0.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
 import signal
+import sys
 import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from atlas_vlm.engine.request_stream import EngineDeadError
+from atlas_vlm.engine.request_stream import EngineDeadError, EngineStepError
 from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 from atlas_vlm.entrypoints.openai.serving_chat import create_chat_completion
-from atlas_vlm.entrypoints.openai.serving_common import ServerContext
+from atlas_vlm.entrypoints.openai.serving_common import ServerContext, engine_error, until_disconnected
 from atlas_vlm.entrypoints.openai.serving_completion import create_completion
 
 logger = logging.getLogger(__name__)
 
+RETRY_AFTER_S = 1  # seconds a 503 asks the client to wait
+DEFAULT_BODY_MARGIN_BYTES = 1 << 20  # JSON around one image at the byte cap
+
+
+def default_max_request_body_bytes(max_image_bytes: int) -> int:
+    """Default ``--max-request-body-bytes``: one image at ``max_image_bytes`` as a base64
+    ``data:`` URI (4/3 of its bytes) plus 1 MiB for the rest of the JSON."""
+    return (max_image_bytes + 2) // 3 * 4 + DEFAULT_BODY_MARGIN_BYTES
+
 
 def _error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    headers = dict(e.headers)
+    if e.status == 503:
+        headers.setdefault("Retry-After", str(RETRY_AFTER_S))
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+class _BodyTooLarge(HTTPException):
+    """Raised while the body is read (FastAPI lets ``HTTPException`` through its body parsing)."""
+
+    code = "request_too_large"
+
+
+class _BodyLimitMiddleware:
+    """413 for a request body over ``limit`` bytes: at once from ``Content-Length``, else
+    (chunked) as soon as the bytes read pass it. Plain ASGI, so disconnects stay visible."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    def _message(self, size: int | None) -> str:
+        got = f" ({size} bytes)" if size is not None else ""
+        return f"request body is over the {self.limit}-byte limit{got} (--max-request-body-bytes)"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await _error(APIError(413, self._message(int(length)), None, _BodyTooLarge.code))(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _BodyTooLarge(413, self._message(None))
+            return message
+
+        await self.app(scope, limited_receive, send)
 
 
 class _APIKeyMiddleware:
     """Plain ASGI middleware (not ``BaseHTTPMiddleware``, which wraps ``receive`` and hides a
-    client's disconnect from the routes): 401 on ``/v1/*`` without ``Bearer KEY``."""
+    client's disconnect from the routes): 401 on guarded paths without ``Bearer KEY``
+    (``hmac.compare_digest``: the time taken says nothing about the key)."""
 
-    def __init__(self, app, api_key: str):
+    DOCS_AND_METRICS = ("/docs", "/redoc", "/openapi.json", "/metrics")
+
+    def __init__(self, app, api_key: str, protect_docs_metrics: bool = False):
         self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.protect_docs_metrics = protect_docs_metrics
+
+    def _guarded(self, path: str) -> bool:
+        if path.startswith("/v1"):
+            return True
+        return self.protect_docs_metrics and any(path == p or path.startswith(p + "/") for p in self.DOCS_AND_METRICS)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            if dict(scope["headers"]).get(b"authorization", b"") != self.expected:
+        if scope["type"] == "http" and self._guarded(scope["path"]):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
                 err = APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')", None,
                                "invalid_api_key")
                 await _error(err)(scope, receive, send)
@@ -48,11 +123,40 @@ class _APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics_text=None) -> FastAPI:
+def _error_schema() -> dict:
+    return {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"},
+            "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+
+
+def _responses(*statuses: int, stream: bool = False) -> dict:
+    """OpenAPI ``responses`` of a route: 200 (JSON, and SSE when it can stream) and the
+    OpenAI error JSON for each status."""
+    ok = {"application/json": {"schema": {"type": "object"}}}
+    if stream:
+        ok["text/event-stream"] = {"schema": {"type": "string"}}
+    err = {"application/json": {"schema": {"$ref": "#/components/schemas/OpenAIError"}}}
+    words = {400: "bad input", 401: "missing or wrong API key", 404: "unknown model", 413: "body too large",
+             500: "engine fault", 503: "busy or unavailable"}
+    return {200: {"description": "OK", "content": ok},
+            **{s: {"description": words.get(s, "error"), "content": err} for s in statuses}}
+
+
+def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics_text=None, *,
+               max_request_body_bytes: int | None = None, protect_docs_metrics: bool = False) -> FastAPI:
     """FastAPI app over ``ctx`` (engine front + settings); ``registry`` is the Prometheus
     ``CollectorRegistry`` served at ``/metrics``, unless ``metrics_text`` (an async
     ``() -> str`` in Prometheus text format; the Ray ingress aggregates its replicas) is given.
-    An ``EngineDeadError`` out of a route (the engine or a replica died mid-request) is 503."""
+
+    Args:
+        max_request_body_bytes: 413 above this many body bytes (None: no limit).
+        protect_docs_metrics: with ``api_key``, also guard ``/docs``, ``/redoc``,
+            ``/openapi.json`` and ``/metrics``.
+
+    An ``EngineDeadError`` out of a route (the engine or a replica died mid-request) is 503,
+    an ``EngineStepError`` (a failed step) 500, any other exception 500; all OpenAI JSON.
+    """
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     app = FastAPI(title="Atlas VLM OpenAI-compatible server")
@@ -68,49 +172,103 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, e: EngineDeadError):
-        return _error(APIError(503, str(e), None, "engine_unavailable"))
+        return _error(engine_error(e))
+
+    @app.exception_handler(EngineStepError)
+    async def _step_failed(request: Request, e: EngineStepError):
+        return _error(engine_error(e))
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, e: HTTPException):
-        return _error(APIError(e.status_code, str(e.detail), None, None))
+        return _error(APIError(e.status_code, str(e.detail), None, getattr(e, "code", None), headers=e.headers))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        logger.exception("unexpected error in %s %s", request.method, request.url.path)
+        return _error(APIError(500, f"internal server error ({type(e).__name__})", None, "internal_error"))
 
     if api_key is not None:
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key, protect_docs_metrics=protect_docs_metrics)
+    if max_request_body_bytes is not None:
+        app.add_middleware(_BodyLimitMiddleware, limit=max_request_body_bytes)
 
-    @app.get("/health")
+    def _card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "atlas-vlm",
+                "root": ctx.model_root or name, "parent": None, "max_model_len": ctx.max_model_len}
+
+    health_responses = {200: {"description": "serving", "content": {"application/json": {"schema": {
+        "type": "object", "properties": {"status": {"type": "string"}}}}}},
+        503: {"description": "shutting down or engine dead",
+              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/OpenAIError"}}}}}
+
+    @app.get("/health", responses=health_responses, response_class=JSONResponse)
     async def health():
-        return Response(status_code=200 if ctx.engine.alive else 503)
+        if ctx.engine.alive:
+            return JSONResponse({"status": "ok"})
+        return _error(APIError(503, "the engine is not serving (shutting down or dead)", None, "engine_unavailable"))
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text format", "content": {"text/plain": {
+                 "schema": {"type": "string"}}}}, **({401: _responses(401)[401]} if protect_docs_metrics else {})})
     async def metrics():
         text = await metrics_text() if metrics_text is not None else generate_latest(registry)
         return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_responses(401))
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "atlas-vlm",
-                                            "max_model_len": ctx.max_model_len} for name in ctx.model_names]}
+        return {"object": "list", "data": [_card(name) for name in ctx.model_names]}
+
+    @app.get("/v1/models/{model_id:path}", responses=_responses(401, 404))
+    async def model(model_id: str):
+        if model_id not in ctx.model_names:
+            raise APIError(404, f"The model `{model_id}` does not exist; this server serves {ctx.model_names}",
+                           "model", "model_not_found")
+        return _card(model_id)
 
     def _respond(result):
         if isinstance(result, dict):
             return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream")
 
-    @app.post("/v1/chat/completions")
+    errors = (400, 401, 404, 413, 500, 503)
+
+    @app.post("/v1/chat/completions", responses=_responses(*errors, stream=True))
     async def chat(body: ChatCompletionRequest, raw: Request):
-        return _respond(await create_chat_completion(ctx, body, raw.is_disconnected))
+        return _respond(await until_disconnected(create_chat_completion(ctx, body), raw.receive))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_responses(*errors, stream=True))
     async def completions(body: CompletionRequest, raw: Request):
-        return _respond(await create_completion(ctx, body, raw.is_disconnected))
+        return _respond(await until_disconnected(create_completion(ctx, body), raw.receive))
 
+    def openapi() -> dict:
+        """FastAPI's schema, with the 422 it adds to every body route replaced by what the
+        server answers instead (400, OpenAI's error JSON)."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for item in schema.get("paths", {}).values():
+                for op in item.values():
+                    op.get("responses", {}).pop("422", None)
+            comps = schema.setdefault("components", {}).setdefault("schemas", {})
+            comps.pop("HTTPValidationError", None)
+            comps.pop("ValidationError", None)
+            comps["OpenAIError"] = _error_schema()
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 
 def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, served_model_names=None,
                api_key: str | None = None, max_waiting_requests: int | None = None, media=None,
-               log_level: str = "info") -> int:
-    """Build the engine, serve until SIGTERM/SIGINT, shut down cleanly; returns the exit code 0.
+               log_level: str = "info", max_request_body_bytes: int | None = None,
+               max_prompts_per_request: int = 64, protect_docs_metrics: bool = False,
+               input_workers: int = 2, shutdown_timeout_s: float = 30.0) -> int:
+    """Build the engine, serve until SIGTERM/SIGINT, shut down cleanly.
+
+    Returns:
+        0 after a signal; 1 if the engine was declared dead (repeated step failures), so a
+        supervisor restarts the process instead of a server that answers 503 forever.
 
     Raises:
         ModelNotFoundError, UnsupportedModelError, KVBudgetError, ValueError: engine set-up.
@@ -122,21 +280,37 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
     from atlas_vlm.entrypoints.openai.media import MediaPolicy
     from atlas_vlm.entrypoints.openai.metrics import PrometheusStatLogger
 
+    media = media or MediaPolicy()
+    if max_request_body_bytes is None:
+        max_request_body_bytes = default_max_request_body_bytes(media.max_image_bytes)
     engine = LLMEngine(engine_config)
     stat_logger = PrometheusStatLogger()
-    front = AsyncLLM(engine, max_waiting_requests=max_waiting_requests, stat_logger=stat_logger)
+    exit_code = {"code": 0}
+    server_ref: dict = {}
+
+    def on_dead(error: BaseException) -> None:  # engine thread: stop serving, exit 1
+        exit_code["code"] = 1
+        server = server_ref.get("server")
+        if server is not None:
+            server.should_exit = True
+
+    front = AsyncLLM(engine, max_waiting_requests=max_waiting_requests, stat_logger=stat_logger,
+                     input_workers=input_workers, on_dead=on_dead)
     stat_logger.attach(front)
     ctx = ServerContext(front, served_model_names or [engine_config.model], hasattr(engine.hf_config, "vision_config"),
-                        media or MediaPolicy(), engine.max_model_len)
-    app = create_app(ctx, stat_logger.registry, api_key)
+                        media, engine.max_model_len, max_prompts_per_request=max_prompts_per_request,
+                        model_root=str(engine_config.model))
+    app = create_app(ctx, stat_logger.registry, api_key, max_request_body_bytes=max_request_body_bytes,
+                     protect_docs_metrics=protect_docs_metrics)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # first signal: stop admitting, end every stream now
             front.shutdown()
             super().handle_exit(sig, frame)
 
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
-                                    access_log=False))
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                    timeout_graceful_shutdown=shutdown_timeout_s, access_log=False))
+    server_ref["server"] = server
     # uvicorn re-raises a captured signal after shutdown with the handlers it found; make those no-ops so the
     # process exits 0 after a graceful stop instead of dying by the signal
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -144,5 +318,12 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
     logger.info("serving %s as %s on http://%s:%d", engine_config.model, ctx.model_names, host, port)
     server.run()
     front.shutdown()
-    front.join(timeout=10)
-    return 0
+    if not front.join(timeout=shutdown_timeout_s):
+        # the engine thread is still inside one step: leaving through interpreter shutdown with it running
+        # would abort the process (torch's threads); every stream has ended already, so leave at once
+        logger.warning("engine step still running %.0f s after shutdown; exiting without waiting", shutdown_timeout_s)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code["code"])
+    return exit_code["code"]

@@ -28,6 +28,20 @@ def add_parser(sub) -> None:
                    help="connect/read timeout of one http(s) image download, seconds (default 10)")
     p.add_argument("--max-image-bytes", type=bytes_arg(), default=20 * 2**20,
                    help="largest encoded image accepted from any source (default 20MiB)")
+    p.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="with --allow-http-images: fetch images only from these hosts (exact names or IPs); a "
+                        "host named here may resolve to a private address (default: any host with a public "
+                        "address; loopback, private, link-local, multicast and unspecified are always refused)")
+    p.add_argument("--max-request-body-bytes", type=bytes_arg(), default=None,
+                   help="413 for a larger request body (default: one --max-image-bytes image as base64 + 1MiB)")
+    p.add_argument("--max-prompts-per-request", type=int, default=64,
+                   help="/v1/completions: prompts in one call at most (default 64)")
+    p.add_argument("--protect-docs-metrics", action="store_true",
+                   help="with --api-key: also require the key on /docs, /redoc, /openapi.json and /metrics")
+    p.add_argument("--input-workers", type=int, default=2,
+                   help="threads that tokenize and preprocess images off the engine thread (default 2)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds to wait on SIGTERM for open connections and the engine's current step (default 30)")
     p.add_argument("--max-model-len", type=int, default=None, help="tokens per request (prompt + output)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
@@ -68,7 +82,8 @@ def engine_config_from_args(args):
                   max_model_len=args.max_model_len, num_kvcache_blocks=args.num_kvcache_blocks,
                   gpu_memory_utilization=args.gpu_memory_utilization, kvcache_block_size=args.block_size,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
+                  enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+                  limit_request_pixels=True)  # a request may lower the server's image bounds, never raise them
     for name in ("kv_cache_memory", "max_pixels", "min_pixels"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
@@ -86,9 +101,17 @@ def run_serve(args) -> int:
     if args.replicas > 1:
         from atlas_vlm.entrypoints.ray_serve import run_ray_server
         return run_ray_server(config, args)
+    for name in ("max_prompts_per_request", "input_workers"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.shutdown_timeout <= 0:
+        raise ValueError(f"--shutdown-timeout must be > 0 seconds, got {args.shutdown_timeout}")
     media = MediaPolicy(args.allowed_local_media_path, args.allow_http_images, args.image_fetch_timeout,
-                        args.max_image_bytes)
+                        args.max_image_bytes, allowed_media_domains=args.allowed_media_domains)
     return run_server(config, host=args.host, port=args.port,
                       served_model_names=args.served_model_name or [args.model or "SmolLM2-135M-Instruct"],
                       api_key=args.api_key, max_waiting_requests=args.max_waiting_requests, media=media,
-                      log_level=args.log_level)
+                      log_level=args.log_level, max_request_body_bytes=args.max_request_body_bytes,
+                      max_prompts_per_request=args.max_prompts_per_request,
+                      protect_docs_metrics=args.protect_docs_metrics, input_workers=args.input_workers,
+                      shutdown_timeout_s=args.shutdown_timeout)

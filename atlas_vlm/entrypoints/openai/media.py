@@ -5,28 +5,133 @@ Scope: ``image_url`` parts become ``{"type": "image", "image": source}`` items. 
 only under ``--allowed-local-media-path``; ``http(s)://`` only with
 ``--allow-http-images``, fetched here with ``httpx`` (connect/read timeout, byte cap) so a
 slow host never stalls the engine thread. Decoding the image itself (bombs, truncated
-data) stays with ``mm_token_pipeline.load_image`` inside the engine. Policy as vLLM's
-``--allowed-local-media-path`` and ``MediaConnector``.
+data) stays with ``mm_token_pipeline.load_image``, in the engine's input workers. Policy as
+vLLM's ``--allowed-local-media-path``, ``--allowed-media-domains`` and ``MediaConnector``.
+
+Fetches cannot reach inside (SSRF): every hop's host is resolved first and refused if any of
+its addresses is loopback, private, link-local, multicast, unspecified or otherwise not
+global (``address_rule``), unless the host is named in ``--allowed-media-domains``; the
+connection then goes to the address that was checked (no second lookup to rebind), with
+the original ``Host`` and TLS server name. Redirects are followed by hand, at most
+``max_redirects``, each hop checked the same way. With ``--allowed-media-domains`` only
+the hosts named there are fetched.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
 
-from atlas_vlm.entrypoints.openai.protocol import APIError, ChatMessage
+from atlas_vlm.entrypoints.openai.protocol import APIError, ChatMessage, printable
+
+Resolver = Callable[[str, int], Awaitable[list[str]]]  # (host, port) -> IP address strings
 
 
 @dataclass
 class MediaPolicy:
-    """Where images may come from (server flags)."""
+    """Where images may come from (server flags).
+
+    ``resolver`` (``(host, port) -> [ip, ...]``, default the system's ``getaddrinfo``) and
+    ``transport`` (an ``httpx`` transport, default a real connection) exist so that tests
+    can check the address rules without sending a packet anywhere.
+    """
 
     allowed_local_media_path: str | None = None  # folder; None: no local files
     allow_http_images: bool = False
     http_timeout_s: float = 10.0  # connect and read timeout of one image download (seconds)
     max_image_bytes: int = 20 * 2**20  # encoded size cap of one image (bytes), any source
+    allowed_media_domains: list[str] | None = None  # http(s) hosts allowed; None: any public host
+    max_redirects: int = 3  # redirect hops followed (each checked) per download
+    resolver: Resolver | None = None
+    transport: httpx.AsyncBaseTransport | None = None
+
+
+#: The address classes a media fetch may never reach (unless its host is allow-listed).
+REFUSED_ADDRESS_CLASSES = ("unspecified", "loopback", "link-local", "multicast", "private", "reserved", "non-global")
+
+
+def address_rule(address: str) -> str | None:
+    """Why a media fetch may not connect to ``address`` (an IPv4 / IPv6 string): one of
+    ``REFUSED_ADDRESS_CLASSES``, or None for a global (public) address. An IPv4-mapped IPv6
+    address is judged as its IPv4 address.
+
+    Raises:
+        ValueError: ``address`` is not an IP address.
+    """
+    ip = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 zone id
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    for name, hit in (("unspecified", ip.is_unspecified), ("loopback", ip.is_loopback),
+                      ("link-local", ip.is_link_local), ("multicast", ip.is_multicast),
+                      ("private", ip.is_private), ("reserved", ip.is_reserved), ("non-global", not ip.is_global)):
+        if hit:
+            return name
+    return None
+
+
+async def system_resolver(host: str, port: int) -> list[str]:
+    """Every address ``host`` resolves to (``getaddrinfo`` in the event loop's executor)."""
+    import asyncio
+
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(info[4][0] for info in infos))
+
+
+def _host_allowed(host: str, policy: MediaPolicy) -> bool:
+    names = {d.lower().rstrip(".") for d in policy.allowed_media_domains or ()}
+    return host.lower().rstrip(".") in names
+
+
+async def check_fetch_target(url: str, policy: MediaPolicy, param: str) -> tuple[httpx.URL, str]:
+    """Vet one hop of an image download.
+
+    Returns:
+        ``(URL to connect to, with the host replaced by the checked address; the original
+        host name)``.
+
+    Raises:
+        APIError(400): the scheme is not http(s), the host is not in
+            ``--allowed-media-domains``, it does not resolve, or one of its addresses is
+            refused by ``address_rule`` (the message names the rule and the address).
+    """
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError, ValueError) as e:
+        raise APIError(400, f"{param}: invalid image URL {url[:80]!r} ({e})", param, "invalid_image") from e
+    if parsed.scheme not in ("http", "https"):
+        raise APIError(400, f"{param}: image URL {url[:80]!r}: only http(s) may be fetched", param, "invalid_image")
+    host = parsed.host
+    if not host:
+        raise APIError(400, f"{param}: image URL {url[:80]!r} has no host", param, "invalid_image")
+    listed = _host_allowed(host, policy)
+    if policy.allowed_media_domains is not None and not listed:
+        raise APIError(400, f"{param}: image host {host!r} is not in --allowed-media-domains "
+                       f"{policy.allowed_media_domains}", param, "media_domain_not_allowed")
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        ipaddress.ip_address(host.split("%", 1)[0])
+        addresses = [host]
+    except ValueError:
+        try:
+            addresses = await (policy.resolver or system_resolver)(host, port)
+        except OSError as e:
+            raise APIError(400, f"{param}: image host {host!r} does not resolve ({e})", param, "invalid_image") from e
+    if not addresses:
+        raise APIError(400, f"{param}: image host {host!r} does not resolve", param, "invalid_image")
+    if not listed:
+        for address in addresses:
+            rule = address_rule(address)
+            if rule is not None:
+                raise APIError(400, f"{param}: image host {host!r} resolves to {address}, {'an' if rule[0] in 'aeiou' else 'a'} "
+                               f"{rule} address; media "
+                               f"fetches may only reach public addresses (name the host in "
+                               f"--allowed-media-domains to allow it)", param, "media_address_refused")
+    return parsed.copy_with(host=addresses[0]), host
 
 
 def _local_path(url: str, policy: MediaPolicy, param: str) -> str:
@@ -53,18 +158,37 @@ async def _download(url: str, policy: MediaPolicy, param: str) -> bytes:
                        "--allow-http-images to fetch them", param, "invalid_image")
     data = bytearray()
     try:
-        async with httpx.AsyncClient(timeout=policy.http_timeout_s, follow_redirects=True) as client:
-            async with client.stream("GET", url) as resp:
-                if resp.status_code != 200:
-                    raise APIError(400, f"{param}: fetching {url} gave HTTP {resp.status_code}", param, "invalid_image")
-                async for chunk in resp.aiter_bytes():
-                    data += chunk
-                    if len(data) > policy.max_image_bytes:
-                        raise APIError(400, f"{param}: image at {url} is over the {policy.max_image_bytes}-byte cap",
-                                       param, "invalid_image")
+        # trust_env=False: no proxy from the environment (it would connect to a host we never checked)
+        async with httpx.AsyncClient(timeout=policy.http_timeout_s, follow_redirects=False, trust_env=False,
+                                     transport=policy.transport) as client:
+            for _hop in range(policy.max_redirects + 1):
+                target, host = await check_fetch_target(url, policy, param)
+                original = httpx.URL(url)
+                extensions = {"sni_hostname": host} if original.scheme == "https" else {}
+                request = client.build_request("GET", target, headers={"Host": original.netloc.decode("ascii")},
+                                               extensions=extensions)
+                resp = await client.send(request, stream=True)
+                try:
+                    if resp.is_redirect:
+                        location = resp.headers.get("location", "")
+                        url = str(original.join(location))
+                        continue
+                    if resp.status_code != 200:
+                        raise APIError(400, f"{param}: fetching {url} gave HTTP {resp.status_code}", param,
+                                       "invalid_image")
+                    async for chunk in resp.aiter_bytes():
+                        data += chunk
+                        if len(data) > policy.max_image_bytes:
+                            raise APIError(400, f"{param}: image at {url} is over the {policy.max_image_bytes}-byte "
+                                           f"cap", param, "invalid_image")
+                    return bytes(data)
+                finally:
+                    await resp.aclose()
+            raise APIError(400, f"{param}: fetching the image took more than {policy.max_redirects} redirects "
+                           f"(last {url[:80]!r})", param, "invalid_image")
     except httpx.HTTPError as e:
-        raise APIError(400, f"{param}: fetching {url} failed ({type(e).__name__}: {e})", param, "invalid_image") from e
-    return bytes(data)
+        raise APIError(400, f"{param}: fetching {url} failed ({type(e).__name__}: {printable(str(e))})", param,
+                       "invalid_image") from e
 
 
 async def resolve_image(url: str, policy: MediaPolicy, param: str):

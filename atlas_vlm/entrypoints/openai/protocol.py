@@ -14,32 +14,65 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+
+def printable(text: str) -> str:
+    """``text`` with lone surrogates (``"\\ud800"``, which no UTF-8 encoder accepts) written as
+    backslash escapes, so that any echo of client input can be encoded."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class APIError(Exception):
     """An error answered as OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``.
 
     Args:
-        status: HTTP status (400 bad input, 401 key, 404 unknown model, 503 busy).
-        message: what is wrong, naming the input.
+        status: HTTP status (400 bad input, 401 key, 404 unknown model or route, 405 method,
+            413 body too large, 500 engine fault, 503 busy or unavailable).
+        message: what is wrong, naming the input (lone surrogates are escaped in the body).
         param: the request field at fault (dotted path), if any.
         code: a short machine-readable code (``"invalid_image"``, ``"model_not_found"``...).
+        headers: extra response headers (``Allow`` on 405, ``Retry-After`` on 503).
     """
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-             503: "service_unavailable_error"}
+    TYPES = {401: "authentication_error", 403: "permission_error", 503: "service_unavailable_error"}
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = dict(headers or {})
+
+    @property
+    def type(self) -> str:
+        """OpenAI's error type: ``invalid_request_error`` for 4xx, ``server_error`` for 5xx."""
+        return self.TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
+        return {"error": {"message": printable(self.message), "type": self.type,
+                          "param": None if self.param is None else printable(self.param), "code": self.code}}
+
+
+def _find_surrogate(value, path: str) -> str | None:
+    """Dotted path of the first string in ``value`` holding a lone surrogate, else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        found = _find_surrogate(k, path) if isinstance(k, str) else None
+        found = found or _find_surrogate(v, f"{path}.{k}" if path else str(k))
+        if found:
+            return found
+    return None
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: no coercion, as OpenAI's API ("16" is not an integer, 1 is not a boolean)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ImageURL(_Strict):
@@ -77,6 +110,15 @@ class MMProcessorKwargs(_Strict):
 
 class _SamplingFields(_Strict):
     """Fields shared by chat and completions (OpenAI defaults: temperature 1, top_p 1)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        bad = _find_surrogate(data, "") if isinstance(data, dict) else None
+        if bad is not None:
+            raise PydanticCustomError("lone_surrogate", "{param}: a string holds a lone surrogate (not valid Unicode)",
+                                      {"param": bad})
+        return data
 
     model: str | None = None
     temperature: float = 1.0
@@ -150,6 +192,14 @@ def validation_error(errors: list[dict]) -> APIError:
     an unknown field is reported as an unsupported feature."""
     # in a union (``str | list[...]``) the deepest error is the informative one
     err = max(errors, key=lambda e: len(e.get("loc", ())))
+    if err.get("type") == "json_invalid":  # FastAPI puts the byte offset in the loc: it is not a field
+        offset = next((p for p in err.get("loc", ()) if isinstance(p, int)), None)
+        where = f" at byte {offset}" if offset is not None else ""
+        ctx = (err.get("ctx") or {}).get("error", "")
+        return APIError(400, f"invalid JSON body{where}" + (f": {ctx}" if ctx else ""), None, "invalid_json")
+    if err.get("type") == "lone_surrogate":
+        param = (err.get("ctx") or {}).get("param") or None
+        return APIError(400, f"invalid request: {err.get('msg')}", param, "invalid_value")
     loc = [str(p) for p in err.get("loc", ()) if p != "body" and str(p) not in _TYPE_STEPS and "[" not in str(p)]
     param = ".".join(loc) or None
     if err.get("type") == "extra_forbidden":

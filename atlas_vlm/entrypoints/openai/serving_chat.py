@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 
 from atlas_vlm.entrypoints.openai.media import to_engine_messages
 from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
-from atlas_vlm.entrypoints.openai.serving_common import (ServerContext, chat_logprobs, close_all, merge, new_id,
-                                                         sampling_params, sse, start_choices, until_disconnected,
-                                                         usage)
+from atlas_vlm.entrypoints.openai.serving_common import (ServerContext, chat_logprobs, close_all, error_event,
+                                                         error_field, merge, new_id, sampling_params, sse,
+                                                         start_choices, until_error, usage)
 
 
 async def _prompt(ctx: ServerContext, req: ChatCompletionRequest) -> dict:
@@ -27,11 +27,12 @@ async def _prompt(ctx: ServerContext, req: ChatCompletionRequest) -> dict:
     return prompt
 
 
-async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, is_disconnected):
-    """Returns a response dict, or (``stream=True``) an async iterator of SSE strings.
+async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest):
+    """Returns a response dict, or (``stream=True``) an async iterator of SSE strings (a
+    failure midway ends it with an error event, then ``[DONE]``).
 
     Raises:
-        APIError: 400 bad input, 404 unknown model, 503 queue full.
+        APIError: 400 bad input, 404 unknown model, 500 engine step failed, 503 queue full.
     """
     model = ctx.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
@@ -48,7 +49,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _stream(ctx, iters, first, rid, model, created, include_usage)
-    return await until_disconnected(_full(ctx, iters, first, rid, model, created), is_disconnected)
+    return await _full(ctx, iters, first, rid, model, created)
 
 
 async def _full(ctx, iters, first, rid, model, created) -> dict:
@@ -65,7 +66,7 @@ async def _full(ctx, iters, first, rid, model, created) -> dict:
         if out.logprobs is not None:
             lp = chat_logprobs(ctx.engine.tokenizer, out.token_ids, out.logprobs, out.top_logprobs)
         choices.append({"index": i, "message": {"role": "assistant", "content": out.text}, "logprobs": lp,
-                        "finish_reason": out.finish_reason})
+                        "finish_reason": out.finish_reason, **error_field(out)})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": usage(len(finals[0].prompt_token_ids), sum(len(o.token_ids) for o in finals),
                            first.num_cached_tokens)}
@@ -77,7 +78,11 @@ async def _stream(ctx, iters, first, rid, model, created, include_usage) -> Asyn
     prompt_tokens, completion = 0, [0] * n
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     try:
-        async for i, out in merge(iters):
+        async for i, out in until_error(merge(iters)):
+            if isinstance(out, BaseException):  # the engine failed midway: say so, then end the stream
+                yield error_event(out)
+                yield sse("[DONE]")
+                return
             text = out.text[sent_chars[i]:] if len(out.text) > sent_chars[i] else ""
             new_ids = out.token_ids[sent_tokens[i]:]
             prompt_tokens, completion[i] = len(out.prompt_token_ids), len(out.token_ids)
@@ -92,7 +97,8 @@ async def _stream(ctx, iters, first, rid, model, created, include_usage) -> Asyn
                 lp = chat_logprobs(ctx.engine.tokenizer, new_ids, out.logprobs[s:], out.top_logprobs[s:])
             sent_chars[i] += len(text)
             sent_tokens[i] = len(out.token_ids)
-            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}
+            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason,
+                      **error_field(out)}
             yield sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
         if include_usage:
             yield sse({**base, "choices": [], "usage": usage(prompt_tokens, sum(completion), first.num_cached_tokens)})

@@ -12,8 +12,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from atlas_vlm.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
-from atlas_vlm.entrypoints.openai.protocol import APIError
+from atlas_vlm.engine.async_llm import AsyncLLM, EngineDeadError, EngineStepError, QueueFullError, RequestStream
+from atlas_vlm.entrypoints.openai.protocol import APIError, printable
 from atlas_vlm.sampling_params import SamplingParams
 
 
@@ -26,6 +26,8 @@ class ServerContext:
     is_vlm: bool
     media: object  # media.MediaPolicy
     max_model_len: int
+    max_prompts_per_request: int = 64  # completions: prompts in one call at most (--max-prompts-per-request)
+    model_root: str | None = None  # the model path or id behind the served names (model card ``root``)
 
     def check_model(self, name: str | None) -> str:
         """Raises APIError(404) for a model name we do not serve."""
@@ -62,6 +64,8 @@ def engine_error(e: Exception) -> APIError:
         return APIError(503, str(e), None, "queue_full")
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), None, "engine_unavailable")
+    if isinstance(e, EngineStepError):
+        return APIError(500, str(e), None, "engine_step_failed")
     if isinstance(e, RequestTooLongError):
         return APIError(400, str(e), None, "context_length_exceeded")
     if isinstance(e, ImageInputError):
@@ -152,21 +156,59 @@ async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object
                 await s.aclose()
 
 
-async def until_disconnected(coro, is_disconnected, poll_s: float = 0.5):
-    """Await ``coro`` (a non-streamed completion); if the client goes away first, cancel it
-    (its requests are aborted and their blocks freed) and raise ``APIError``."""
+async def until_disconnected(coro, receive):
+    """Await ``coro`` (a route's work: preparing, queueing and, for a non-streamed answer,
+    running its requests); if the client goes away first (ASGI ``receive`` yields
+    ``http.disconnect``, noticed at once), cancel it, so that its requests are aborted
+    wherever they are (being prepared, queued before prefill, running) and their blocks freed.
+
+    Raises:
+        APIError(400, code ``client_disconnected``): the client left (nobody reads it).
+    """
     task = asyncio.ensure_future(coro)
-    try:
+
+    async def watch():
         while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                return task.result()
-            if await is_disconnected():
-                raise APIError(400, "client disconnected; request aborted", None, "client_disconnected")
+            message = await receive()
+            if message.get("type") == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise APIError(400, "client disconnected; request aborted", None, "client_disconnected")
     finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+
+
+async def until_error(items: AsyncIterator) -> AsyncIterator:
+    """``items``, then, if it raised an ``Exception``, ``(None, exception)`` as its last item
+    (a stream turns it into an error event; cancellation still propagates)."""
+    try:
+        async for item in items:
+            yield item
+    except Exception as e:  # noqa: BLE001 - handed to the stream, which reports it to the client
+        yield None, e
+
+
+def error_field(out) -> dict:
+    """``{"error": message}`` for a choice whose request failed alone (``finish_reason ==
+    "error"``: its message names the request's parameter at fault), else ``{}``."""
+    return {"error": printable(out.error or "the request failed")} if out.finish_reason == "error" else {}
+
+
+def error_event(e: BaseException) -> str:
+    """The SSE event that ends a stream whose requests failed midway (OpenAI JSON error, as
+    vLLM streams it), to be followed by ``data: [DONE]``."""
+    err = e if isinstance(e, APIError) else engine_error(e) if isinstance(
+        e, (QueueFullError, EngineDeadError, EngineStepError)) else APIError(
+        500, f"internal error while streaming: {type(e).__name__}: {printable(str(e))}", None, "internal_error")
+    return sse(err.body())
 
 
 async def close_all(streams: list) -> None:

@@ -4,13 +4,14 @@ Choice ``index`` is ``prompt_index * n + j``, as OpenAI and vLLM number them."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
 from atlas_vlm.entrypoints.openai.protocol import APIError, CompletionRequest
-from atlas_vlm.entrypoints.openai.serving_common import (ServerContext, close_all, completion_logprobs, merge,
-                                                         new_id, sampling_params, sse, start_choices,
-                                                         until_disconnected, usage)
+from atlas_vlm.entrypoints.openai.serving_common import (ServerContext, close_all, completion_logprobs, error_event,
+                                                         error_field, merge, new_id, sampling_params, sse,
+                                                         start_choices, until_error, usage)
 
 
 def split_prompts(prompt) -> list:
@@ -28,34 +29,38 @@ def split_prompts(prompt) -> list:
     return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
 
 
-async def create_completion(ctx: ServerContext, req: CompletionRequest, is_disconnected):
-    """Returns a response dict, or (``stream=True``) an async iterator of SSE strings.
+async def create_completion(ctx: ServerContext, req: CompletionRequest):
+    """Returns a response dict, or (``stream=True``) an async iterator of SSE strings (a
+    failure midway ends it with an error event, then ``[DONE]``).
 
     Raises:
-        APIError: 400 bad input, 404 unknown model, 503 queue full.
+        APIError: 400 bad input, 404 unknown model, 500 engine step failed, 503 queue full.
     """
     model = ctx.check_model(req.model)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options needs stream=true", "stream_options", "invalid_value")
     prompts = split_prompts(req.prompt)
+    if len(prompts) > ctx.max_prompts_per_request:
+        raise APIError(400, f"{len(prompts)} prompts in one request; this server takes at most "
+                       f"{ctx.max_prompts_per_request} (--max-prompts-per-request)", "prompt", "too_many_prompts")
     params = [sampling_params(req, req.max_tokens, req.logprobs, j) for j in range(req.n)]
     rid = new_id("cmpl")
-    iters, firsts = [], []
-    try:
-        for p_idx, prompt in enumerate(prompts):
-            its, first = await start_choices(ctx, prompt, params, f"{rid}-{p_idx}")
-            iters += its
-            firsts.append(first)
-    except BaseException:
+    # every prompt is prepared and queued at once (they batch together), not one after another
+    started = await asyncio.gather(*(start_choices(ctx, prompt, params, f"{rid}-{p_idx}")
+                                     for p_idx, prompt in enumerate(prompts)), return_exceptions=True)
+    iters = [it for r in started if not isinstance(r, BaseException) for it in r[0]]
+    firsts = [r[1] for r in started if not isinstance(r, BaseException)]
+    failed = next((r for r in started if isinstance(r, BaseException)), None)
+    if failed is not None:
         await close_all(iters + firsts)
-        raise
+        raise failed
     created = int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     cached = lambda: sum(f.num_cached_tokens for f in firsts)  # noqa: E731
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _stream(ctx, iters, firsts, req.n, base, cached, include_usage)
-    return await until_disconnected(_full(ctx, iters, firsts, req.n, base, cached), is_disconnected)
+    return await _full(ctx, iters, firsts, req.n, base, cached)
 
 
 def _usage(finals, n, cached) -> dict:
@@ -76,7 +81,8 @@ async def _full(ctx, iters, firsts, n, base, cached) -> dict:
         lp = None
         if out.logprobs is not None:
             lp = completion_logprobs(ctx.engine.tokenizer, out.token_ids, out.logprobs, out.top_logprobs, 0)
-        choices.append({"index": i, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason})
+        choices.append({"index": i, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason,
+                        **error_field(out)})
     return {**base, "choices": choices, "usage": _usage(finals, n, cached())}
 
 
@@ -84,7 +90,11 @@ async def _stream(ctx, iters, firsts, n, base, cached, include_usage) -> AsyncIt
     sent_chars, sent_tokens = [0] * len(iters), [0] * len(iters)
     last = [None] * len(iters)
     try:
-        async for i, out in merge(iters):
+        async for i, out in until_error(merge(iters)):
+            if isinstance(out, BaseException):  # the engine failed midway: say so, then end the stream
+                yield error_event(out)
+                yield sse("[DONE]")
+                return
             last[i] = out
             text = out.text[sent_chars[i]:] if len(out.text) > sent_chars[i] else ""
             new_ids = out.token_ids[sent_tokens[i]:]
@@ -97,7 +107,8 @@ async def _stream(ctx, iters, firsts, n, base, cached, include_usage) -> AsyncIt
                                          sent_chars[i])
             sent_chars[i] += len(text)
             sent_tokens[i] = len(out.token_ids)
-            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
+            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason,
+                      **error_field(out)}
             yield sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
         if include_usage:
             yield sse({**base, "choices": [], "usage": _usage(last, n, cached())})
