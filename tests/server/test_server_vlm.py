@@ -74,6 +74,18 @@ def test_mm_processor_kwargs_max_pixels_equal_mm_options(vlm_server, vlm_llm):
     assert r.choices[0].message.content == ref.text
 
 
+@pytest.mark.parametrize("kwargs", [{"max_pixels": 20_000_000}, {"min_pixels": 20_000_000, "max_pixels": 20_000_000},
+                                    {"min_pixels": 20_000_000}])
+def test_mm_processor_kwargs_may_not_raise_the_servers_bounds(vlm_server, kwargs):
+    """The server runs with --max-pixels 50176 (64 visual tokens); a request asking for more
+    (a 1x1 PNG blown up to 2e7 pixels once froze every stream for 13 s) is a 400 naming the
+    bound, answered before the image is decoded."""
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(vlm_server, data_uri(IMAGES / "logo.png"), extra_body={"mm_processor_kwargs": kwargs})
+    message = e.value.body["message"] if isinstance(e.value.body, dict) else str(e.value)
+    assert "above this server's max_pixels 50176" in message or "must be <= max_pixels (50176)" in message
+
+
 @pytest.mark.parametrize("url_of, status, words", [
     (lambda h: data_uri(IMAGES / "not_an_image.png"), 400, "not an image"),
     (lambda h: data_uri(IMAGES / "truncated.jpg"), 400, "truncated"),
