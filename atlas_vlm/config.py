@@ -79,6 +79,10 @@ class EngineConfig:
     http_image_timeout_s: float = DEFAULT_HTTP_TIMEOUT_S  # overall deadline of one image download (s)
     http_image_max_bytes: int = DEFAULT_HTTP_MAX_BYTES  # byte cap of one image download
     seed: int = 0  # default sampling seed of requests that set none
+    # weight-only quantization (atlas_vlm.quantization): None (dense), "int8" / "int4" (quantized
+    # at load, round to nearest), "gguf" (a .gguf's tensors as stored), "awq" / "gptq" (read from
+    # the checkpoint's quantization_config, which is honoured when this is None)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -99,6 +103,9 @@ class EngineConfig:
         if isinstance(self.http_image_max_bytes, bool) or not isinstance(self.http_image_max_bytes, int) \
                 or self.http_image_max_bytes < 1:
             raise ValueError(f"http_image_max_bytes must be an int >= 1, got {self.http_image_max_bytes!r}")
+        from atlas_vlm.quantization import check_quantization
+
+        check_quantization(self.quantization)
         if not 0 < self.min_pixels <= self.max_pixels:
             raise ValueError(f"need 0 < min_pixels <= max_pixels, got {self.min_pixels} and {self.max_pixels}")
 

@@ -50,7 +50,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         device, dtype = config.torch_device(), config.torch_dtype()
-        loaded = load_model(config.model, dtype=dtype, device=device, revision=config.revision)
+        loaded = load_model(config.model, dtype=dtype, device=device, revision=config.revision,
+                            quantization=config.quantization)
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
         arch = loaded.model.arch
