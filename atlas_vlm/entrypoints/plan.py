@@ -48,6 +48,7 @@ def format_plan(p: MemoryPlan) -> str:
     rows = [
         ("model", p.model),
         ("dtype", f"{p.dtype_bytes} bytes per parameter / KV element"),
+        ("quantization", p.quantization or "none (dense)"),
         ("weights", f"{_gib(p.weight_bytes)} ({p.weight_bytes:,} bytes; vision tower {_gib(p.vision_weight_bytes)})"),
         ("vision activation peak", f"{_gib(p.vision_peak_bytes)} at max_pixels={p.max_pixels:,} "
                                    f"({p.image_tokens} visual tokens per image)" if p.image_tokens
@@ -67,20 +68,25 @@ def format_plan(p: MemoryPlan) -> str:
 def format_matrix(args) -> str:
     """One row per chain model: weights, KV bytes per token, then per GPU size
     ``sequences (blocks)`` for sequences of ``max_model_len`` tokens with one image each."""
-    head = f"{'model':<38} {'weights':>10} {'KV/token':>9} " + " ".join(f"{f'{g} GiB':>14}" for g in MATRIX_GIB)
+    head = f"{'model':<45} {'weights':>10} {'KV/token':>9} " + " ".join(f"{f'{g} GiB':>14}" for g in MATRIX_GIB)
     lines = [f"sequences of L={args.max_model_len or 4096} tokens (one image at max_pixels={args.max_pixels:,}) "
              f"held at once (KV blocks of {args.block_size}), {args.dtype}, "
              f"gpu_memory_utilization={args.gpu_memory_utilization}", head]
-    for model in CHAIN:
-        cfg = load_config(model)
-        cells, first = [], None
-        for g in MATRIX_GIB:
-            p = plan(cfg, model=model, gpu_memory=g * GiB, gpu_memory_utilization=args.gpu_memory_utilization,
-                     max_model_len=args.max_model_len or 4096, max_pixels=args.max_pixels, dtype=args.dtype,
-                     block_size=args.block_size)
-            first = first or p
-            cells.append(f"{p.max_num_seqs if p.num_blocks else '-':>5} {f'({p.num_blocks})':>8}")
-        lines.append(f"{model:<38} {_gib(first.weight_bytes):>10} {first.kv_bytes_per_token:>9,} " + " ".join(cells))
+    quants = [getattr(args, "quantization", None)]
+    if quants[0] is None:
+        quants.append("int4")  # the int4 rows (group 128) beside the dense ones
+    for quant in quants:
+        for model in CHAIN:
+            cfg = load_config(model)
+            cells, first = [], None
+            for g in MATRIX_GIB:
+                p = plan(cfg, model=model, gpu_memory=g * GiB, gpu_memory_utilization=args.gpu_memory_utilization,
+                         max_model_len=args.max_model_len or 4096, max_pixels=args.max_pixels, dtype=args.dtype,
+                         block_size=args.block_size, quantization=quant)
+                first = first or p
+                cells.append(f"{p.max_num_seqs if p.num_blocks else '-':>5} {f'({p.num_blocks})':>8}")
+            name = model if quant is None else f"{model} {quant}"
+            lines.append(f"{name:<45} {_gib(first.weight_bytes):>10} {first.kv_bytes_per_token:>9,} " + " ".join(cells))
     return "\n".join(lines)
 
 
@@ -96,7 +102,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-pixels", type=int, default=1280 * 28 * 28, help="pixels of the one image per sequence")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--block-size", type=int, default=16, help="kvcache_block_size")
-    p.add_argument("--matrix", action="store_true", help="the four chain models on 8/12/16/24/48/80 GiB")
+    p.add_argument("--matrix", action="store_true", help="the four chain models on 8/12/16/24/48/80 GiB "
+                                                         "(dense and int4 rows unless --quantization is given)")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "awq", "gptq"],
+                   help="weight-only scheme of the decoder's projections (default: dense)")
     p.set_defaults(func=run)
 
 
@@ -109,5 +118,6 @@ def run(args) -> int:
     cfg = load_config(args.model, args.revision)
     print(format_plan(plan(cfg, model=args.model, gpu_memory=args.gpu_memory,
                            gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-                           max_pixels=args.max_pixels, dtype=args.dtype, block_size=args.block_size)))
+                           max_pixels=args.max_pixels, dtype=args.dtype, block_size=args.block_size,
+                           quantization=args.quantization)))
     return 0

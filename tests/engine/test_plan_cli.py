@@ -38,8 +38,13 @@ def test_matrix_prints_the_four_models_on_six_gpus(capsys):
     header = lines[1]
     for g in (8, 12, 16, 24, 48, 80):
         assert f"{g} GiB" in header
-    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    rows = {line.split()[0]: line.split() for line in lines[2:6]}
     assert list(rows) == list(CHAIN)
+    # then the same four with int4 decoder projections (group 128, bf16 scales and zeros)
+    int4 = {line.split()[0]: line.split()[1:] for line in lines[6:]}
+    assert list(int4) == list(CHAIN) and all(r[0] == "int4" for r in int4.values())
+    assert int4["Qwen/Qwen2.5-VL-3B-Instruct"][4:6] == ["19", "(5004)"]  # 8 GiB: >= 8 sequences (issue 19)
+    assert int4["Qwen/Qwen3-VL-4B-Instruct"][1:3] == ["3.30", "GiB"] and int4["Qwen/Qwen3-VL-4B-Instruct"][4] == "4"
     assert rows["Qwen/Qwen3-VL-4B-Instruct"][4:6] == ["-", "(0)"]  # 8 GiB cannot hold 8.27 GiB of weights
     assert rows["Qwen/Qwen2.5-0.5B-Instruct"][3] == "12,288"
     assert rows["Qwen/Qwen2.5-0.5B-Instruct"][10:12] == ["419", "(107477)"]  # 24 GiB column
