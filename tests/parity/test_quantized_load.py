@@ -48,13 +48,14 @@ def load(folder, method, kernel: bool, monkeypatch) -> LLM:
     return LLM(str(folder), quantization=method, max_model_len=256, num_kvcache_blocks=16, dtype="float32")
 
 
-def hf_dequantized(hf, model):
-    """A copy of the HF model with every decoder projection replaced by our dequantized weight."""
+def hf_dequantized(hf, model, layers=lambda m: m.model.layers):
+    """A copy of the HF model with every decoder projection replaced by our dequantized weight
+    (``layers``: the HF decoder layers of a model)."""
     hf = copy.deepcopy(hf)
     arch = model.arch
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     with torch.no_grad():
-        for ours, theirs in zip(model.model.layers, hf.model.layers):
+        for ours, theirs in zip(model.model.layers, layers(hf)):
             wq, wk, wv = ours.self_attn.qkv_proj.dequantize().split([q, kv, kv])
             theirs.self_attn.q_proj.weight.copy_(wq)
             theirs.self_attn.k_proj.weight.copy_(wk)
