@@ -13,11 +13,13 @@ Formats (one per module, whatever the source: quantized at load, GGUF, AWQ, GPTQ
 
 Kernels, chosen by measurement on this project's 2-core AMD EPYC (AVX512-BF16; one thread;
 SmolLM2-135M's shapes, one decode row; ``python -m benchmarks.quant_linear``): in bf16,
-``torch.ops.aten._weight_int4pack_mm_for_cpu`` takes 20-97 us per decode projection against
-46-150 us for dense bf16 ``F.linear`` (1.5-2.9x), ``_weight_int8pack_mm`` 25-99 us (about
-1.5x on the larger ones); both ops in fp32 are unvectorised (10x slower than dense fp32).
-So the kernel path runs the op in bf16 (an fp32 input is rounded to bf16, the result cast
-back), and is used only where :func:`quant_kernel_available` says the CPU has native bf16
+``torch.ops.aten._weight_int4pack_mm_for_cpu`` takes 24-127 us per decoder projection
+against 67-394 us for dense bf16 ``F.linear`` (1.7-3.7x; the 49152-row LM head 2.9-3.3 ms
+against 9.9 ms), ``_weight_int8pack_mm`` 25-97 us (2.2-4.1x); both ops with fp32 inputs are
+unvectorised (10-30x slower than dense fp32). (The engine's dense bf16 layers are
+``PackedLinear``, 1.5-1.9x faster than ``F.linear`` for one row, so the margin over the dense
+engine is smaller.) So the kernel path runs the op in bf16 (an fp32 input is rounded to bf16,
+the result cast back), and is used only where :func:`quant_kernel_available` says the CPU has native bf16
 (AVX512-BF16 / AMX); elsewhere (AVX2-only CPUs, CUDA) ``forward`` dequantizes the weight to
 the input's dtype and calls ``F.linear``: the reference, the same answer up to bf16
 rounding of the input (bounds in ``tests/parity/test_quant_linear.py``). ``torchao``'s CPU
