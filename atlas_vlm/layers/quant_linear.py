@@ -239,10 +239,13 @@ class Int8Linear(_QuantLinear):
 
     def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dense rows ``W[rows]`` ``[len(rows), K]``: an embedding lookup from this weight."""
-        q, s = self._q_and_scales()
         g = self.in_features // self.group_size
-        w = q[rows].float().view(-1, g, self.group_size) * s[rows].float()[..., None]
-        return w.view(-1, self.in_features).to(dtype)
+        if self.grouped_layout:  # [G, N, gs], [G, N]: gather the rows without unpermuting the table
+            q, s = self.qweight[:, rows].permute(1, 0, 2), self.scales[:, rows].t()
+        else:
+            q, s = self.qweight[rows], self.scales[rows]
+        w = q.float().reshape(-1, g, self.group_size) * s.float()[..., None]
+        return w.reshape(-1, self.in_features).to(dtype)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if not self.grouped_layout:
