@@ -50,6 +50,10 @@ class EngineConfig:
     # CPU threads for torch; None: $OMP_NUM_THREADS if set, else the usable cores less those
     # busy with other work, chosen once per process (hardware.default_num_threads)
     num_threads: int | None = None
+    # weight-only quantization (atlas_vlm.quantization): None (dense), "int8" / "int4" (quantized
+    # at load, round to nearest), "gguf" (a .gguf's tensors as stored), "awq" / "gptq" (read from
+    # the checkpoint's quantization_config, which is honoured when this is None)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -101,6 +105,9 @@ class EngineConfig:
                              f"min_pixels {lo} ({origin(self.min_pixels, 'min_pixels / --min-pixels')}); "
                              "set both so that min_pixels <= max_pixels")
         return MultiModalOptions(min_pixels=lo, max_pixels=hi)
+        from atlas_vlm.quantization import check_quantization
+
+        check_quantization(self.quantization)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -159,7 +159,11 @@ def _our_name(hf_name: str) -> tuple[str | None, str, int | None]:
 
 
 def _load_weights(model: CausalLM, files: list[Path]) -> dict[str, torch.Tensor]:
+    from atlas_vlm.layers.quant_linear import quantized_modules
+
     params = dict(model.named_parameters())
+    qids = {id(m) for m in quantized_modules(model)}  # quantized at load: dense rows -> module.load_dense_rows
+    quant = {f"{n}.weight": m for n, m in model.named_modules() if id(m) in qids}
     loaded: set[str] = set()
     unexpected, visual = [], {}
     arch = model.arch
@@ -172,6 +176,9 @@ def _load_weights(model: CausalLM, files: list[Path]) -> dict[str, torch.Tensor]
                     visual[name] = f.get_tensor(hf_name)
                     continue
                 if kind is None:
+                    continue
+                if name in quant:
+                    _load_quantized_rows(quant[name], name, shard, f.get_tensor(hf_name), arch, qkv_sizes, loaded)
                     continue
                 if name not in params:
                     unexpected.append(hf_name)
@@ -187,7 +194,7 @@ def _load_weights(model: CausalLM, files: list[Path]) -> dict[str, torch.Tensor]
                 target.copy_(tensor)
                 loaded.add(name)
     expected = set()
-    for name in params:
+    for name in list(params) + list(quant):
         if "qkv_proj.weight" in name or "qkv_proj.bias" in name:
             expected |= {f"{name}#{i}" for i in range(3)}
         elif "gate_up_proj" in name:
@@ -203,8 +210,21 @@ def _load_weights(model: CausalLM, files: list[Path]) -> dict[str, torch.Tensor]
     return visual
 
 
+def _load_quantized_rows(module, name: str, shard: int | None, tensor: torch.Tensor, arch, qkv_sizes,
+                         loaded: set[str]) -> None:
+    """Quantize-at-load: one HF weight (a q/k/v or gate/up shard, or a whole projection) into
+    its rows of a quantized module."""
+    row = 0
+    if shard is not None:
+        sizes = qkv_sizes if "qkv_proj" in name else [arch.intermediate_size] * 2
+        row = sum(sizes[:shard])
+        name = f"{name}#{shard}"
+    module.load_dense_rows(row, tensor)
+    loaded.add(name)
+
+
 def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               revision: str | None = None) -> LoadedModel:
+               revision: str | None = None, quantization: str | None = None) -> LoadedModel:
     """Load config, tokenizer and weights of a supported model.
 
     Args:
@@ -213,13 +233,22 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
         dtype: parameter dtype (``EngineConfig.torch_dtype``: bf16 on CUDA and on CPUs with
             AMX/AVX512-BF16, else fp32).
         revision: Hub branch / tag / commit for a Hub id.
+        quantization: None (dense), "int8" / "int4" (quantized at load, round to nearest),
+            "gguf" (a .gguf file's tensors as stored), "awq" / "gptq" (the checkpoint's
+            own ``quantization_config`` is read and honoured either way); see
+            :mod:`atlas_vlm.quantization`.
 
     Raises:
         ModelNotFoundError: ``path`` does not exist or has no config/weights.
         UnsupportedModelError: the architecture is not in ``registry.SUPPORTED_ARCHITECTURES``.
         ValueError: the weights do not match the config.
+        UnsupportedQuantizationError: an unknown scheme, a checkpoint quantization method or
+            GGUF tensor type we do not run (named), or a scheme that does not fit the file.
     """
     from atlas_vlm.hub import resolve_model_path
+    from atlas_vlm.quantization import check_quantization
+
+    check_quantization(quantization)
 
     path = resolve_model_path(path, revision)
     if not path.exists():
@@ -228,6 +257,10 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelNotFoundError(f"model file {path} is not a .gguf file; pass an HF model folder or a .gguf file")
+        if quantization == "gguf":
+            from atlas_vlm.quantization.gguf import load_gguf_quantized
+
+            return load_gguf_quantized(path, dtype=dtype, device=device)
         path = gguf_to_folder(path)
     if not (path / "config.json").exists():
         raise ModelNotFoundError(f"model folder {path} has no config.json")
@@ -235,9 +268,22 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
     arch = ModelArch.from_hf_config(hf_config)
     files = _checkpoint_files(path)
     family = resolve_family(hf_config)
-    model = model_class(family)(arch, text_config_of(hf_config, family))
-    visual = _load_weights(model, files)
+    from atlas_vlm.quantization import resolve_quantization
+
+    method, quant_config = resolve_quantization(quantization, hf_config)
+    if method is None:
+        model = model_class(family)(arch, text_config_of(hf_config, family))
+        visual = _load_weights(model, files)
+    else:
+        from atlas_vlm.quantization.build import load_quantized_weights
+
+        model, visual = load_quantized_weights(model_class(family), arch, text_config_of(hf_config, family), files,
+                                               method, quant_config, _load_weights)
     model.to(device=device, dtype=dtype).eval()
+    if method is not None:
+        from atlas_vlm.layers.quant_linear import finalize_quantized, quant_kernel_available
+
+        finalize_quantized(model, quant_kernel_available(device))
     # transformers 4.57.3-4.57.x flags every local tokenizer saved by those versions as a
     # Mistral one with a bad regex (a false positive); saying False keeps it as it is, quietly.
     tokenizer = AutoTokenizer.from_pretrained(path, fix_mistral_regex=False)

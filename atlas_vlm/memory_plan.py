@@ -4,7 +4,9 @@ One source of truth for KV sizing: the engine's ``ModelRunner`` calls ``kv_cache
 ``kv_cache_spec`` and ``num_kv_blocks`` below with measured figures; ``plan`` calls them
 with figures computed from the config. Figures, for a dtype of ``b`` bytes:
 
-- weights: ``(text_params + vision_params) * b`` (``models.param_count``, exact HF counts).
+- weights: ``(text_params + vision_params) * b`` (``models.param_count``, exact HF counts);
+  with ``quantization`` the decoder projections at that scheme's bytes
+  (``atlas_vlm.quantization.sizes``: int8 ``N K + N b``, int4 ``N K / 2 + 2 (K / g) N b``).
 - KV per token: ``2 (K, V) * num_layers * num_kv_heads * head_dim * b``
   (``KVCacheSpec.bytes_per_token``); per block: that times ``kvcache_block_size``.
 - vision activation peak at ``max_pixels``: see ``vision_activation_peak``.
@@ -154,6 +156,7 @@ class MemoryPlan:
         if self.max_num_seqs == 0:
             return f"does not fit: {self.num_blocks} blocks hold less than one sequence of L={self.max_model_len:,}"
         return None
+    quantization: str | None = None  # the decoder projections' scheme (None: dense)
 
     @property
     def blocks_per_seq(self) -> int:
@@ -162,7 +165,7 @@ class MemoryPlan:
 
 def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_utilization: float = 0.9,
          max_model_len: int | None = None, max_pixels: int | None = None, dtype: str = "bf16",
-         block_size: int = 16, image_settings=None) -> MemoryPlan:
+         block_size: int = 16, image_settings=None, quantization: str | None = None) -> MemoryPlan:
     """Plan one model on one GPU (see the module docstring for every formula).
 
     Args:
@@ -171,10 +174,14 @@ def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_u
         max_pixels: the one image's bound; ``None``: the checkpoint's, as the engine takes it
             (``image_settings``, i.e. ``mm_token_pipeline.image_processor_settings`` of the
             folder; the family's released defaults when that is None too).
+        quantization: None (dense) or "int8" / "int4" / "awq" / "gptq": the decoder's
+            projections at that scheme's bytes (``quantization.sizes``); the rest dense.
 
     Raises:
-        ValueError: unknown ``dtype``, or a vision tower without a formula.
+        ValueError: unknown ``dtype`` or ``quantization``, or a vision tower without a formula.
     """
+    from atlas_vlm.quantization.sizes import text_weight_bytes
+
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
     b = DTYPE_BYTES[dtype]
@@ -187,7 +194,7 @@ def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_u
         image_settings = image_settings or image_processor_settings(None, hf_config)
         max_pixels, source = image_settings.max_pixels, image_settings.source
     max_pixels = max_pixels if vis else 0
-    weights = text_params(hf_config) * b + vis
+    weights = text_weight_bytes(hf_config, quantization, b) + vis
     peak = vision_activation_peak(hf_config, max_pixels, b)
     spec = kv_cache_spec(text.num_hidden_layers, num_kv_heads(text), head_dim(text), TORCH_DTYPES[b])
     budget = kv_cache_budget(gpu_memory, gpu_memory_utilization, weights + RUNTIME_OVERHEAD_BYTES,
@@ -198,4 +205,4 @@ def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_u
     seqs = blocks // -(-length // block_size) if length >= image_tokens else 0
     return MemoryPlan(model, b, weights, vis, peak, spec.bytes_per_token, spec.bytes_per_token * block_size,
                       block_size, gpu_memory, gpu_memory_utilization, budget, blocks, length, max_pixels,
-                      image_tokens, seqs, source)
+                      image_tokens, seqs, source, quantization)

@@ -1,14 +1,16 @@
 #!/usr/bin/env python
 """Benchmark Atlas VLM against its peers in one process, on the same prompts; prints ratios.
 
-    python scripts/bench.py                 # all sections (text, vlm, serve, detok), ~9 min on 2 cores
+    python scripts/bench.py                 # all sections (text, quant, vlm, serve, detok), ~11 min on 2 cores
     python scripts/bench.py --quick         # smaller sizes, a few minutes
     python scripts/bench.py --text --serve --json results.json
     python scripts/bench.py --server --quick  # HTTP: atlas-vlm serve vs transformers serve
     python scripts/bench.py --replicas --quick  # 1 vs 2 replicas (Ray Serve), cache-aware vs least-loaded
 
 Sections: --text (decode tok/s paged/contiguous vs HF generate and llama.cpp, against the
-bandwidth limit; a 2,048-token prefill vs the GEMM peak; KV waste), --vlm (time to first token
+bandwidth limit; a 2,048-token prefill vs the GEMM peak; KV waste), --quant (decode tok/s of
+dense fp32, the Q4_1 GGUF as stored and int8 / int4 at load, against the bandwidth limit of the
+bytes each reads and llama.cpp), --vlm (time to first token
 with one image vs HF Qwen2.5-VL), --serve (many requests vs HF sequential, padded batches, HF
 continuous batching and llama.cpp; KV reserved-but-empty; decode FLOP/s vs the measured GEMM
 peak; VLM mix with prefix + encoder caches on vs off), --detok (output
@@ -35,6 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vlm", action="store_true", help="time to first token with one image")
     p.add_argument("--serve", action="store_true", help="many requests, KV use, FLOP/s, VLM mix")
     p.add_argument("--detok", action="store_true", help="output processing cost per token vs output length")
+    p.add_argument("--quant", action="store_true",
+                   help="decode tok/s dense fp32 vs GGUF Q4_1 as stored vs int8 / int4 (SmolLM2-135M)")
     p.add_argument("--server", action="store_true",
                    help="HTTP load (Poisson arrivals) on atlas-vlm serve vs transformers serve")
     p.add_argument("--replicas", action="store_true",
@@ -48,8 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="torch.set_num_threads for every system (default: torch's choice); on a CPU shared "
                         "with other work, 1 avoids OpenMP waits that slow small ops 10-100x")
     args = p.parse_args(argv)
-    if not (args.text or args.vlm or args.serve or args.detok or args.server or args.replicas):
-        args.text = args.vlm = args.serve = args.detok = True
+    if not (args.text or args.vlm or args.serve or args.detok or args.server or args.replicas or args.quant):
+        args.text = args.vlm = args.serve = args.detok = args.quant = True
     return args
 
 
@@ -61,7 +65,7 @@ def main(argv=None) -> int:
     import torch
 
     from atlas_vlm import EngineConfig
-    from benchmarks import detokenize, serve, server, targets, text, vlm
+    from benchmarks import detokenize, quant, serve, server, targets, text, vlm
 
     replicas = None
     if args.replicas:
@@ -76,10 +80,10 @@ def main(argv=None) -> int:
                "dtype": str(dtype)}
     print(f"dtype {dtype} (--dtype {args.dtype}), torch {torch.__version__}, {torch.get_num_threads()} threads")
     start = time.perf_counter()
-    for name, module in (("text", text), ("vlm", vlm), ("serve", serve), ("detok", detokenize), ("server", server),
-                         ("replicas", replicas)):
+    for name, module in (("text", text), ("quant", quant), ("vlm", vlm), ("serve", serve), ("detok", detokenize),
+                         ("server", server), ("replicas", replicas)):
         if getattr(args, name):
-            kwargs = {"dtype": dtype} if name in ("text", "vlm", "serve") else {}
+            kwargs = {"dtype": dtype} if name in ("text", "quant", "vlm", "serve") else {}
             results[name] = module.run(quick=args.quick, **kwargs)
     results["targets"] = targets.report(results)
     results["wall_s"] = time.perf_counter() - start

@@ -37,6 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bf16 on CUDA and on CPUs with AMX/AVX512-BF16, else fp32")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf", "awq", "gptq"],
+                   help="weight-only quantization: int8 / int4 at load, gguf as stored (a .gguf), awq / gptq "
+                        "(read from the checkpoint's quantization_config when not given)")
     p.add_argument("--no-chat", action="store_true", help="send --prompt as raw text, without the chat template")
     return p.parse_args(argv)
 
@@ -66,7 +69,7 @@ def _generate(args: argparse.Namespace, streaming: list) -> int:
         print(RANDOM_VLM_NOTICE, file=sys.stderr)
         model = default_vlm_model()
     kwargs = dict(kv_cache=args.kv_cache, kvcache_block_size=args.block_size, revision=args.revision,
-                  dtype=args.dtype, device=args.device)
+                  dtype=args.dtype, device=args.device, quantization=args.quantization)
     if args.max_model_len:
         kwargs["max_model_len"] = args.max_model_len
     for name in ("max_pixels", "min_pixels"):

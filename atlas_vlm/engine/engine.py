@@ -53,7 +53,8 @@ class LLMEngine:
         device, dtype = config.torch_device(), config.torch_dtype()
         if device.type == "cpu":
             hardware.apply_num_threads(config.num_threads)
-        loaded = load_model(config.model, dtype=dtype, device=device, revision=config.revision)
+        loaded = load_model(config.model, dtype=dtype, device=device, revision=config.revision,
+                            quantization=config.quantization)
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
         arch = loaded.model.arch

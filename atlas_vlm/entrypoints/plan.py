@@ -50,7 +50,8 @@ def plan_model(model: str, args, **overrides) -> MemoryPlan:
     cfg, folder = load_config(model, getattr(args, "revision", None))
     kwargs = dict(model=model, gpu_memory=args.gpu_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                   max_model_len=args.max_model_len, max_pixels=args.max_pixels, dtype=args.dtype,
-                  block_size=args.block_size, image_settings=image_processor_settings(folder, cfg))
+                  block_size=args.block_size, image_settings=image_processor_settings(folder, cfg),
+                  quantization=getattr(args, "quantization", None))
     return plan(cfg, **{**kwargs, **overrides})
 
 
@@ -63,6 +64,7 @@ def format_plan(p: MemoryPlan) -> str:
     rows = [
         ("model", p.model),
         ("dtype", f"{p.dtype_bytes} bytes per parameter / KV element"),
+        ("quantization", p.quantization or "none (dense)"),
         ("weights", f"{_gib(p.weight_bytes)} ({p.weight_bytes:,} bytes; vision tower {_gib(p.vision_weight_bytes)})"),
         ("image bound", f"max_pixels={p.max_pixels:,} ({p.image_tokens:,} visual tokens per image; "
                         f"{'from ' + p.pixels_source if not p.pixels_source.startswith('max_pixels') else 'given'})"
@@ -88,20 +90,25 @@ def format_matrix(args) -> str:
     ``sequences (blocks)`` for sequences of ``max_model_len`` tokens with one image each."""
     length = args.max_model_len or 4096
     bound = f"max_pixels={args.max_pixels:,}" if args.max_pixels else "each model's own max_pixels"
-    head = (f"{'model':<38} {'weights':>10} {'KV/token':>9} {'image tok':>9} "
+    head = (f"{'model':<45} {'weights':>10} {'KV/token':>9} {'image tok':>9} "
             + " ".join(f"{f'{g} GiB':>14}" for g in MATRIX_GIB))
     lines = [f"sequences of L={length} tokens (one image at {bound}) held at once (KV blocks of "
              f"{args.block_size}), {args.dtype}, gpu_memory_utilization={args.gpu_memory_utilization}; "
              "'-': weights do not fit, 'img>L': one image is longer than L", head]
-    for model in CHAIN:
-        cells, first = [], None
-        for g in MATRIX_GIB:
-            p = plan_model(model, args, gpu_memory=g * GiB, max_model_len=length)
-            first = first or p
-            seqs = "-" if not p.num_blocks else "img>L" if p.image_tokens > length else f"{p.max_num_seqs}"
-            cells.append(f"{seqs:>5} {f'({p.num_blocks})':>8}")
-        lines.append(f"{model:<38} {_gib(first.weight_bytes):>10} {first.kv_bytes_per_token:>9,} "
-                     f"{first.image_tokens or '-':>9} " + " ".join(cells))
+    quants = [getattr(args, "quantization", None)]
+    if quants[0] is None:
+        quants.append("int4")  # the int4 rows (group 128) beside the dense ones
+    for quant in quants:
+        for model in CHAIN:
+            cells, first = [], None
+            for g in MATRIX_GIB:
+                p = plan_model(model, args, gpu_memory=g * GiB, max_model_len=length, quantization=quant)
+                first = first or p
+                seqs = "-" if not p.num_blocks else "img>L" if p.image_tokens > length else f"{p.max_num_seqs}"
+                cells.append(f"{seqs:>5} {f'({p.num_blocks})':>8}")
+            name = model if quant is None else f"{model} {quant}"
+            lines.append(f"{name:<45} {_gib(first.weight_bytes):>10} {first.kv_bytes_per_token:>9,} "
+                         f"{first.image_tokens or '-':>9} " + " ".join(cells))
     return "\n".join(lines)
 
 
@@ -119,7 +126,11 @@ def add_parser(subparsers) -> None:
                         "preprocessor_config.json, as the engine)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--block-size", type=int, default=16, help="kvcache_block_size")
-    p.add_argument("--matrix", action="store_true", help="Qwen3-VL-4B, Qwen2.5-VL-3B, SmolVLM2-2.2B and Qwen2.5-0.5B on 8/12/16/24/48/80 GiB GPUs")
+    p.add_argument("--matrix", action="store_true",
+                   help="Qwen3-VL-4B, Qwen2.5-VL-3B, SmolVLM2-2.2B and Qwen2.5-0.5B on 8/12/16/24/48/80 GiB GPUs "
+                        "(dense and int4 rows unless --quantization is given)")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "awq", "gptq"],
+                   help="weight-only scheme of the decoder's projections (default: dense)")
     p.set_defaults(func=run)
 
 

@@ -38,7 +38,7 @@ def test_matrix_prints_the_four_models_on_six_gpus(capsys):
     header = lines[1]
     for g in (8, 12, 16, 24, 48, 80):
         assert f"{g} GiB" in header
-    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    rows = {line.split()[0]: line.split() for line in lines[2:6]}
     assert list(rows) == list(CHAIN)
     assert "each model's own max_pixels" in lines[0]
     assert rows["Qwen/Qwen3-VL-4B-Instruct"][5:7] == ["-", "(0)"]  # 8 GiB cannot hold 8.27 GiB of weights
@@ -53,8 +53,13 @@ def test_matrix_with_an_explicit_bound(capsys):
     assert main(["plan", "--matrix", "--max-pixels", str(1280 * 28 * 28)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "one image at max_pixels=1,003,520" in lines[0]
-    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    rows = {line.split()[0]: line.split() for line in lines[2:6]}
     assert rows["Qwen/Qwen2.5-VL-3B-Instruct"][4] == "1280" and rows["Qwen/Qwen2.5-VL-3B-Instruct"][11] != "img>L"
+    # then the same four with int4 decoder projections (group 128, bf16 scales and zeros)
+    int4 = {line.split()[0]: line.split()[1:] for line in lines[6:]}
+    assert list(int4) == list(CHAIN) and all(r[0] == "int4" for r in int4.values())
+    assert int4["Qwen/Qwen2.5-VL-3B-Instruct"][5:7] == ["19", "(5004)"]  # 8 GiB: >= 8 sequences of 1,280-token images
+    assert int4["Qwen/Qwen3-VL-4B-Instruct"][1:3] == ["3.30", "GiB"] and int4["Qwen/Qwen3-VL-4B-Instruct"][5] == "4"
 
 
 def test_plan_takes_the_checkpoints_bound_and_says_so(capsys):

@@ -45,6 +45,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="tokens per request (prompt + output)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf", "awq", "gptq"],
+                   help="weight-only quantization: int8 / int4 at load, gguf as stored (a .gguf), awq / gptq "
+                        "(read from the checkpoint's quantization_config when not given)")
     p.add_argument("--kv-cache-memory", type=bytes_arg(), default=None,
                    help="CPU: bytes of KV cache (e.g. 512MiB; default 1GiB)")
     p.add_argument("--num-kvcache-blocks", type=int, default=-1, help="KV blocks (-1: from memory)")
@@ -79,6 +82,7 @@ def engine_config_from_args(args):
     from atlas_vlm.default_models import default_text_model
 
     kwargs = dict(model=args.model or default_text_model(), dtype=args.dtype, device=args.device,
+                  quantization=args.quantization,
                   max_model_len=args.max_model_len, num_kvcache_blocks=args.num_kvcache_blocks,
                   gpu_memory_utilization=args.gpu_memory_utilization, kvcache_block_size=args.block_size,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
