@@ -28,28 +28,26 @@ int4 layout calls the same aten op, so it is not a dependency.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from atlas_vlm import hardware
 
 INT4_PACK_BLOCK_N = 64  # rows per block in _convert_weight_to_int4pack_for_cpu's layout
 INT4_GROUP_SIZES = (128, 64, 32)  # default group first; the kernel accepts 32, 64, 128, 256
 DEFAULT_INT4_GROUP_SIZE = 128
 
 
-def quant_kernel_available(device: torch.device | str = "cpu", capabilities: Mapping[str, object] | None = None) -> bool:
+def quant_kernel_available(device: torch.device | str = "cpu", cpu: "hardware.CpuFeatures | None" = None) -> bool:
     """Whether quantized linears use the aten kernels: a CPU with native bf16 dot products
-    (``config.cpu_has_fast_bf16(capabilities)``) whose torch has
+    (``hardware.cpu_features().fast_bf16``, or ``cpu``'s) whose torch has
     ``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu`` and
-    ``_convert_weight_to_int4pack_for_cpu``. Tests pass ``capabilities`` (or patch this
-    function) to fake either answer."""
-    from atlas_vlm.config import cpu_has_fast_bf16
-
+    ``_convert_weight_to_int4pack_for_cpu``. Tests pass ``cpu`` (or patch this function or
+    ``hardware.cpu_features``) to fake either answer."""
     ops = ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu")
     return (torch.device(device).type == "cpu" and all(hasattr(torch.ops.aten, op) for op in ops)
-            and cpu_has_fast_bf16(capabilities))
+            and (cpu or hardware.cpu_features()).fast_bf16)
 
 
 def int4_group_size(in_features: int, preferred: int = DEFAULT_INT4_GROUP_SIZE) -> int:

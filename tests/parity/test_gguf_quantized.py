@@ -85,7 +85,8 @@ def smollm2_runs():
     path = default_text_model()
     dense = LLM(path, dtype="float32", max_model_len=512)
     tok = dense.engine.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
+                                       return_dict=False)
                for p in PROMPTS]
     outs = dense.generate(prompts, SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True), use_tqdm=False)
     prefixes = [p + o.token_ids[:i] for p, o in zip(prompts, outs) for i in range(N_TOKENS)]

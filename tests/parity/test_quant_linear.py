@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from atlas_vlm import hardware
+from atlas_vlm.hardware import CpuFeatures
 from torch import nn
 
 from atlas_vlm.layers.quant_linear import (Int4Linear, Int8Linear, QuantEmbedding, int4_group_size, pack_int4_cpu,
@@ -95,10 +98,17 @@ def test_quant_embedding_rows_equal_dequantized_table():
 
 
 def test_kernel_capability_detection_faked_both_ways(monkeypatch):
-    assert quant_kernel_available("cpu", {"avx512_bf16": True}) is True
-    assert quant_kernel_available("cpu", {"amx_bf16": True, "avx512_bf16": False}) is True
-    assert quant_kernel_available("cpu", {"avx2": True, "avx512_bf16": False}) is False  # AVX2-only: reference
-    assert quant_kernel_available("cuda", {"avx512_bf16": True}) is False
+    def cpu(flags):
+        return CpuFeatures(frozenset(flags.split()), "x86_64")
+
+    assert quant_kernel_available("cpu", cpu("avx2 avx512f avx512_bf16")) is True
+    assert quant_kernel_available("cpu", cpu("avx2 amx_tile amx_bf16")) is True
+    assert quant_kernel_available("cpu", cpu("avx avx2 fma f16c")) is False  # AVX2-only: reference
+    assert quant_kernel_available("cuda", cpu("avx2 avx512_bf16")) is False
+    monkeypatch.setattr(hardware, "cpu_features", lambda: cpu("avx avx2 fma f16c"))  # the detector itself faked
+    assert quant_kernel_available("cpu") is False
+    monkeypatch.setattr(hardware, "cpu_features", lambda: cpu("avx2 avx512_bf16"))
+    assert quant_kernel_available("cpu") is True
     monkeypatch.delattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", raising=False)
     if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-        assert quant_kernel_available("cpu", {"avx512_bf16": True}) is False  # an older torch without the op
+        assert quant_kernel_available("cpu", cpu("avx2 avx512_bf16")) is False  # an older torch without the op
