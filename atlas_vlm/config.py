@@ -79,6 +79,7 @@ class EngineConfig:
     http_image_timeout_s: float = DEFAULT_HTTP_TIMEOUT_S  # overall deadline of one image download (s)
     http_image_max_bytes: int = DEFAULT_HTTP_MAX_BYTES  # byte cap of one image download
     seed: int = 0  # default sampling seed of requests that set none
+    reasoning_parser: str | None = None  # "qwen3": <think>..</think> reasoning; grammars apply after it
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

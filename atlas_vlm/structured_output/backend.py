@@ -1,0 +1,173 @@
+"""The grammar library behind structured output, behind one small interface.
+
+``StructuredOutputBackend`` compiles a ``StructuredOutputsParams`` for one tokenizer into a
+``StructuredOutputGrammar`` (one request's matcher): ``fill_bitmask`` writes the allowed next
+tokens into a row of an int32 token bitmask (bit ``i % 32`` of word ``i // 32`` is token
+``i``, the layout llguidance and xgrammar share), ``accept_token`` advances it.
+
+The backend is llguidance (measured against xgrammar on this machine, see README
+"Structured output"): compiling a schema takes under 1 ms against 20-60 ms, and masks cost
+tens of microseconds a token either way. Another library is one more subclass.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from atlas_vlm.structured_output.params import StructuredOutputsParams, choice_regex
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words per bitmask row for ``vocab_size`` tokens."""
+    return (vocab_size + 31) // 32
+
+
+def allocate_token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """``[rows, ceil(vocab_size / 32)]`` int32, all bits set (every token allowed)."""
+    return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` with every token whose bit is 0 set to ``-inf``; one vectorised op.
+
+    Args:
+        logits: ``[rows, vocab]`` float.
+        bitmask: ``[rows, words]`` int32, ``words * 32 >= vocab`` (bits past ``vocab`` ignored).
+
+    Returns: a new ``[rows, vocab]`` tensor.
+    """
+    rows, vocab = logits.shape
+    if bitmask.shape[0] != rows or bitmask.shape[1] * 32 < vocab:
+        raise ValueError(f"bitmask of shape {tuple(bitmask.shape)} does not cover logits of shape {(rows, vocab)}")
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.to(logits.device)[:, :, None] >> shifts) & 1).view(rows, -1)[:, :vocab].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def grammar_spec(params: StructuredOutputsParams) -> tuple[str, object]:
+    """``(library kind, spec)``: "json" with a schema, "regex" or "lark" with a string."""
+    kind = params.kind
+    if kind == "json":
+        return "json", params.json
+    if kind == "json_object":
+        return "json", {"type": "object"}
+    if kind == "regex":
+        return "regex", params.regex
+    if kind == "choice":
+        return "regex", choice_regex(params.choice)
+    return "lark", params.grammar
+
+
+class StructuredOutputGrammar(abc.ABC):
+    """One request's grammar state (a matcher)."""
+
+    @abc.abstractmethod
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one sampled token; False if the grammar does not allow it."""
+
+    @abc.abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (EOS only where the grammar accepts)."""
+
+    @abc.abstractmethod
+    def is_terminated(self) -> bool:
+        """The grammar has ended: nothing but EOS could follow (or EOS was accepted)."""
+
+    @abc.abstractmethod
+    def error(self) -> str | None:
+        """Why the matcher failed, if it did."""
+
+
+class StructuredOutputBackend(abc.ABC):
+    """Compiles grammars for one tokenizer.
+
+    Args:
+        tokenizer: the model's transformers (fast) tokenizer.
+        vocab_size: the model's logits width (may exceed ``len(tokenizer)``; ids past the
+            tokenizer are never allowed).
+        eos_token_ids: ids that end a request; allowed where the grammar accepts.
+    """
+
+    mask_vocab_size: int  # bits per bitmask row, >= vocab_size
+
+    @abc.abstractmethod
+    def compile_grammar(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
+        """A fresh matcher for ``params``. Raises ValueError if the grammar is refused."""
+
+
+class GuidanceGrammar(StructuredOutputGrammar):
+    def __init__(self, matcher):
+        self.matcher = matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self.matcher.consume_token(token_id))
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        import llguidance.torch
+
+        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return bool(self.matcher.is_stopped())
+
+    def error(self) -> str | None:
+        return self.matcher.get_error() or None
+
+
+def _ll_grammar(params: StructuredOutputsParams) -> str:
+    import llguidance
+
+    kind, spec = grammar_spec(params)
+    if kind == "json":
+        # whitespace as in json.dumps' default separators; keys in the schema's order
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            spec, defaults={"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "})
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec)
+    return llguidance.LLMatcher.grammar_from_lark(spec)
+
+
+def validate(params: StructuredOutputsParams) -> None:
+    """Check the spec without a tokenizer.
+
+    Raises:
+        ValueError: the library's message (naming the unsupported feature or syntax error).
+    """
+    import llguidance
+
+    try:
+        err = llguidance.LLMatcher.validate_grammar(_ll_grammar(params), None)
+    except (ValueError, TypeError, RuntimeError) as e:
+        err = str(e)
+    if err:
+        raise ValueError(f"structured_outputs.{params.kind} is not supported: {err}")
+
+
+class GuidanceBackend(StructuredOutputBackend):
+    """llguidance (``pip install llguidance``)."""
+
+    name = "guidance"
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+        import llguidance.hf
+
+        self.vocab_size = vocab_size
+        n_vocab = max(vocab_size, len(tokenizer))
+        self.mask_vocab_size = n_vocab  # bits per bitmask row (>= the logits width)
+        eos = sorted(eos_token_ids) or None
+        self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=eos)
+        # the first mask over a tokenizer builds the library's token tables (~1.5 s for 150k
+        # tokens on this CPU): pay it here, once, not inside an engine step
+        warm = self.compile_grammar(StructuredOutputsParams(regex="a"))
+        warm.fill_bitmask(allocate_token_bitmask(1, n_vocab), 0)
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> GuidanceGrammar:
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, _ll_grammar(params), log_level=0)
+        err = matcher.get_error()
+        if err:
+            raise ValueError(f"structured_outputs.{params.kind} cannot be compiled: {err}")
+        return GuidanceGrammar(matcher)
