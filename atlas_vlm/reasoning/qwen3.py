@@ -39,44 +39,51 @@ class ReasoningParser:
                 return REASONING
         return MAYBE
 
-    def extract_reasoning(self, text: str) -> tuple[str | None, str]:
+    def extract_reasoning(self, text: str, state: str = MAYBE) -> tuple[str | None, str]:
         """``(reasoning_content or None, content)`` of a whole output (special tokens
-        already skipped by the detokenizer, the markers kept as they are not special).
+        already skipped by the detokenizer; the markers are plain added tokens and stay).
 
-        An output that does not open with the start marker is all content; an unclosed
-        reasoning (``max_tokens`` hit while thinking) is all reasoning.
+        Args:
+            state: ``initial_state`` of the request's prompt: ``ENDED`` (thinking off) means
+                all content; ``REASONING`` means the output starts inside the reasoning;
+                ``MAYBE``: reasoning only if the output opens with the start marker.
+
+        An unclosed reasoning (``max_tokens`` hit while thinking) is all reasoning; the
+        newlines after the end marker are dropped from the content.
         """
-        stripped = text.lstrip()
-        if not stripped.startswith(self.start):
-            if self.end in text:  # the prompt opened it (template ending in the start marker)
-                reasoning, _, content = text.partition(self.end)
-                return reasoning, content.lstrip("\n")
+        if state == ENDED:
             return None, text
-        body = stripped[len(self.start):]
-        if self.end not in body:
-            return body, ""
-        reasoning, _, content = body.partition(self.end)
+        if state == MAYBE:
+            stripped = text.lstrip()
+            if not stripped.startswith(self.start):
+                return None, text
+            text = stripped[len(self.start):]
+        if self.end not in text:
+            return text, ""
+        reasoning, _, content = text.partition(self.end)
         return reasoning, content.lstrip("\n")
 
-    def extract_reasoning_streaming(self, text: str, finished: bool) -> tuple[str, str]:
-        """``(reasoning so far, content so far)`` of a growing output, never showing text a
-        later token could move to the other side: a suffix that could still grow into a
-        marker, and the newlines right after the end marker, are held back until the end."""
+    def extract_reasoning_streaming(self, text: str, finished: bool, state: str = MAYBE) -> tuple[str, str]:
+        """``(reasoning so far, content so far)`` of a growing output; each only grows from
+        call to call. Text a later token could move to the other side is held back until it
+        cannot (a suffix that could grow into a marker, an output that could still open
+        with the start marker, the newlines right after the end marker)."""
+        if state == ENDED:
+            return "", text
         if not finished:
             for marker in (self.start, self.end):
-                for k in range(min(len(marker) - 1, len(text)), 0, -1):
-                    if text.endswith(marker[:k]):
-                        text = text[:-k]
-                        break
-        stripped = text.lstrip()
-        if not stripped and not finished:
-            return "", ""
-        if not stripped.startswith(self.start) and self.end not in text:
-            if not finished and self.start.startswith(stripped):
+                k = next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:k])), 0)
+                if k:
+                    text = text[:-k]
+                    break
+        if state == MAYBE:
+            stripped = text.lstrip()
+            if not finished and (not stripped or self.start.startswith(stripped)):
                 return "", ""
-            return "", text
-        reasoning, content = self.extract_reasoning(text)
-        if not finished and not content.strip("\n"):
+            if not stripped.startswith(self.start):
+                return "", text
+        reasoning, content = self.extract_reasoning(text, state)
+        if not finished and not content:
             content = ""
         return reasoning or "", content
 

@@ -127,7 +127,7 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
     front = AsyncLLM(engine, max_waiting_requests=max_waiting_requests, stat_logger=stat_logger)
     stat_logger.attach(front)
     ctx = ServerContext(front, served_model_names or [engine_config.model], hasattr(engine.hf_config, "vision_config"),
-                        media or MediaPolicy(), engine.max_model_len)
+                        media or MediaPolicy(), engine.max_model_len, reasoning_parser=engine.reasoning_parser)
     app = create_app(ctx, stat_logger.registry, api_key)
 
     class _Server(uvicorn.Server):

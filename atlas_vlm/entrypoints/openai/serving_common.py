@@ -26,6 +26,7 @@ class ServerContext:
     is_vlm: bool
     media: object  # media.MediaPolicy
     max_model_len: int
+    reasoning_parser: object = None  # atlas_vlm.reasoning.ReasoningParser: split thinking from content
 
     def check_model(self, name: str | None) -> str:
         """Raises APIError(404) for a model name we do not serve."""
@@ -35,9 +36,11 @@ class ServerContext:
         return self.model_names[0]
 
 
-def sampling_params(req, max_tokens: int | None, logprobs: int | None, index: int = 0) -> SamplingParams:
+def sampling_params(req, max_tokens: int | None, logprobs: int | None, index: int = 0,
+                    structured_outputs=None) -> SamplingParams:
     """SamplingParams of choice ``index`` of ``req``; choice ``i > 0`` of a seeded request uses
     ``seed + i`` so the ``n`` choices differ when sampling (vLLM draws them from one generator).
+    ``structured_outputs``: the request's ``StructuredOutputsParams`` (or None).
 
     Raises:
         APIError(400): a value out of range (the message names it).
@@ -48,6 +51,7 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None, index: in
             seed=None if req.seed is None else req.seed + index, max_tokens=max_tokens,
             stop=req.stop if isinstance(req.stop, list) else [req.stop] if req.stop else [],
             stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs,
+            structured_outputs=structured_outputs,
         )
     except (ValueError, TypeError) as e:
         raise APIError(400, f"invalid sampling parameters: {e}", None, "invalid_value") from e

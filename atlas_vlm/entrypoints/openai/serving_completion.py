@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator
 
 from atlas_vlm.entrypoints.openai.protocol import APIError, CompletionRequest
+from atlas_vlm.entrypoints.openai.structured import structured_outputs_from_request
 from atlas_vlm.entrypoints.openai.serving_common import (ServerContext, close_all, completion_logprobs, merge,
                                                          new_id, sampling_params, sse, start_choices,
                                                          until_disconnected, usage)
@@ -38,7 +39,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, is_disco
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options needs stream=true", "stream_options", "invalid_value")
     prompts = split_prompts(req.prompt)
-    params = [sampling_params(req, req.max_tokens, req.logprobs, j) for j in range(req.n)]
+    constraint = structured_outputs_from_request(req)
+    params = [sampling_params(req, req.max_tokens, req.logprobs, j, constraint) for j in range(req.n)]
     rid = new_id("cmpl")
     iters, firsts = [], []
     try:
