@@ -145,19 +145,44 @@ def validate(params: StructuredOutputsParams) -> None:
         raise ValueError(f"structured_outputs.{params.kind} is not supported: {err}")
 
 
+def _tokenizer_json(tokenizer) -> str:
+    """The tokenizer's ``tokenizer.json`` for llguidance, with one fix: a byte-level BPE
+    whose decoder is a ``Sequence`` that also holds SentencePiece steps (``ByteFallback``,
+    ``Replace('▁')``; what transformers' GGUF conversion writes for SmolLM2) gets its plain
+    ``ByteLevel`` decoder, else llguidance reads ``Ġ`` as the text 'Ġ' and its masks allow
+    tokens by the wrong bytes."""
+    import copy
+    import json
+
+    backend = copy.copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    spec = json.loads(backend.to_str())
+    decoder = spec.get("decoder") or {}
+    if decoder.get("type") == "Sequence":
+        levels = [d for d in decoder.get("decoders", []) if d.get("type") == "ByteLevel"]
+        vocab = spec.get("model", {}).get("vocab", {})
+        if levels and "<0x00>" not in vocab:
+            spec["decoder"] = levels[0]
+            if spec.get("model", {}).get("byte_fallback"):
+                spec["model"]["byte_fallback"] = False
+    return json.dumps(spec)
+
+
 class GuidanceBackend(StructuredOutputBackend):
     """llguidance (``pip install llguidance``)."""
 
     name = "guidance"
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
-        import llguidance.hf
+        import llguidance
 
         self.vocab_size = vocab_size
         n_vocab = max(vocab_size, len(tokenizer))
         self.mask_vocab_size = n_vocab  # bits per bitmask row (>= the logits width)
         eos = sorted(eos_token_ids) or None
-        self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=eos)
+        self.ll_tokenizer = llguidance.LLTokenizer(_tokenizer_json(tokenizer), n_vocab=n_vocab,
+                                                   eos_token=eos if eos is not None else tokenizer.eos_token_id)
         # the first mask over a tokenizer builds the library's token tables (~1.5 s for 150k
         # tokens on this CPU): pay it here, once, not inside an engine step
         warm = self.compile_grammar(StructuredOutputsParams(regex="a"))

@@ -229,3 +229,27 @@ def test_preemption_resumes_the_matcher(tiny_models):
     for o, r in zip(outs, roomy):
         assert o.finish_reason == "stop" and o.token_ids == r.token_ids
         jsonschema.validate(json.loads(o.text), schema)
+
+
+def test_smollm2_gguf_tokenizer_bytes_and_schema():
+    """The embedded SmolLM2 (real weights): its GGUF-converted tokenizer's decoder mixes
+    SentencePiece steps into byte-level BPE; the grammar library must still see ``Ġ"`` as
+    the bytes ' "' (it once read 'Ġ' literally and allowed tokens by the wrong bytes)."""
+    from atlas_vlm.structured_output.backend import GuidanceBackend
+
+    llm = LLM(dtype="float32", max_model_len=512, kv_cache_memory=64 << 20)
+    tok = llm.tokenizer
+    backend = GuidanceBackend(tok, llm.engine.vocab_size, llm.engine.eos_token_ids)
+    text = ' "hello world", {"a": 1}'
+    assert backend.ll_tokenizer.tokenize_str(text) == tok.encode(text, add_special_tokens=False)
+    for t in tok.encode(text, add_special_tokens=False):
+        assert backend.ll_tokenizer.decode_bytes([t]) == tok.decode([t]).encode()
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "nights": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "nights"], "additionalProperties": False}
+    outs = llm.chat([[{"role": "user", "content": "A trip to Paris as JSON."}]] * 4,
+                    [SamplingParams(temperature=1.0, seed=s, max_tokens=60, structured_outputs={"json": schema})
+                     for s in range(4)], use_tqdm=False)
+    for o in outs:
+        assert o.finish_reason == "stop", (o.text, o.error)
+        jsonschema.validate(json.loads(o.text), schema)

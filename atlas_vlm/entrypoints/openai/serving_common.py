@@ -192,11 +192,16 @@ def token_str(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
+def _finite(lp: float) -> float:
+    """A logprob JSON can carry: ``-inf`` (a token a grammar forbids) as vLLM's -9999.0."""
+    return max(lp, -9999.0)
+
+
 def chat_logprobs(tokenizer, ids: list[int], lps: list[float], tops: list[dict]) -> dict:
     """OpenAI chat ``logprobs.content``: per token its string, logprob, UTF-8 bytes and top list."""
     def entry(t, lp):
         s = token_str(tokenizer, t)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        return {"token": s, "logprob": _finite(lp), "bytes": list(s.encode("utf-8"))}
 
     content = []
     for t, lp, top in zip(ids, lps, tops):
@@ -213,8 +218,8 @@ def completion_logprobs(tokenizer, ids: list[int], lps: list[float], tops: list[
     for s in tokens:
         offsets.append(pos)
         pos += len(s)
-    return {"tokens": tokens, "token_logprobs": list(lps),
-            "top_logprobs": [{token_str(tokenizer, k): v for k, v in top.items()} for top in tops],
+    return {"tokens": tokens, "token_logprobs": [_finite(lp) for lp in lps],
+            "top_logprobs": [{token_str(tokenizer, k): _finite(v) for k, v in top.items()} for top in tops],
             "text_offset": offsets}
 
 
