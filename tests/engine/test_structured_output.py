@@ -253,3 +253,20 @@ def test_smollm2_gguf_tokenizer_bytes_and_schema():
     for o in outs:
         assert o.finish_reason == "stop", (o.text, o.error)
         jsonschema.validate(json.loads(o.text), schema)
+
+
+def test_only_the_manager_touches_grammar_state():
+    """One owner: the grammar library and its matchers appear only in
+    ``atlas_vlm/structured_output``; ``Request`` carries no grammar field."""
+    import dataclasses
+
+    from helpers import REPO
+
+    from atlas_vlm.request import Request
+
+    use = re.compile(r"llguidance|LLMatcher|consume_token|fill_bitmask|\.grammar\.|_requests\[")
+    offenders = [f"{p.relative_to(REPO)}:{i}: {line.strip()}"
+                 for p in sorted((REPO / "atlas_vlm").rglob("*.py")) if "structured_output" not in p.parts
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if use.search(line)]
+    assert offenders == []
+    assert not [f.name for f in dataclasses.fields(Request) if re.search("grammar|matcher|structured", f.name)]

@@ -2,7 +2,7 @@
 (Qwen2.5, Qwen3, Qwen2.5-VL, Qwen3-VL templates; vLLM's ``hermes`` tool parser).
 
 - ``tool_call_structured_outputs``: for ``tool_choice="required"`` or a named function, a
-  Lark grammar (llguidance) that forces one or more calls in this format whose ``name`` is a
+  Lark grammar (the structured-output backend's dialect) that forces one or more calls in this format whose ``name`` is a
   given tool and whose ``arguments`` follow that tool's ``parameters`` JSON schema;
 - ``extract_tool_calls``: whole output -> ``(content, tool_calls)`` in OpenAI's shape;
 - ``ToolCallStreamer``: the same split for a growing output as OpenAI ``tool_calls`` deltas
