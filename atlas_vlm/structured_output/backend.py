@@ -29,21 +29,39 @@ def allocate_token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32)
 
 
+_BYTE_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _byte_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[256, 8]``: row ``b`` holds 0 where bit ``i`` of byte ``b`` is set, else ``-inf``."""
+    key = (dtype, device)
+    if key not in _BYTE_TABLES:
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+        _BYTE_TABLES[key] = torch.where(bits.bool(), 0.0, float("-inf")).to(dtype=dtype, device=device)
+    return _BYTE_TABLES[key]
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """``logits`` with every token whose bit is 0 set to ``-inf``; one vectorised op.
+    """``logits`` with every token whose bit is 0 set to ``-inf``, in one vectorised pass:
+    each byte of the mask looks up its 8 additive values (0 or ``-inf``) in a 256-row table
+    (2x faster here than unpacking bits with shifts).
 
     Args:
-        logits: ``[rows, vocab]`` float.
-        bitmask: ``[rows, words]`` int32, ``words * 32 >= vocab`` (bits past ``vocab`` ignored).
+        logits: ``[rows, vocab]`` float with no ``+inf`` / NaN (the sampler replaces such rows first).
+        bitmask: ``[rows, words]`` int32, ``words * 32 >= vocab`` (bits past ``vocab`` ignored;
+            little-endian words: bit ``i % 32`` of word ``i // 32`` is token ``i``).
 
     Returns: a new ``[rows, vocab]`` tensor.
+
+    Raises:
+        ValueError: the bitmask's shape does not cover the logits.
     """
     rows, vocab = logits.shape
-    if bitmask.shape[0] != rows or bitmask.shape[1] * 32 < vocab:
+    if bitmask.dim() != 2 or bitmask.shape[0] != rows or bitmask.shape[1] * 32 < vocab:
         raise ValueError(f"bitmask of shape {tuple(bitmask.shape)} does not cover logits of shape {(rows, vocab)}")
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.to(logits.device)[:, :, None] >> shifts) & 1).view(rows, -1)[:, :vocab].bool()
-    return logits.masked_fill(~allowed, float("-inf"))
+    as_bytes = bitmask.to(logits.device).contiguous().view(torch.uint8).long()  # [rows, words * 4]
+    additive = _byte_table(logits.dtype, logits.device)[as_bytes].view(rows, -1)[:, :vocab]
+    return logits + additive
 
 
 def grammar_spec(params: StructuredOutputsParams) -> tuple[str, object]:
@@ -95,6 +113,11 @@ class StructuredOutputBackend(abc.ABC):
     @abc.abstractmethod
     def compile_grammar(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
         """A fresh matcher for ``params``. Raises ValueError if the grammar is refused."""
+
+    def fill_bitmasks(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor) -> None:
+        """``bitmask[k]`` from ``grammars[k]`` for every k (a library may do them in parallel)."""
+        for k, grammar in enumerate(grammars):
+            grammar.fill_bitmask(bitmask, k)
 
 
 class GuidanceGrammar(StructuredOutputGrammar):
@@ -180,6 +203,8 @@ class GuidanceBackend(StructuredOutputBackend):
         self.vocab_size = vocab_size
         n_vocab = max(vocab_size, len(tokenizer))
         self.mask_vocab_size = n_vocab  # bits per bitmask row (>= the logits width)
+        self._executor = None  # llguidance.LLExecutor, made on the first batch of masks
+        self._compiled: dict[str, object] = {}  # grammar text -> pristine LLMatcher (LRU, insertion order)
         eos = sorted(eos_token_ids) or None
         self.ll_tokenizer = llguidance.LLTokenizer(_tokenizer_json(tokenizer), n_vocab=n_vocab,
                                                    eos_token=eos if eos is not None else tokenizer.eos_token_id)
@@ -188,11 +213,35 @@ class GuidanceBackend(StructuredOutputBackend):
         warm = self.compile_grammar(StructuredOutputsParams(regex="a"))
         warm.fill_bitmask(allocate_token_bitmask(1, n_vocab), 0)
 
+    def fill_bitmasks(self, grammars: list[GuidanceGrammar], bitmask: torch.Tensor) -> None:
+        """All rows at once on llguidance's thread pool (outside the GIL)."""
+        if len(grammars) < 2:
+            return super().fill_bitmasks(grammars, bitmask)
+        import llguidance
+        import llguidance.torch
+
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(max(1, torch.get_num_threads()))
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(g.matcher, k) for k, g in enumerate(grammars)],
+                                                     bitmask)
+
+    def clear_compiled(self) -> None:
+        """Forget the compiled grammars (the next compile of each starts from scratch)."""
+        self._compiled.clear()
+
     def compile_grammar(self, params: StructuredOutputsParams) -> GuidanceGrammar:
+        """A fresh matcher; the same grammar compiled before (the last 64 kept) is copied
+        from its pristine matcher instead of compiled again."""
         import llguidance
 
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, _ll_grammar(params), log_level=0)
-        err = matcher.get_error()
-        if err:
-            raise ValueError(f"structured_outputs.{params.kind} cannot be compiled: {err}")
-        return GuidanceGrammar(matcher)
+        grammar = _ll_grammar(params)
+        pristine = self._compiled.pop(grammar, None)
+        if pristine is None:
+            pristine = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+            err = pristine.get_error()
+            if err:
+                raise ValueError(f"structured_outputs.{params.kind} cannot be compiled: {err}")
+        self._compiled[grammar] = pristine  # most recent last
+        while len(self._compiled) > 64:
+            self._compiled.pop(next(iter(self._compiled)))
+        return GuidanceGrammar(pristine.deep_copy())

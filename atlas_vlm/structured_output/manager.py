@@ -131,9 +131,9 @@ class StructuredOutputManager:
             return None
         t0 = time.perf_counter()
         bitmask = allocate_token_bitmask(len(rows), self.backend.mask_vocab_size)
-        for k, req in enumerate(rows):
-            state = self._requests[req.request_id]
-            state.grammar.fill_bitmask(bitmask, k)
+        states = [self._requests[req.request_id] for req in rows]
+        self.backend.fill_bitmasks([s.grammar for s in states], bitmask)
+        for k, state in enumerate(states):
             if state.reasoning == MAYBE:  # the model may open its reasoning instead
                 t = self.reasoning_parser.start_token_id
                 bit = 1 << (t % 32)
