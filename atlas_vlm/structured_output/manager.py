@@ -20,6 +20,7 @@ first token may be the start marker or anything the grammar allows.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -30,27 +31,40 @@ from atlas_vlm.structured_output.backend import (GuidanceBackend, StructuredOutp
 
 
 @dataclass
+class StructuredOutputStats:
+    """Time spent (seconds) and work done, for the benchmark."""
+
+    compile_s: float = 0.0
+    num_compiled: int = 0
+    mask_s: float = 0.0  # filling masks (on the worker thread, beside the forward)
+    mask_wait_s: float = 0.0  # the sampler waiting for them after the forward
+    num_masks: int = 0  # bitmask rows filled
+
+
+@dataclass
 class GrammarBitmask:
-    """One step's masks: ``bitmask[k]`` (int32 ``[words]``) is for ``request_ids[k]``."""
+    """One step's masks: ``bitmask[k]`` (int32 ``[words]``) is for ``request_ids[k]``.
+
+    The masks are filled on a worker thread while the forward runs (the grammar library
+    works outside the GIL); reading ``bitmask`` waits for them."""
 
     request_ids: list[str]
-    bitmask: torch.Tensor  # [len(request_ids), words] int32
+    pending: Future  # resolves to the [len(request_ids), words] int32 tensor
+    stats: StructuredOutputStats | None = None  # gets the time spent waiting for it
+
+    @property
+    def bitmask(self) -> torch.Tensor:
+        t0 = time.perf_counter()
+        result = self.pending.result()
+        if self.stats is not None:
+            self.stats.mask_wait_s += time.perf_counter() - t0
+        return result
 
 
 @dataclass
 class _RequestGrammar:
     grammar: StructuredOutputGrammar
     reasoning: str = ENDED  # MAYBE | REASONING | ENDED
-
-
-@dataclass
-class StructuredOutputStats:
-    """Time spent (seconds) and work done, for the benchmark."""
-
-    compile_s: float = 0.0
-    num_compiled: int = 0
-    mask_s: float = 0.0
-    num_masks: int = 0  # bitmask rows filled
 
 
 class StructuredOutputManager:
@@ -77,6 +91,7 @@ class StructuredOutputManager:
         self._backend: StructuredOutputBackend | None = None
         self._requests: dict[str, _RequestGrammar] = {}
         self.stats = StructuredOutputStats()
+        self._pool: ThreadPoolExecutor | None = None  # one worker: a step's masks beside its forward
 
     @property
     def backend(self) -> StructuredOutputBackend:
@@ -129,18 +144,24 @@ class StructuredOutputManager:
                 and self._requests[req.request_id].reasoning != REASONING]
         if not rows:
             return None
-        t0 = time.perf_counter()
+        grammars = [self._requests[r.request_id].grammar for r in rows]
+        maybe = [k for k, r in enumerate(rows) if self._requests[r.request_id].reasoning == MAYBE]
         bitmask = allocate_token_bitmask(len(rows), self.backend.mask_vocab_size)
-        states = [self._requests[req.request_id] for req in rows]
-        self.backend.fill_bitmasks([s.grammar for s in states], bitmask)
-        for k, state in enumerate(states):
-            if state.reasoning == MAYBE:  # the model may open its reasoning instead
+
+        def fill() -> torch.Tensor:
+            t0 = time.perf_counter()
+            self.backend.fill_bitmasks(grammars, bitmask)
+            for k in maybe:  # the model may open its reasoning instead
                 t = self.reasoning_parser.start_token_id
                 bit = 1 << (t % 32)
                 bitmask[k, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # as a signed int32
-        self.stats.mask_s += time.perf_counter() - t0
+            self.stats.mask_s += time.perf_counter() - t0
+            return bitmask
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atlas-grammar")
         self.stats.num_masks += len(rows)
-        return GrammarBitmask([r.request_id for r in rows], bitmask)
+        return GrammarBitmask([r.request_id for r in rows], self._pool.submit(fill), self.stats)
 
     def accept_token(self, req, token_id: int) -> tuple[bool, str | None]:
         """Advance ``req``'s matcher by its sampled token.
