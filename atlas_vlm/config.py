@@ -54,6 +54,7 @@ class EngineConfig:
     # at load, round to nearest), "gguf" (a .gguf's tensors as stored), "awq" / "gptq" (read from
     # the checkpoint's quantization_config, which is honoured when this is None)
     quantization: str | None = None
+    reasoning_parser: str | None = None  # "qwen3": <think>..</think> reasoning; grammars apply after it
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -25,6 +25,7 @@ class RequestOutput:
     error: str | None = None  # why the request failed (finish_reason == "error")
     new_token_ids: list[int] = field(default_factory=list)  # streaming: ids added by the last step
     new_text: str = ""  # streaming: text added by the last step
+    tool_calls: list[dict] | None = None  # LLM.chat(tools=...): OpenAI-shaped calls parsed from the finished text
 
     @property
     def finished(self) -> bool:

@@ -12,6 +12,8 @@ import struct
 from dataclasses import dataclass, field
 from numbers import Real
 
+from atlas_vlm.structured_output.params import StructuredOutputsParams
+
 # vLLM vllm/sampling_params.py: temperatures below this are treated as greedy (argmax),
 # which also keeps ``logits / temperature`` from overflowing to inf (fp32 max ~3.4e38).
 SAMPLING_EPS = 1e-5
@@ -67,6 +69,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings, excluded from the text (a str: [str]; None: [])
     ignore_eos: bool = False  # keep going past the tokenizer's EOS
     logprobs: int | None = None  # None: none; 0..MAX_LOGPROBS: sampled token's logprob plus the top k
+    # output constraint (JSON schema, regex, choice, grammar); a dict is read as its fields
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         for name in ("stop", "stop_token_ids"):  # None: none (as vLLM)
@@ -80,6 +84,12 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop", list(self.stop))
         object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids))
+        if isinstance(self.structured_outputs, dict):
+            try:
+                so = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:  # an unknown key
+                raise ValueError(f"structured_outputs: {e}; keys: json, json_object, regex, choice, grammar") from None
+            object.__setattr__(self, "structured_outputs", so)
         self._validate()
         object.__setattr__(self, "_ready", True)
 
@@ -121,6 +131,9 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, a dict of its fields or None, "
+                             f"got {type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:

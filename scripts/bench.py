@@ -6,6 +6,7 @@
     python scripts/bench.py --text --serve --json results.json
     python scripts/bench.py --server --quick  # HTTP: atlas-vlm serve vs transformers serve
     python scripts/bench.py --replicas --quick  # 1 vs 2 replicas (Ray Serve), cache-aware vs least-loaded
+    python scripts/bench.py --structured --quick  # JSON-schema grammars: compile, mask, tok/s vs unconstrained
 
 Sections: --text (decode tok/s paged/contiguous vs HF generate and llama.cpp, against the
 bandwidth limit; a 2,048-token prefill vs the GEMM peak; KV waste), --quant (decode tok/s of
@@ -14,7 +15,8 @@ bytes each reads and llama.cpp), --vlm (time to first token
 with one image vs HF Qwen2.5-VL), --serve (many requests vs HF sequential, padded batches, HF
 continuous batching and llama.cpp; KV reserved-but-empty; decode FLOP/s vs the measured GEMM
 peak; VLM mix with prefix + encoder caches on vs off), --detok (output
-processing cost per token at the start and the end of a long output), --server (open-loop
+processing cost per token at the start and the end of a long output), --structured (grammar
+compile and mask time per library, 64 requests with a JSON schema vs unconstrained), --server (open-loop
 Poisson HTTP load on atlas-vlm serve and transformers serve, offline LLM.chat on the same
 requests; not part of the default run). --text/--vlm/--serve run every system in the
 ``--dtype`` (default: what ``dtype="auto"`` picks here, bf16 on a CPU with AMX/AVX512-BF16)
@@ -39,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--detok", action="store_true", help="output processing cost per token vs output length")
     p.add_argument("--quant", action="store_true",
                    help="decode tok/s dense fp32 vs GGUF Q4_1 as stored vs int8 / int4 (SmolLM2-135M)")
+    p.add_argument("--structured", action="store_true",
+                   help="JSON-schema compile / mask time, 64 constrained vs unconstrained requests")
     p.add_argument("--server", action="store_true",
                    help="HTTP load (Poisson arrivals) on atlas-vlm serve vs transformers serve")
     p.add_argument("--replicas", action="store_true",
@@ -52,8 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="torch.set_num_threads for every system (default: torch's choice); on a CPU shared "
                         "with other work, 1 avoids OpenMP waits that slow small ops 10-100x")
     args = p.parse_args(argv)
-    if not (args.text or args.vlm or args.serve or args.detok or args.server or args.replicas or args.quant):
-        args.text = args.vlm = args.serve = args.detok = args.quant = True
+    if not (args.text or args.vlm or args.serve or args.detok or args.server or args.replicas or args.quant
+            or args.structured):
+        args.text = args.vlm = args.serve = args.detok = args.quant = args.structured = True
     return args
 
 
@@ -65,7 +70,7 @@ def main(argv=None) -> int:
     import torch
 
     from atlas_vlm import EngineConfig
-    from benchmarks import detokenize, quant, serve, server, targets, text, vlm
+    from benchmarks import detokenize, quant, serve, server, structured, targets, text, vlm
 
     replicas = None
     if args.replicas:
@@ -81,9 +86,9 @@ def main(argv=None) -> int:
     print(f"dtype {dtype} (--dtype {args.dtype}), torch {torch.__version__}, {torch.get_num_threads()} threads")
     start = time.perf_counter()
     for name, module in (("text", text), ("quant", quant), ("vlm", vlm), ("serve", serve), ("detok", detokenize),
-                         ("server", server), ("replicas", replicas)):
+                         ("structured", structured), ("server", server), ("replicas", replicas)):
         if getattr(args, name):
-            kwargs = {"dtype": dtype} if name in ("text", "quant", "vlm", "serve") else {}
+            kwargs = {"dtype": dtype} if name in ("text", "quant", "vlm", "serve", "structured") else {}
             results[name] = module.run(quick=args.quick, **kwargs)
     results["targets"] = targets.report(results)
     results["wall_s"] = time.perf_counter() - start

@@ -7,7 +7,8 @@ The chat prompt dict (the one interface ``LLM.chat``, the server and ``LLM.gener
      "continue_final_message": False,       # end inside the last message (assistant prefill)
      "chat_template": None,                 # a Jinja template overriding the tokenizer's
      "chat_template_kwargs": None,          # extra variables for the template
-     "mm_options": None}                    # MultiModalOptions | dict | None
+     "mm_options": None,                    # MultiModalOptions | dict | None
+     "tools": None}                         # OpenAI tools, rendered by the template
 
 Rules (vLLM ``vllm/entrypoints/chat_utils.py`` and transformers ``apply_chat_template``):
 text-only templates get the "string" content format (text parts joined with ``"\\n"``,
@@ -28,13 +29,14 @@ CHAT_PROMPT_DEFAULTS = {
     "chat_template": None,
     "chat_template_kwargs": None,
     "mm_options": None,
+    "tools": None,
 }
 #: ``apply_chat_template`` arguments that ``chat_template_kwargs`` may not set (each has its
 #: own key in the prompt dict, or would change what ``apply_chat_template`` returns).
 _RESERVED_TEMPLATE_KWARGS = {
     "add_generation_prompt", "continue_final_message", "chat_template", "conversation", "messages",
     "tokenize", "return_dict", "return_tensors", "padding", "truncation", "max_length",
-    "tokenizer_kwargs", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "return_assistant_tokens_mask", "tools",
 }
 
 
@@ -68,6 +70,9 @@ def parse_chat_prompt(prompt: dict) -> dict:
         reserved = sorted(k for k in kwargs if k in _RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {reserved}; use the chat prompt's own keys")
+    tools = p["tools"]
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise TypeError(f"tools must be a list of dicts (OpenAI tool definitions) or None, got {tools!r:.60}")
     check_messages(p["messages"])
     if p["continue_final_message"] and not _has_text(p["messages"][-1]):
         raise ValueError("continue_final_message needs text in the last message to continue")
@@ -126,9 +131,10 @@ class ChatInput:
             mm_token_pipeline.ImageInputError: an image cannot be loaded, fetched or resized.
         """
         p = parse_chat_prompt(prompt)
+        template_kwargs = {**(p["chat_template_kwargs"] or {}), **({"tools": p["tools"]} if p["tools"] else {})}
         template_args = dict(add_generation_prompt=p["add_generation_prompt"],
                              continue_final_message=p["continue_final_message"],
-                             chat_template=p["chat_template"], **(p["chat_template_kwargs"] or {}))
+                             chat_template=p["chat_template"], **template_kwargs)
         if not self.is_vlm:
             ids = self.tokenizer.apply_chat_template(to_string_content(p["messages"]), tokenize=True,
                                                      return_dict=False, **template_args)
@@ -149,7 +155,7 @@ class ChatInput:
         ids = build_prompt_ids(self.tokenizer, p["messages"], images,
                                add_generation_prompt=p["add_generation_prompt"],
                                continue_final_message=p["continue_final_message"],
-                               chat_template=p["chat_template"], chat_template_kwargs=p["chat_template_kwargs"],
+                               chat_template=p["chat_template"], chat_template_kwargs=template_kwargs,
                                default_template=QWEN3_VL_CHAT_TEMPLATE if self.model_type == "qwen3_vl" else None)
         return list(ids), images
 
@@ -197,9 +203,10 @@ class ChatInput:
 
         from mm_token_pipeline.smolvlm import longest_edge_for, smolvlm_prompt
 
-        if p["continue_final_message"] or not p["add_generation_prompt"] or p["chat_template"] or p["chat_template_kwargs"]:
+        if p["continue_final_message"] or not p["add_generation_prompt"] or p["chat_template"] or p["chat_template_kwargs"] \
+                or p["tools"]:
             raise ValueError("SmolVLM2 prompts take the processor's template with add_generation_prompt=True only; "
-                             "continue_final_message, chat_template and chat_template_kwargs are not supported")
+                             "continue_final_message, chat_template, chat_template_kwargs and tools are not supported")
         if self._hf_processor is None:
             self._hf_processor = AutoProcessor.from_pretrained(self.tokenizer.name_or_path, fix_mistral_regex=False)
         proc = self._hf_processor

@@ -23,6 +23,8 @@ from atlas_vlm.outputs import RequestOutput
 from atlas_vlm.request import Request
 from atlas_vlm.sampling_params import SamplingParams, check_for_model
 from atlas_vlm.engine.scheduler import Scheduler
+from atlas_vlm.reasoning import get_reasoning_parser
+from atlas_vlm.structured_output.manager import StructuredOutputManager
 from mm_kv_cache_management import BlockManager
 
 __all__ = ["LLMEngine", "RequestTooLongError"]
@@ -67,9 +69,13 @@ class LLMEngine:
         budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             budget = max(budget, self.max_model_len)
+        eos = eos_token_ids(self.tokenizer, loaded.model_dir)
+        self.reasoning_parser = get_reasoning_parser(config.reasoning_parser, self.tokenizer)
+        self.structured_output_manager = StructuredOutputManager(self.tokenizer, arch.vocab_size, eos,
+                                                                 self.reasoning_parser)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill,
-                                   max_model_len=self.max_model_len,
-                                   eos_token_ids=eos_token_ids(self.tokenizer, loaded.model_dir))
+                                   max_model_len=self.max_model_len, eos_token_ids=eos,
+                                   structured_output_manager=self.structured_output_manager)
         self.input_processor = InputProcessor(self.tokenizer, self.hf_config, config, arch.vocab_size,
                                               self.max_model_len, self.block_manager, self.runner.device,
                                               loaded.image_settings)
@@ -87,6 +93,7 @@ class LLMEngine:
     @eos_token_ids.setter
     def eos_token_ids(self, ids) -> None:
         self.scheduler.eos_token_ids = set(ids)
+        self.structured_output_manager.set_eos_token_ids(ids)
 
     # ---- requests ---------------------------------------------------------------------
     def process_prompt(self, prompt) -> ProcessedPrompt:
@@ -122,6 +129,7 @@ class LLMEngine:
         req = prompt if isinstance(prompt, Request) else self.process_request(prompt, sampling_params, request_id)
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.structured_output_manager.add_request(req)  # compiles its grammar (ValueError if refused)
         self.requests[req.request_id] = req
         self.output_processor.add_request(req.request_id, req.prompt, req.token_ids, req.sampling_params.stop)
         self.scheduler.add_request(req)
@@ -180,7 +188,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
-        runner_output = self.runner.run(sched.chunks)
+        runner_output = self.runner.run(sched.chunks, grammar_bitmask=sched.grammar_bitmask)
         for req, new_token_ids in self.scheduler.update_from_output(sched, runner_output):
             out, stopped = self.output_processor.process(req, new_token_ids)
             if stopped:  # a stop string: the output processor ended it

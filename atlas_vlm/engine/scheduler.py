@@ -10,6 +10,10 @@ After the forward, ``update_from_output`` moves every scheduled request on (thro
 ``BlockManager``, the only writer of allocation state), appends the sampled tokens and
 finishes requests on EOS, a stop token, ``max_tokens`` or ``max_model_len`` (vLLM
 ``Scheduler.update_from_output`` / ``check_stop``); stop strings are the output processor's.
+
+With a ``StructuredOutputManager`` (the owner of grammar state), ``schedule`` asks it for the
+step's token bitmask, ``update_from_output`` hands it every accepted token (a grammar that
+ends stops its request with "stop"), and ``finish`` tells it the request is gone.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from mm_kv_cache_management import BlockManager, NoFreeBlocksError, RequestStatu
 class SchedulerOutput:
     chunks: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens this step)
     preempted: list[Request] = field(default_factory=list)  # gave back their blocks this step
+    grammar_bitmask: object | None = None  # structured_output.GrammarBitmask of the sampled rows, or None
 
     @property
     def is_empty(self) -> bool:
@@ -41,12 +46,14 @@ class Scheduler:
         max_num_batched_tokens: tokens computed per step at most.
         enable_chunked_prefill: a prompt may be split across steps; if off, a prompt is
             computed in one step (alone if it is longer than the budget).
+        structured_output_manager: the ``StructuredOutputManager`` of the engine, or None.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, max_model_len: int | None = None,
-                 eos_token_ids: set[int] | None = None):
+                 eos_token_ids: set[int] | None = None, structured_output_manager=None):
         self.block_manager = block_manager
+        self.structured_output_manager = structured_output_manager
         self.max_model_len = max_model_len  # None: no limit here (the engine checks at entry)
         self.eos_token_ids = set(eos_token_ids or ())
         self.max_num_seqs = max_num_seqs
@@ -74,6 +81,8 @@ class Scheduler:
             self.waiting.remove(req)
         self.block_manager.free_request(req)
         req.status = RequestStatus.FINISHED
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.remove_request(req.request_id)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
@@ -97,6 +106,13 @@ class Scheduler:
                     return False
 
     def schedule(self) -> SchedulerOutput:
+        """The next step's chunks (and, with structured output, their grammar bitmask)."""
+        out = self._schedule()
+        if self.structured_output_manager is not None and out.chunks:
+            out.grammar_bitmask = self.structured_output_manager.grammar_bitmask(out.chunks)
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
@@ -128,9 +144,11 @@ class Scheduler:
         return out
 
     # ---- after the forward ------------------------------------------------------------------
-    def _check_stop(self, req: Request, token: int) -> str | None:
+    def _check_stop(self, req: Request, token: int, grammar_ended: bool = False) -> str | None:
         params = req.sampling_params
         if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            return "stop"
+        if grammar_ended:
             return "stop"
         if req.num_output_tokens >= req.max_tokens:
             return "length"
@@ -168,7 +186,15 @@ class Scheduler:
             if sampled.logprobs[row] is not None:
                 req.logprobs.append(sampled.logprobs[row])
                 req.top_logprobs.append(sampled.top_logprobs[row])
-            reason = self._check_stop(req, token)
+            grammar_ended = False
+            if self.structured_output_manager is not None:
+                grammar_ended, error = self.structured_output_manager.accept_token(req, token)
+                if error is not None:
+                    req.error = error
+                    self.finish(req, "error")
+                    updates.append((req, [token]))
+                    continue
+            reason = self._check_stop(req, token, grammar_ended)
             if reason is not None:
                 self.finish(req, reason)
             updates.append((req, [token]))

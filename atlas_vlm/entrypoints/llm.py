@@ -6,6 +6,7 @@ engine through one ``OutputRouter`` (serialised stepping, each output to its own
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 from collections.abc import Iterator
@@ -21,6 +22,17 @@ from atlas_vlm.sampling_params import SamplingParams
 from mm_token_pipeline import MultiModalOptions
 
 logger = logging.getLogger(__name__)
+
+
+def _with_tool_calls(out: RequestOutput) -> RequestOutput:
+    """A finished output with its parsed ``tool_calls`` (Hermes / Qwen ``<tool_call>`` format)."""
+    if out.finished and out.finish_reason != "error":
+        from atlas_vlm.entrypoints.openai.tool_parsers import extract_tool_calls
+
+        _, out.tool_calls = extract_tool_calls(out.text)
+        if out.tool_calls and out.finish_reason == "stop":
+            out.finish_reason = "tool_calls"
+    return out
 
 
 class LLM:
@@ -121,7 +133,8 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, *,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template: str | None = None, chat_template_kwargs: dict | None = None,
-             mm_options: MultiModalOptions | dict | None = None, stream: bool = False, use_tqdm: bool = True):
+             mm_options: MultiModalOptions | dict | None = None, stream: bool = False, use_tqdm: bool = True,
+             tools: list[dict] | None = None, tool_choice: str | dict = "auto", parallel_tool_calls: bool = True):
         """Generate a reply to one conversation (or a list of them) through the chat template,
         as vLLM's ``LLM.chat``.
 
@@ -136,8 +149,16 @@ class LLM:
             chat_template: a Jinja template used instead of the tokenizer's.
             chat_template_kwargs: extra variables for the template.
             mm_options: ``MultiModalOptions`` (or a dict of its fields) for the images.
+            tools: OpenAI tool definitions (``{"type": "function", "function": {"name",
+                "description", "parameters"}}``), rendered by the model's chat template.
+            tool_choice: "auto" (the model decides), "none" (no parsing), "required" or
+                ``{"type": "function", "function": {"name": N}}``: the output is forced by a
+                grammar into ``<tool_call>`` blocks whose arguments follow the parameters schema.
+            parallel_tool_calls: "required" may produce several calls.
 
-        Returns: as :meth:`generate`.
+        Returns: as :meth:`generate`; with ``tools`` (and ``tool_choice`` not "none") every
+        finished output has ``tool_calls`` (OpenAI's shape: id, type, function name and
+        arguments JSON text; ``[]`` if none) and ``finish_reason="tool_calls"`` when it called.
 
         Raises:
             ValueError, TypeError: a malformed conversation or option (the message names it).
@@ -146,5 +167,20 @@ class LLM:
         convs = [messages] if single else messages
         prompts = [{"messages": c, "add_generation_prompt": add_generation_prompt,
                     "continue_final_message": continue_final_message, "chat_template": chat_template,
-                    "chat_template_kwargs": chat_template_kwargs, "mm_options": mm_options} for c in convs]
-        return self.generate(prompts[0] if single else prompts, sampling_params, stream=stream, use_tqdm=use_tqdm)
+                    "chat_template_kwargs": chat_template_kwargs, "mm_options": mm_options,
+                    **({"tools": tools} if tools else {})} for c in convs]
+        if not tools or tool_choice == "none":
+            return self.generate(prompts[0] if single else prompts, sampling_params, stream=stream, use_tqdm=use_tqdm)
+        from atlas_vlm.entrypoints.openai.tool_parsers import tool_call_structured_outputs
+
+        marker = self.tokenizer.convert_tokens_to_ids("<tool_call>")
+        forced = tool_call_structured_outputs(
+            tools, tool_choice, parallel_tool_calls,
+            self.tokenizer.encode("<tool_call>", add_special_tokens=False) == [marker])
+        if forced is not None:
+            base = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(convs)
+            sampling_params = [dataclasses.replace(p or SamplingParams(), structured_outputs=forced) for p in base]
+        result = self.generate(prompts[0] if single else prompts, sampling_params, stream=stream, use_tqdm=use_tqdm)
+        if stream:
+            return (_with_tool_calls(o) for o in result)
+        return [_with_tool_calls(o) for o in result]

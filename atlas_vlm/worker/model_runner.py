@@ -151,9 +151,15 @@ class ModelRunner:
             observe(chunks, inp, logits, inp.sampled)
         return logits, inp.sampled
 
-    def run(self, chunks) -> tuple[list[int], SamplerOutput]:
+    def run(self, chunks, grammar_bitmask=None) -> tuple[list[int], SamplerOutput]:
         """Forward plus sampling: the indices of the chunks that sampled a token (row order)
-        and the sampler's per-row tokens, logprobs and errors."""
+        and the sampler's per-row tokens, logprobs and errors. ``grammar_bitmask``
+        (``structured_output.GrammarBitmask`` or None) constrains the rows of its requests."""
         logits, sampled = self.forward_logits(chunks)
         reqs = [chunks[i][0] for i in sampled]
-        return sampled, sample(logits, reqs)
+        masks = None
+        if grammar_bitmask is not None:
+            pos = {rid: k for k, rid in enumerate(grammar_bitmask.request_ids)}
+            rows = [j for j, r in enumerate(reqs) if r.request_id in pos]
+            masks = (rows, grammar_bitmask.bitmask[[pos[reqs[j].request_id] for j in rows]])
+        return sampled, sample(logits, reqs, masks)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from atlas_vlm.sampling_params import is_greedy
+from atlas_vlm.structured_output.backend import apply_token_bitmask
 
 
 @dataclass
@@ -124,12 +125,18 @@ def _draw(logits: torch.Tensor, requests, params: list, rows: list[int], errors:
     return draws
 
 
-def sample(logits: torch.Tensor, requests) -> SamplerOutput:
+def sample(logits: torch.Tensor, requests, grammar_bitmask: tuple[list[int], torch.Tensor] | None = None
+           ) -> SamplerOutput:
     """Pick one token per row.
 
     Args:
         logits: ``[num_rows, vocab]`` fp32 logits, row ``i`` for ``requests[i]``.
         requests: objects with ``request_id``, ``sampling_params`` and ``generator``.
+        grammar_bitmask: ``(rows, bitmask)``: the constrained rows and their int32 token
+            bitmasks ``[len(rows), ceil(vocab / 32)]`` (from the ``StructuredOutputManager``);
+            a token whose bit is 0 gets ``-inf`` in that row (one op for all of them; other
+            rows untouched), and logprobs are those of the masked distribution (as vLLM's).
+            A constrained row whose allowed tokens have no finite logit fails alone.
 
     Returns:
         ``SamplerOutput``; a row that cannot be sampled has token ``None`` and an error
@@ -143,11 +150,26 @@ def sample(logits: torch.Tensor, requests) -> SamplerOutput:
     bad_rows = bad.nonzero()[:, 0].tolist() if num_rows else []
     if bad_rows:
         logits = logits.masked_fill(bad[:, None], 0.0)
+    dead_rows: list[int] = []
+    if grammar_bitmask is not None and grammar_bitmask[0]:
+        g_rows, g_mask = grammar_bitmask
+        gidx = torch.tensor(g_rows, device=logits.device)
+        masked = apply_token_bitmask(logits[gidx], g_mask)  # [n_constrained, vocab]
+        g_max, g_tokens = masked.max(dim=-1)
+        logits = logits.index_copy(0, gidx, masked)
+        tokens = tokens.index_copy(0, gidx, g_tokens)
+        dead = ~torch.isfinite(g_max)
+        if bool(dead.any()):
+            dead_rows = [g_rows[j] for j in dead.nonzero()[:, 0].tolist() if g_rows[j] not in bad_rows]
+            logits[torch.tensor(dead_rows, dtype=torch.long, device=logits.device)] = 0.0
     params = [r.sampling_params for r in requests]
     errors: list[str | None] = [None] * num_rows
     for i in bad_rows:
         errors[i] = (f"request {requests[i].request_id!r}: the model's logits are not finite "
                      f"(NaN, +inf or no finite value); no token can be sampled")
+    for i in dead_rows:
+        errors[i] = (f"request {requests[i].request_id!r}: no token its grammar allows has a finite logit; "
+                     f"no token can be sampled")
     rows = [i for i, p in enumerate(params) if not is_greedy(p.temperature) and errors[i] is None]
     if rows:
         draws = _draw(logits, requests, params, rows, errors)

@@ -19,9 +19,18 @@ def chat(**kw) -> dict:
 
 ROWS = [  # (route, body, status, param, words in the message)
     (CHAT, chat(model="gpt-4o"), 404, "model", "gpt-4o"),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "'tools' is not supported"),
-    (CHAT, chat(tool_choice="auto"), 400, "tool_choice", "'tool_choice' is not supported"),
-    (CHAT, chat(response_format={"type": "json_object"}), 400, "response_format", "'response_format' is not supported"),
+    (CHAT, chat(tool_choice="auto"), 400, "tool_choice", "tool_choice needs tools"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={
+        "type": "function", "function": {"name": "g"}}), 400, "tool_choice", "'g', which is not in tools"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}],
+                tool_choice="required"), 400, "tools", "strin"),
+    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400,
+     "response_format.json_schema", "schema is required"),
+    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}),
+     400, "response_format", "strin"),
+    (CHAT, chat(response_format={"type": "json_object"}, guided_regex="a+"), 400, "guided_regex", "at most one"),
+    (CHAT, chat(guided_regex="[a-z"), 400, "guided_regex", "unclosed character class"),
+    (COMPL, {"model": "smollm2", "prompt": "Hi", "guided_choice": []}, 400, "guided_choice", "non-empty list"),
     (CHAT, chat(functions=[{"name": "f"}]), 400, "functions", "'functions' is not supported"),
     (CHAT, chat(logit_bias={"1": 5}), 400, "logit_bias", "'logit_bias' is not supported"),
     (CHAT, chat(frequency_penalty=0.5), 400, "frequency_penalty", "frequency_penalty is not supported"),
@@ -34,7 +43,7 @@ ROWS = [  # (route, body, status, param, words in the message)
     (CHAT, chat(max_tokens=600), 400, None, "max_model_len 512"),
     (CHAT, chat(messages=[{"role": "user", "content": "word " * 600}]), 400, None, "max_model_len is 512"),
     (CHAT, chat(messages=[]), 400, "messages", "at least 1 item"),
-    (CHAT, chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages.0.role", "Input should be"),
+    (CHAT, chat(messages=[{"role": "function", "content": "x"}]), 400, "messages.0.role", "Input should be"),
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]), 400,
      "messages.0.content.0", "input_audio"),
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {

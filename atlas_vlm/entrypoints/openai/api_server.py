@@ -299,7 +299,7 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
     stat_logger.attach(front)
     ctx = ServerContext(front, served_model_names or [engine_config.model], hasattr(engine.hf_config, "vision_config"),
                         media, engine.max_model_len, max_prompts_per_request=max_prompts_per_request,
-                        model_root=str(engine_config.model))
+                        model_root=str(engine_config.model), reasoning_parser=engine.reasoning_parser)
     app = create_app(ctx, stat_logger.registry, api_key, max_request_body_bytes=max_request_body_bytes,
                      protect_docs_metrics=protect_docs_metrics)
 

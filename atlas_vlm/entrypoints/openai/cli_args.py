@@ -59,6 +59,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-pixels", type=int, default=None, help="per-image pixel bound after resize")
     p.add_argument("--min-pixels", type=int, default=None, help="per-image lower pixel bound after resize")
     p.add_argument("--seed", type=int, default=0, help="default sampling seed")
+    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="split <think>..</think> into reasoning_content (Qwen3 / Qwen3-VL); grammars apply after it")
     r = p.add_argument_group("replicas (Ray Serve; needs the ray extra)")
     r.add_argument("--replicas", type=int, default=1,
                    help="engine replicas; N > 1 serves them on Ray Serve behind one endpoint (default 1: no Ray)")
@@ -87,6 +89,7 @@ def engine_config_from_args(args):
                   gpu_memory_utilization=args.gpu_memory_utilization, kvcache_block_size=args.block_size,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+                  reasoning_parser=args.reasoning_parser,
                   limit_request_pixels=True)  # a request may lower the server's image bounds, never raise them
     for name in ("kv_cache_memory", "max_pixels", "min_pixels"):
         if getattr(args, name) is not None:

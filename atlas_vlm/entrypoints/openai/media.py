@@ -210,6 +210,16 @@ async def resolve_image(url: str, policy: MediaPolicy, param: str):
     return _local_path(url, policy, param)
 
 
+def _arguments(text: str):
+    """A tool call's ``arguments`` JSON text as a dict for the template (kept as text if not JSON)."""
+    import json
+
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 async def to_engine_messages(messages: list[ChatMessage], policy: MediaPolicy, is_vlm: bool) -> list[dict]:
     """OpenAI messages -> the engine's chat messages (role, content str or item list).
 
@@ -234,5 +244,12 @@ async def to_engine_messages(messages: list[ChatMessage], policy: MediaPolicy, i
         msg = {"role": m.role, "content": content if content is not None else ""}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls is not None:  # templates read arguments as a dict (Qwen: `tojson` otherwise)
+            msg["tool_calls"] = [{"id": c.id, "type": c.type,
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in m.tool_calls]
+        for name in ("tool_call_id", "reasoning_content"):
+            if getattr(m, name) is not None:
+                msg[name] = getattr(m, name)
         out.append(msg)
     return out

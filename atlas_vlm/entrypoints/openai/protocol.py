@@ -2,10 +2,13 @@
 
 Scope: the fields the ``openai`` client sends to ``/v1/chat/completions`` and
 ``/v1/completions`` plus vLLM's extras (``top_k``, ``ignore_eos``, ``stop_token_ids``,
-``add_generation_prompt``, ``continue_final_message``, ``mm_processor_kwargs``). Every
-model forbids unknown fields, so a feature we do not implement (``tools``, ``tool_choice``,
-``response_format``, ``functions``, ``logit_bias``, ...) is refused with HTTP 400 naming
-the field instead of being silently ignored. Field names and defaults follow the OpenAI
+``add_generation_prompt``, ``continue_final_message``, ``mm_processor_kwargs``,
+``chat_template_kwargs``), structured output (``response_format``, vLLM's
+``structured_outputs`` / ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+``guided_grammar``) and tool calls (``tools``, ``tool_choice``, ``parallel_tool_calls``,
+``role: "tool"`` messages). Every model forbids unknown fields, so a feature we do not
+implement (``functions``, ``logit_bias``, ...) is refused with HTTP 400 naming the field
+instead of being silently ignored. Field names and defaults follow the OpenAI
 API reference and vLLM's ``vllm/entrypoints/openai/protocol.py``.
 """
 
@@ -93,10 +96,67 @@ class ImagePart(_Strict):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    reasoning_content: str | None = None  # an assistant turn's reasoning (templates may drop it)
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None  # JSON schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Strict):
+    """vLLM's ``structured_outputs`` extra (one of these)."""
+
+    json_: dict | str | bool | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class StreamOptions(_Strict):
@@ -135,6 +195,12 @@ class _SamplingFields(_Strict):
     presence_penalty: float = 0.0  # only 0 is supported
     frequency_penalty: float = 0.0  # only 0 is supported
     user: str | None = None  # end-user id, recorded by nobody
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None  # vLLM extra
+    guided_json: dict | str | None = None  # vLLM extra (older form of structured_outputs)
+    guided_regex: str | None = None  # vLLM extra
+    guided_choice: list[str] | None = None  # vLLM extra
+    guided_grammar: str | None = None  # vLLM extra
 
     @field_validator("min_p", "presence_penalty", "frequency_penalty")
     @classmethod
@@ -153,6 +219,10 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool | None = None  # vLLM extra (default True)
     continue_final_message: bool | None = None  # vLLM extra (default False)
     mm_processor_kwargs: MMProcessorKwargs | None = None  # vLLM extra
+    chat_template_kwargs: dict | None = None  # vLLM extra, e.g. {"enable_thinking": false}
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(_SamplingFields):

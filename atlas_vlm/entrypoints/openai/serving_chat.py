@@ -7,11 +7,14 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+from atlas_vlm.entrypoints.openai.chat_output import ChatChoiceOutput
 from atlas_vlm.entrypoints.openai.media import to_engine_messages
 from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from atlas_vlm.entrypoints.openai.serving_common import (ServerContext, chat_logprobs, close_all, error_event,
                                                          error_field, merge, new_id, sampling_params, sse,
                                                          start_choices, until_error, usage)
+from atlas_vlm.entrypoints.openai.structured import structured_outputs_from_request
+from atlas_vlm.entrypoints.openai.tool_parsers import tool_call_structured_outputs
 
 
 async def _prompt(ctx: ServerContext, req: ChatCompletionRequest) -> dict:
@@ -21,10 +24,41 @@ async def _prompt(ctx: ServerContext, req: ChatCompletionRequest) -> dict:
         opts = req.mm_processor_kwargs.model_dump(exclude_none=True)
         if opts:
             prompt["mm_options"] = opts
-    for name in ("add_generation_prompt", "continue_final_message"):
+    for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
         if getattr(req, name) is not None:
             prompt[name] = getattr(req, name)
+    if req.tools:
+        prompt["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
     return prompt
+
+
+def _constraint(ctx: ServerContext, req: ChatCompletionRequest):
+    """The request's output constraint: a forced tool call (``tool_choice`` "required" or a
+    named function) or ``response_format`` / vLLM's structured-output extras.
+
+    Raises:
+        APIError(400): ``tool_choice`` without ``tools``, a named function not in ``tools``,
+            a refused schema, or a forced tool call together with another constraint.
+    """
+    constraint = structured_outputs_from_request(req)
+    choice = req.tool_choice
+    if choice is not None and choice != "none" and not req.tools:
+        raise APIError(400, "tool_choice needs tools", "tool_choice", "invalid_value")
+    if not req.tools:
+        return constraint
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    named = choice.model_dump() if hasattr(choice, "model_dump") else choice
+    tokenizer = ctx.engine.tokenizer
+    marker_is_token = tokenizer.encode("<tool_call>", add_special_tokens=False) == \
+        [tokenizer.convert_tokens_to_ids("<tool_call>")]
+    try:
+        forced = tool_call_structured_outputs(tools, named, req.parallel_tool_calls, marker_is_token)
+    except ValueError as e:
+        raise APIError(400, str(e), "tool_choice" if isinstance(named, dict) else "tools", "invalid_value") from e
+    if forced is not None and constraint is not None:
+        raise APIError(400, f"tool_choice {choice if isinstance(choice, str) else 'function'!r} cannot be combined "
+                       "with response_format or structured outputs", "tool_choice", "invalid_value")
+    return forced or constraint
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest):
@@ -41,18 +75,21 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest)
         raise APIError(400, "stream_options needs stream=true", "stream_options", "invalid_value")
     k = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens or req.max_tokens
-    params = [sampling_params(req, max_tokens, k, i) for i in range(req.n)]
+    constraint = _constraint(ctx, req)
+    params = [sampling_params(req, max_tokens, k, i, constraint) for i in range(req.n)]
     prompt = await _prompt(ctx, req)
+    parse_tools = bool(req.tools) and req.tool_choice != "none"
+    views = [ChatChoiceOutput(ctx.reasoning_parser, parse_tools) for _ in range(req.n)]
     rid = new_id("chatcmpl")
     iters, first = await start_choices(ctx, prompt, params, rid)
     created = int(time.time())
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream(ctx, iters, first, rid, model, created, include_usage)
-    return await _full(ctx, iters, first, rid, model, created)
+        return _stream(ctx, iters, first, rid, model, created, include_usage, views)
+    return await _full(ctx, iters, first, rid, model, created, views)
 
 
-async def _full(ctx, iters, first, rid, model, created) -> dict:
+async def _full(ctx, iters, first, rid, model, created, views) -> dict:
     finals = [None] * len(iters)
     try:
         async for i, out in merge(iters):
@@ -65,16 +102,17 @@ async def _full(ctx, iters, first, rid, model, created) -> dict:
         lp = None
         if out.logprobs is not None:
             lp = chat_logprobs(ctx.engine.tokenizer, out.token_ids, out.logprobs, out.top_logprobs)
-        choices.append({"index": i, "message": {"role": "assistant", "content": out.text}, "logprobs": lp,
-                        "finish_reason": out.finish_reason, **error_field(out)})
+        message, finish_reason = views[i].message(out)
+        choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish_reason,
+                        **error_field(out)})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": usage(len(finals[0].prompt_token_ids), sum(len(o.token_ids) for o in finals),
                            first.num_cached_tokens)}
 
 
-async def _stream(ctx, iters, first, rid, model, created, include_usage) -> AsyncIterator[str]:
+async def _stream(ctx, iters, first, rid, model, created, include_usage, views) -> AsyncIterator[str]:
     n = len(iters)
-    sent_chars, sent_tokens = [0] * n, [0] * n
+    sent_chunks, sent_tokens = [0] * n, [0] * n
     prompt_tokens, completion = 0, [0] * n
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     try:
@@ -83,21 +121,22 @@ async def _stream(ctx, iters, first, rid, model, created, include_usage) -> Asyn
                 yield error_event(out)
                 yield sse("[DONE]")
                 return
-            text = out.text[sent_chars[i]:] if len(out.text) > sent_chars[i] else ""
             new_ids = out.token_ids[sent_tokens[i]:]
             prompt_tokens, completion[i] = len(out.prompt_token_ids), len(out.token_ids)
-            if not text and not out.finished and not (new_ids and out.logprobs is not None):
+            delta, finish_reason = views[i].delta(out)
+            if not delta and not out.finished and not (new_ids and out.logprobs is not None):
                 continue
-            delta = {"content": text}
-            if sent_tokens[i] == 0 and sent_chars[i] == 0:
-                delta = {"role": "assistant", "content": text}
+            if "content" not in delta and "tool_calls" not in delta and "reasoning_content" not in delta:
+                delta["content"] = ""
+            if sent_chunks[i] == 0:
+                delta = {"role": "assistant", **delta}
             lp = None
             if out.logprobs is not None and new_ids:
                 s = sent_tokens[i]
                 lp = chat_logprobs(ctx.engine.tokenizer, new_ids, out.logprobs[s:], out.top_logprobs[s:])
-            sent_chars[i] += len(text)
+            sent_chunks[i] += 1
             sent_tokens[i] = len(out.token_ids)
-            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason,
+            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish_reason,
                       **error_field(out)}
             yield sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
         if include_usage:

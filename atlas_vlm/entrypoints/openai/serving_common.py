@@ -28,6 +28,7 @@ class ServerContext:
     max_model_len: int
     max_prompts_per_request: int = 64  # completions: prompts in one call at most (--max-prompts-per-request)
     model_root: str | None = None  # the model path or id behind the served names (model card ``root``)
+    reasoning_parser: object = None  # atlas_vlm.reasoning.ReasoningParser: split thinking from content
 
     def check_model(self, name: str | None) -> str:
         """Raises APIError(404) for a model name we do not serve."""
@@ -37,9 +38,11 @@ class ServerContext:
         return self.model_names[0]
 
 
-def sampling_params(req, max_tokens: int | None, logprobs: int | None, index: int = 0) -> SamplingParams:
+def sampling_params(req, max_tokens: int | None, logprobs: int | None, index: int = 0,
+                    structured_outputs=None) -> SamplingParams:
     """SamplingParams of choice ``index`` of ``req``; choice ``i > 0`` of a seeded request uses
     ``seed + i`` so the ``n`` choices differ when sampling (vLLM draws them from one generator).
+    ``structured_outputs``: the request's ``StructuredOutputsParams`` (or None).
 
     Raises:
         APIError(400): a value out of range (the message names it).
@@ -50,6 +53,7 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None, index: in
             seed=None if req.seed is None else req.seed + index, max_tokens=max_tokens,
             stop=req.stop if isinstance(req.stop, list) else [req.stop] if req.stop else [],
             stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs,
+            structured_outputs=structured_outputs,
         )
     except (ValueError, TypeError) as e:
         raise APIError(400, f"invalid sampling parameters: {e}", None, "invalid_value") from e
@@ -230,11 +234,16 @@ def token_str(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
+def _finite(lp: float) -> float:
+    """A logprob JSON can carry: ``-inf`` (a token a grammar forbids) as vLLM's -9999.0."""
+    return max(lp, -9999.0)
+
+
 def chat_logprobs(tokenizer, ids: list[int], lps: list[float], tops: list[dict]) -> dict:
     """OpenAI chat ``logprobs.content``: per token its string, logprob, UTF-8 bytes and top list."""
     def entry(t, lp):
         s = token_str(tokenizer, t)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        return {"token": s, "logprob": _finite(lp), "bytes": list(s.encode("utf-8"))}
 
     content = []
     for t, lp, top in zip(ids, lps, tops):
@@ -251,8 +260,8 @@ def completion_logprobs(tokenizer, ids: list[int], lps: list[float], tops: list[
     for s in tokens:
         offsets.append(pos)
         pos += len(s)
-    return {"tokens": tokens, "token_logprobs": list(lps),
-            "top_logprobs": [{token_str(tokenizer, k): v for k, v in top.items()} for top in tops],
+    return {"tokens": tokens, "token_logprobs": [_finite(lp) for lp in lps],
+            "top_logprobs": [{token_str(tokenizer, k): _finite(v) for k, v in top.items()} for top in tops],
             "text_offset": offsets}
 
 

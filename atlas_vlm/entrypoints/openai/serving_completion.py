@@ -12,6 +12,7 @@ from atlas_vlm.entrypoints.openai.protocol import APIError, CompletionRequest
 from atlas_vlm.entrypoints.openai.serving_common import (ServerContext, close_all, completion_logprobs, error_event,
                                                          error_field, merge, new_id, sampling_params, sse,
                                                          start_choices, until_error, usage)
+from atlas_vlm.entrypoints.openai.structured import structured_outputs_from_request
 
 
 def split_prompts(prompt) -> list:
@@ -43,7 +44,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest):
     if len(prompts) > ctx.max_prompts_per_request:
         raise APIError(400, f"{len(prompts)} prompts in one request; this server takes at most "
                        f"{ctx.max_prompts_per_request} (--max-prompts-per-request)", "prompt", "too_many_prompts")
-    params = [sampling_params(req, req.max_tokens, req.logprobs, j) for j in range(req.n)]
+    constraint = structured_outputs_from_request(req)
+    params = [sampling_params(req, req.max_tokens, req.logprobs, j, constraint) for j in range(req.n)]
     rid = new_id("cmpl")
     # every prompt is prepared and queued at once (they batch together), not one after another
     started = await asyncio.gather(*(start_choices(ctx, prompt, params, f"{rid}-{p_idx}")

@@ -1,0 +1,71 @@
+"""One chat choice's output as OpenAI shows it: reasoning split from content (a reasoning
+parser), tool calls parsed out of the content (``tool_parsers``), ``finish_reason``
+``"tool_calls"`` when calls were made; whole messages and stream deltas alike."""
+
+from __future__ import annotations
+
+from atlas_vlm.entrypoints.openai.tool_parsers import ToolCallStreamer, extract_tool_calls
+from atlas_vlm.reasoning.qwen3 import ENDED
+
+
+class ChatChoiceOutput:
+    """Per choice: turns ``RequestOutput``s into a message or deltas.
+
+    Args:
+        reasoning_parser: a ``ReasoningParser`` or None (no split).
+        parse_tools: look for tool calls in the content (``tools`` given, ``tool_choice`` not "none").
+    """
+
+    def __init__(self, reasoning_parser=None, parse_tools: bool = False):
+        self.reasoning_parser = reasoning_parser
+        self.parse_tools = parse_tools
+        self.streamer = ToolCallStreamer()
+        self.reasoning_sent = ""
+        self.content_sent = ""
+
+    def _state(self, out) -> str:
+        return self.reasoning_parser.initial_state(out.prompt_token_ids) if self.reasoning_parser else ENDED
+
+    def message(self, out) -> tuple[dict, str | None]:
+        """``(message, finish_reason)`` of a finished output."""
+        reasoning, content = None, out.text
+        if self.reasoning_parser is not None:
+            reasoning, content = self.reasoning_parser.extract_reasoning(out.text, self._state(out))
+        calls = []
+        if self.parse_tools:
+            before, calls = extract_tool_calls(content)
+            if calls:
+                content = before
+        msg = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            msg["reasoning_content"] = reasoning
+        if calls:
+            msg["tool_calls"] = calls
+        return msg, _finish(out.finish_reason, bool(calls))
+
+    def delta(self, out) -> tuple[dict, str | None]:
+        """``(delta fields, finish_reason)`` for the output so far: ``reasoning_content``,
+        ``content`` and ``tool_calls`` keys only where something new is shown."""
+        finished = out.finished
+        text = out.text
+        reasoning, content = "", text
+        if self.reasoning_parser is not None:
+            reasoning, content = self.reasoning_parser.extract_reasoning_streaming(text, finished, self._state(out))
+        delta: dict = {}
+        if reasoning.startswith(self.reasoning_sent) and len(reasoning) > len(self.reasoning_sent):
+            delta["reasoning_content"] = reasoning[len(self.reasoning_sent):]
+            self.reasoning_sent = reasoning
+        if self.parse_tools:
+            new_content, tool_deltas = self.streamer.feed(content, finished)
+            if tool_deltas:
+                delta["tool_calls"] = tool_deltas
+        else:
+            new_content = content[len(self.content_sent):] if content.startswith(self.content_sent) else ""
+            self.content_sent = content if new_content else self.content_sent
+        if new_content:
+            delta["content"] = new_content
+        return delta, (_finish(out.finish_reason, self.streamer.called) if finished else None)
+
+
+def _finish(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" else reason

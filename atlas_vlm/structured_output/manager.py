@@ -1,0 +1,188 @@
+"""``StructuredOutputManager``: the one owner of every request's grammar state (vLLM v1's
+``StructuredOutputManager`` beside the scheduler).
+
+It compiles a request's grammar when the request is added, builds each step's token bitmask
+for the rows that will sample (``grammar_bitmask``; the sampler only applies it), advances
+a request's matcher with its accepted token (``accept_token``, called by the scheduler's
+``update_from_output``) and forgets the request when the scheduler finishes it. No other
+module reads or writes a matcher, and nothing is stored on ``Request``.
+
+Preemption by recompute needs nothing here: the sampled tokens stay in the request and its
+matcher has consumed exactly them, so when the recomputed prefill reaches the request's end
+the next mask is the one it would have had.
+
+With a reasoning parser, a request's grammar applies only once its reasoning has ended:
+while thinking its row is unconstrained and the matcher untouched; the end marker switches
+it on. Where the prompt leaves open whether the model thinks (no marker in the prompt), the
+first token may be the start marker or anything the grammar allows.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from atlas_vlm.reasoning.qwen3 import ENDED, MAYBE, REASONING
+from atlas_vlm.structured_output.backend import (GuidanceBackend, StructuredOutputBackend, StructuredOutputGrammar,
+                                                 allocate_token_bitmask)
+
+
+@dataclass
+class StructuredOutputStats:
+    """Time spent (seconds) and work done, for the benchmark."""
+
+    compile_s: float = 0.0
+    num_compiled: int = 0
+    mask_s: float = 0.0  # filling masks (on the worker thread, beside the forward)
+    mask_wait_s: float = 0.0  # the sampler waiting for them after the forward
+    num_masks: int = 0  # bitmask rows filled
+
+
+@dataclass
+class GrammarBitmask:
+    """One step's masks: ``bitmask[k]`` (int32 ``[words]``) is for ``request_ids[k]``.
+
+    The masks are filled on a worker thread while the forward runs (the grammar library
+    works outside the GIL); reading ``bitmask`` waits for them."""
+
+    request_ids: list[str]
+    pending: Future  # resolves to the [len(request_ids), words] int32 tensor
+    stats: StructuredOutputStats | None = None  # gets the time spent waiting for it
+
+    @property
+    def bitmask(self) -> torch.Tensor:
+        t0 = time.perf_counter()
+        result = self.pending.result()
+        if self.stats is not None:
+            self.stats.mask_wait_s += time.perf_counter() - t0
+        return result
+
+
+@dataclass
+class _RequestGrammar:
+    grammar: StructuredOutputGrammar
+    reasoning: str = ENDED  # MAYBE | REASONING | ENDED
+
+
+class StructuredOutputManager:
+    """Grammar state of the engine's requests.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        vocab_size: the logits width (bits per bitmask row at least; ids the tokenizer does
+            not have are never allowed).
+        eos_token_ids: ids that end a request; a constrained row allows them only where its
+            grammar accepts.
+        reasoning_parser: a ``ReasoningParser`` or None.
+        backend_cls: the grammar library (``GuidanceBackend``), built on the first
+            structured request (loading a 150k-token vocabulary takes about a second).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, reasoning_parser=None,
+                 backend_cls: type[StructuredOutputBackend] = GuidanceBackend):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = set(eos_token_ids)
+        self.reasoning_parser = reasoning_parser
+        self.backend_cls = backend_cls
+        self._backend: StructuredOutputBackend | None = None
+        self._requests: dict[str, _RequestGrammar] = {}
+        self.stats = StructuredOutputStats()
+        self._pool: ThreadPoolExecutor | None = None  # one worker: a step's masks beside its forward
+
+    @property
+    def backend(self) -> StructuredOutputBackend:
+        if self._backend is None:
+            self._backend = self.backend_cls(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._backend
+
+    def set_eos_token_ids(self, ids) -> None:
+        """New EOS ids; grammars compiled from now on allow them where they accept."""
+        if set(ids) != self.eos_token_ids:
+            self.eos_token_ids = set(ids)
+            self._backend = None  # the library's tokenizer carries the EOS ids
+
+    def add_request(self, req) -> None:
+        """Compile ``req``'s grammar (if its ``sampling_params.structured_outputs`` is set).
+
+        Raises:
+            ValueError: the grammar cannot be compiled for this tokenizer (nothing is kept).
+        """
+        params = req.sampling_params.structured_outputs
+        if params is None:
+            return
+        backend = self.backend  # built once (not counted as compile time)
+        t0 = time.perf_counter()
+        grammar = backend.compile_grammar(params)
+        self.stats.compile_s += time.perf_counter() - t0
+        self.stats.num_compiled += 1
+        state = ENDED
+        if self.reasoning_parser is not None:
+            state = self.reasoning_parser.initial_state(req.token_ids[:req.num_prompt_tokens])
+        self._requests[req.request_id] = _RequestGrammar(grammar, state)
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def remove_request(self, request_id: str) -> None:
+        """Forget a finished or aborted request (idempotent)."""
+        self._requests.pop(request_id, None)
+
+    def grammar_bitmask(self, chunks) -> GrammarBitmask | None:
+        """Masks for the scheduled chunks that will sample a token (those reaching their
+        request's end) and whose grammar applies now; None if there are none.
+
+        Args:
+            chunks: ``[(request, num_new_tokens)]`` as ``SchedulerOutput.chunks``, before the
+                forward (``num_computed_tokens`` not yet advanced).
+        """
+        rows = [req for req, n in chunks
+                if req.request_id in self._requests and req.num_computed_tokens + n == req.num_tokens
+                and self._requests[req.request_id].reasoning != REASONING]
+        if not rows:
+            return None
+        grammars = [self._requests[r.request_id].grammar for r in rows]
+        maybe = [k for k, r in enumerate(rows) if self._requests[r.request_id].reasoning == MAYBE]
+        bitmask = allocate_token_bitmask(len(rows), self.backend.mask_vocab_size)
+
+        def fill() -> torch.Tensor:
+            t0 = time.perf_counter()
+            self.backend.fill_bitmasks(grammars, bitmask)
+            for k in maybe:  # the model may open its reasoning instead
+                t = self.reasoning_parser.start_token_id
+                bit = 1 << (t % 32)
+                bitmask[k, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # as a signed int32
+            self.stats.mask_s += time.perf_counter() - t0
+            return bitmask
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atlas-grammar")
+        self.stats.num_masks += len(rows)
+        return GrammarBitmask([r.request_id for r in rows], self._pool.submit(fill), self.stats)
+
+    def accept_token(self, req, token_id: int) -> tuple[bool, str | None]:
+        """Advance ``req``'s matcher by its sampled token.
+
+        Returns:
+            ``(terminated, error)``: the grammar has ended (the request stops with "stop"),
+            and why the token was refused (the request fails), if it was.
+        """
+        state = self._requests.get(req.request_id)
+        if state is None:
+            return False, None
+        if state.reasoning == REASONING:
+            if token_id == self.reasoning_parser.end_token_id:
+                state.reasoning = ENDED
+            return False, None
+        if state.reasoning == MAYBE:
+            if token_id == self.reasoning_parser.start_token_id:
+                state.reasoning = REASONING
+                return False, None
+            state.reasoning = ENDED
+        if not state.grammar.accept_token(token_id):
+            return False, (f"request {req.request_id!r}: token {token_id} is not allowed by its grammar "
+                           f"({state.grammar.error() or 'rejected'})")
+        return state.grammar.is_terminated(), None
