@@ -26,6 +26,10 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)  # streaming: ids added by the last step
     new_text: str = ""  # streaming: text added by the last step
     tool_calls: list[dict] | None = None  # LLM.chat(tools=...): OpenAI-shaped calls parsed from the finished text
+    # LLM.chat with a reasoning parser (LLM(reasoning_parser="qwen3")): the finished text's thinking
+    # and what follows it (the answer); ``text`` stays the whole generated text
+    reasoning_content: str | None = None
+    content: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -24,12 +24,22 @@ from mm_token_pipeline import MultiModalOptions
 logger = logging.getLogger(__name__)
 
 
-def _with_tool_calls(out: RequestOutput) -> RequestOutput:
-    """A finished output with its parsed ``tool_calls`` (Hermes / Qwen ``<tool_call>`` format)."""
-    if out.finished and out.finish_reason != "error":
+def _finish_chat(out: RequestOutput, reasoning_parser=None, parse_tools: bool = False) -> RequestOutput:
+    """A finished chat output with ``reasoning_content`` / ``content`` split by the engine's
+    reasoning parser (if any) and ``tool_calls`` parsed from the content (Hermes / Qwen
+    ``<tool_call>`` format) when tools were given; the same split as the server's
+    (``entrypoints/openai/chat_output.py``)."""
+    if not out.finished or out.finish_reason == "error":
+        return out
+    content = out.text
+    if reasoning_parser is not None:
+        out.reasoning_content, content = reasoning_parser.extract_reasoning(
+            out.text, reasoning_parser.initial_state(out.prompt_token_ids))
+        out.content = content
+    if parse_tools:
         from atlas_vlm.entrypoints.openai.tool_parsers import extract_tool_calls
 
-        _, out.tool_calls = extract_tool_calls(out.text)
+        _, out.tool_calls = extract_tool_calls(content)
         if out.tool_calls and out.finish_reason == "stop":
             out.finish_reason = "tool_calls"
     return out
@@ -156,7 +166,9 @@ class LLM:
                 grammar into ``<tool_call>`` blocks whose arguments follow the parameters schema.
             parallel_tool_calls: "required" may produce several calls.
 
-        Returns: as :meth:`generate`; with ``tools`` (and ``tool_choice`` not "none") every
+        Returns: as :meth:`generate`; with a reasoning parser (``LLM(reasoning_parser="qwen3")``)
+        every finished output also has ``reasoning_content`` (the thinking, or None) and
+        ``content`` (the rest; ``text`` stays whole); with ``tools`` (and ``tool_choice`` not "none") every
         finished output has ``tool_calls`` (OpenAI's shape: id, type, function name and
         arguments JSON text; ``[]`` if none) and ``finish_reason="tool_calls"`` when it called.
 
@@ -169,8 +181,14 @@ class LLM:
                     "continue_final_message": continue_final_message, "chat_template": chat_template,
                     "chat_template_kwargs": chat_template_kwargs, "mm_options": mm_options,
                     **({"tools": tools} if tools else {})} for c in convs]
+        parser = self.engine.reasoning_parser
         if not tools or tool_choice == "none":
-            return self.generate(prompts[0] if single else prompts, sampling_params, stream=stream, use_tqdm=use_tqdm)
+            result = self.generate(prompts[0] if single else prompts, sampling_params, stream=stream, use_tqdm=use_tqdm)
+            if parser is None:
+                return result
+            if stream:
+                return (_finish_chat(o, parser) for o in result)
+            return [_finish_chat(o, parser) for o in result]
         from atlas_vlm.entrypoints.openai.tool_parsers import tool_call_structured_outputs
 
         marker = self.tokenizer.convert_tokens_to_ids("<tool_call>")
@@ -182,5 +200,5 @@ class LLM:
             sampling_params = [dataclasses.replace(p or SamplingParams(), structured_outputs=forced) for p in base]
         result = self.generate(prompts[0] if single else prompts, sampling_params, stream=stream, use_tqdm=use_tqdm)
         if stream:
-            return (_with_tool_calls(o) for o in result)
-        return [_with_tool_calls(o) for o in result]
+            return (_finish_chat(o, parser, True) for o in result)
+        return [_finish_chat(o, parser, True) for o in result]

@@ -123,6 +123,9 @@ def test_grammar_applies_after_the_reasoning(thinker):
     reasoning, content = rp.extract_reasoning(out.text, MAYBE)
     assert reasoning == " let me think"
     jsonschema.validate(json.loads(content), SIMPLE)
+    # LLM.chat splits it the same way (the server's chat_output split, on the library API)
+    assert (out.reasoning_content, out.content) == (reasoning, content) and out.text.endswith(content)
+    assert off.reasoning_content is None and off.content == off.text
     # thinking off: the prompt closed the reasoning, so the grammar refuses <think> at once
     p = thinker.engine.process_prompt({"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}})
     assert rp.initial_state(p.prompt_token_ids) == ENDED

@@ -18,7 +18,7 @@ from atlas_vlm.models.arch import ModelArch, rope_parameters
 
 pytestmark = pytest.mark.text
 
-FAMILIES = ["qwen2", "llama", "qwen3", "qwen2_vl", "qwen2_5_vl"]
+FAMILIES = ["qwen2", "llama", "qwen3", "qwen2_vl", "qwen2_5_vl"]  # + qwen3_vl, smolvlm below
 
 
 @pytest.mark.parametrize("config, expected", [
@@ -71,9 +71,21 @@ def _greedy(folder) -> tuple[list[int], torch.Tensor, tuple | None]:
     return out.token_ids, model.model.rotary.inv_freq, model.arch.mrope_section
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_both_layouts_load_the_same_model(tiny_models, tmp_path, family):
-    folder, _ = tiny_models[family]
+@pytest.fixture(scope="module")
+def tiny_vlm_folders(tmp_path_factory):
+    """Qwen3-VL and SmolVLM2 tiny checkpoints (tests/tiny_vlms.py), built once here."""
+    from tiny_vlms import build_tiny_qwen3_vl, build_tiny_smolvlm
+
+    folders = {}
+    for name, build in (("qwen3_vl", build_tiny_qwen3_vl), ("smolvlm", build_tiny_smolvlm)):
+        folders[name] = tmp_path_factory.mktemp(name)
+        build(folders[name])
+    return folders
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "qwen3_vl", "smolvlm"])
+def test_both_layouts_load_the_same_model(tiny_models, tiny_vlm_folders, tmp_path, family):
+    folder = tiny_vlm_folders[family] if family in tiny_vlm_folders else tiny_models[family][0]
     saved = json.loads((folder / "config.json").read_text())
     assert "rope_parameters" in saved.get("text_config", saved)  # transformers 5 writes the new layout
     old = _rewrite(folder, tmp_path / "old", _old_layout)
@@ -83,7 +95,7 @@ def test_both_layouts_load_the_same_model(tiny_models, tmp_path, family):
     new_tokens, new_freq, new_section = _greedy(folder)
     old_tokens, old_freq, old_section = _greedy(old)
     assert new_tokens == old_tokens and torch.equal(new_freq, old_freq) and new_section == old_section
-    assert (new_section is not None) == family.endswith("_vl")
+    assert (new_section is not None) == family.endswith("_vl")  # M-RoPE: the Qwen VLMs; SmolVLM's decoder is 1-D
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
