@@ -158,6 +158,25 @@ def _our_name(hf_name: str) -> tuple[str | None, str, int | None]:
     return "text", name, None
 
 
+def copy_dense(target: torch.Tensor, name: str, shard: int | None, tensor: torch.Tensor, hf_name: str, arch,
+               qkv_sizes: list[int]) -> str:
+    """Copy one HF tensor into our parameter ``target`` (its rows ``shard`` of a fused
+    qkv / gate_up projection when ``shard`` is not None). Returns the loaded name
+    (``name#shard`` for a shard).
+
+    Raises:
+        ValueError: the shapes differ (both named).
+    """
+    if shard is not None:
+        sizes = qkv_sizes if "qkv_proj" in name else [arch.intermediate_size] * 2
+        target = target.narrow(0, sum(sizes[:shard]), sizes[shard])  # [rows of this shard, in]
+        name = f"{name}#{shard}"
+    if target.shape != tensor.shape:
+        raise ValueError(f"weight {hf_name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+    target.copy_(tensor)
+    return name
+
+
 def _load_weights(model: CausalLM, files: list[Path]) -> dict[str, torch.Tensor]:
     from atlas_vlm.layers.quant_linear import quantized_modules
 
@@ -183,16 +202,7 @@ def _load_weights(model: CausalLM, files: list[Path]) -> dict[str, torch.Tensor]
                 if name not in params:
                     unexpected.append(hf_name)
                     continue
-                tensor = f.get_tensor(hf_name)
-                target = params[name].data
-                if shard is not None:
-                    sizes = qkv_sizes if "qkv_proj" in name else [arch.intermediate_size] * 2
-                    target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
-                    name = f"{name}#{shard}"
-                if target.shape != tensor.shape:
-                    raise ValueError(f"weight {hf_name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-                target.copy_(tensor)
-                loaded.add(name)
+                loaded.add(copy_dense(params[name].data, name, shard, f.get_tensor(hf_name), hf_name, arch, qkv_sizes))
     expected = set()
     for name in list(params) + list(quant):
         if "qkv_proj.weight" in name or "qkv_proj.bias" in name:

@@ -102,7 +102,7 @@ def load_awq_gptq(model: nn.Module, files: list[Path], method: str, qc: dict, de
         ValueError: a tensor is missing, unexpected, or of the wrong shape (named); GPTQ
             ``g_idx`` not ``k // group_size``.
     """
-    from atlas_vlm.loader import _our_name
+    from atlas_vlm.loader import _our_name, copy_dense
 
     group_cfg = check_config(method, qc)
     arch = model.arch
@@ -163,16 +163,7 @@ def load_awq_gptq(model: nn.Module, files: list[Path], method: str, qc: dict, de
         if name not in params:
             unexpected.append(hf_name)
             continue
-        tensor = handle.get_tensor(hf_name)
-        target = params[name].data
-        if shard is not None:
-            sizes = qkv_sizes if "qkv_proj" in name else [arch.intermediate_size] * 2
-            target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
-            name = f"{name}#{shard}"
-        if target.shape != tensor.shape:
-            raise ValueError(f"weight {hf_name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-        target.copy_(tensor)
-        loaded.add(name)
+        loaded.add(copy_dense(params[name].data, name, shard, handle.get_tensor(hf_name), hf_name, arch, qkv_sizes))
     expected = set()
     for name in list(params) + [f"{p}.weight" for p in quant]:
         n = 3 if "qkv_proj." in name else 2 if "gate_up_proj." in name else 0
