@@ -94,7 +94,8 @@ def format_matrix(args) -> str:
             + " ".join(f"{f'{g} GiB':>14}" for g in MATRIX_GIB))
     lines = [f"sequences of L={length} tokens (one image at {bound}) held at once (KV blocks of "
              f"{args.block_size}), {args.dtype}, gpu_memory_utilization={args.gpu_memory_utilization}; "
-             "'-': weights do not fit, 'img>L': one image is longer than L", head]
+             "'-': no KV block fits beside the weights and the activation reserve, "
+             "'img>L': one image is longer than L", head]
     quants = [getattr(args, "quantization", None)]
     if quants[0] is None:
         quants.append("int4")  # the int4 rows (group 128) beside the dense ones
