@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 from qwen_vl_utils import vision_process as qvu
 
-from mm_token_pipeline import video_io
+from mm_token_pipeline import video_decode
 from mm_token_pipeline.video_io import (FRAME_FACTOR, VideoInputError, load_video, probe_video, sample_frame_indices,
                                         video_frame_bounds, video_resized_size)
 
@@ -225,14 +225,14 @@ def test_vp9_webm_tall():
 
 def _count_decoded(monkeypatch) -> list[int]:
     counter = [0]
-    real = video_io._decode_packet
+    real = video_decode._decode_packet
 
     def counting(packet):
         frames = real(packet)
         counter[0] += len(frames)
         return frames
 
-    monkeypatch.setattr(video_io, "_decode_packet", counting)
+    monkeypatch.setattr(video_decode, "_decode_packet", counting)
     return counter
 
 
