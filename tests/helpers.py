@@ -335,3 +335,18 @@ def slow_http_server():
     finally:
         server.shutdown()
         server.server_close()
+
+
+# ---- quantized kernels -------------------------------------------------------------------------
+ATEN_AVX512 = torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512")
+
+
+def require_quant_kernel(what: str = "this check") -> None:
+    """Skip (naming why) unless the aten int4 kernel can run with our packed layout here: it
+    is ATen's AVX-512 kernel's layout (``quant_kernel_available``); on an AVX2-only CPU, or
+    under ``ATEN_CPU_CAPABILITY=avx2``, the engine uses the dequantized reference instead."""
+    if not ATEN_AVX512:
+        import pytest
+
+        pytest.skip(f"{what} needs ATen's AVX-512 kernels (the int4 pack layout is theirs); this process "
+                    f"dispatches {torch.backends.cpu.get_cpu_capability()}, where the engine uses the reference")

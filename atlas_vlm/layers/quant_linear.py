@@ -39,15 +39,20 @@ INT4_GROUP_SIZES = (128, 64, 32)  # default group first; the kernel accepts 32, 
 DEFAULT_INT4_GROUP_SIZE = 128
 
 
-def quant_kernel_available(device: torch.device | str = "cpu", cpu: "hardware.CpuFeatures | None" = None) -> bool:
+def quant_kernel_available(device: torch.device | str = "cpu", cpu: "hardware.CpuFeatures | None" = None,
+                           aten_capability: str | None = None) -> bool:
     """Whether quantized linears use the aten kernels: a CPU with native bf16 dot products
-    (``hardware.cpu_features().fast_bf16``, or ``cpu``'s) whose torch has
+    (``hardware.cpu_features().fast_bf16``, or ``cpu``'s), ATen dispatching its AVX-512
+    kernels (``torch.backends.cpu.get_cpu_capability()``, or ``aten_capability``: the int4
+    op's packed layout, 64-row blocks as ``pack_int4_cpu`` writes them, is the AVX-512
+    kernel's; under ``ATEN_CPU_CAPABILITY=avx2`` it differs), and a torch that has
     ``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu`` and
-    ``_convert_weight_to_int4pack_for_cpu``. Tests pass ``cpu`` (or patch this function or
-    ``hardware.cpu_features``) to fake either answer."""
+    ``_convert_weight_to_int4pack_for_cpu``. Tests pass ``cpu`` / ``aten_capability`` (or
+    patch this function or ``hardware.cpu_features``) to fake either answer."""
     ops = ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu")
+    capability = aten_capability or torch.backends.cpu.get_cpu_capability()
     return (torch.device(device).type == "cpu" and all(hasattr(torch.ops.aten, op) for op in ops)
-            and (cpu or hardware.cpu_features()).fast_bf16)
+            and (cpu or hardware.cpu_features()).fast_bf16 and capability.upper().startswith("AVX512"))
 
 
 def int4_group_size(in_features: int, preferred: int = DEFAULT_INT4_GROUP_SIZE) -> int:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
+from helpers import require_quant_kernel
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
@@ -97,6 +99,8 @@ def smollm2_runs():
 @pytest.mark.parametrize("kernel", [False, True])
 def test_smollm2_gguf_as_stored_agrees_with_dense_fp32(kernel, smollm2_runs, monkeypatch):
     path, prefixes, want = smollm2_runs
+    if kernel:
+        require_quant_kernel()
     monkeypatch.setattr(quant_linear, "quant_kernel_available", lambda *a, **k: kernel)
     llm = LLM(path, quantization="gguf", dtype="float32", max_model_len=512)
     model = llm.engine.runner.model

@@ -21,6 +21,13 @@ pytestmark = pytest.mark.text
 KERNEL_REL_BOUND = 2e-2  # kernel vs reference: max |diff| / max |reference| (measured <= 9.1e-3)
 
 
+ATEN_AVX512 = torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512")
+needs_aten_avx512 = pytest.mark.skipif(
+    not ATEN_AVX512, reason="the int4 op's packed layout checked here is ATen's AVX-512 kernel's; this process "
+                            f"dispatches {torch.backends.cpu.get_cpu_capability()} (the engine then uses the reference)")
+
+
+@needs_aten_avx512
 def test_int4_packing_equals_pytorch_op_and_inverts():
     g = torch.Generator().manual_seed(0)
     for n, k in [(64, 64), (960, 576), (128, 1536)]:
@@ -58,6 +65,9 @@ def test_group_size_stated_per_layer():
 @pytest.mark.parametrize("kind,group", [("int8", None), ("int8", 32), ("int4", 32), ("int4", 64), ("int4", 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_path_equals_dequantized_reference(kind, group, dtype):
+    if kind == "int4" and not ATEN_AVX512:
+        pytest.skip(f"the int4 kernel's layout is ATen's AVX-512 one; this process dispatches "
+                    f"{torch.backends.cpu.get_cpu_capability()}")
     torch.manual_seed(0)
     lin = nn.Linear(256, 192, bias=True)
     cls = Int8Linear if kind == "int8" else Int4Linear
@@ -101,14 +111,15 @@ def test_kernel_capability_detection_faked_both_ways(monkeypatch):
     def cpu(flags):
         return CpuFeatures(frozenset(flags.split()), "x86_64")
 
-    assert quant_kernel_available("cpu", cpu("avx2 avx512f avx512_bf16")) is True
-    assert quant_kernel_available("cpu", cpu("avx2 amx_tile amx_bf16")) is True
-    assert quant_kernel_available("cpu", cpu("avx avx2 fma f16c")) is False  # AVX2-only: reference
-    assert quant_kernel_available("cuda", cpu("avx2 avx512_bf16")) is False
+    assert quant_kernel_available("cpu", cpu("avx2 avx512f avx512_bf16"), "AVX512") is True
+    assert quant_kernel_available("cpu", cpu("avx2 amx_tile amx_bf16"), "AVX512") is True
+    assert quant_kernel_available("cpu", cpu("avx avx2 fma f16c"), "AVX2") is False  # AVX2-only: reference
+    assert quant_kernel_available("cpu", cpu("avx2 avx512_bf16"), "AVX2") is False  # ATen capped at AVX2: int4 layout differs
+    assert quant_kernel_available("cuda", cpu("avx2 avx512_bf16"), "AVX512") is False
     monkeypatch.setattr(hardware, "cpu_features", lambda: cpu("avx avx2 fma f16c"))  # the detector itself faked
-    assert quant_kernel_available("cpu") is False
+    assert quant_kernel_available("cpu", aten_capability="AVX512") is False
     monkeypatch.setattr(hardware, "cpu_features", lambda: cpu("avx2 avx512_bf16"))
-    assert quant_kernel_available("cpu") is True
+    assert quant_kernel_available("cpu", aten_capability="AVX512") is True
     monkeypatch.delattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", raising=False)
     if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-        assert quant_kernel_available("cpu", cpu("avx2 avx512_bf16")) is False  # an older torch without the op
+        assert quant_kernel_available("cpu", cpu("avx2 avx512_bf16"), "AVX512") is False  # an older torch without the op
