@@ -46,6 +46,11 @@ class EngineConfig:
     allow_http_images: bool = False  # fetch http(s) image URLs
     http_image_timeout_s: float = DEFAULT_HTTP_TIMEOUT_S  # overall deadline of one image download (s)
     http_image_max_bytes: int = DEFAULT_HTTP_MAX_BYTES  # byte cap of one image download
+    # media encoder (vLLM v1's encoder cache and encoder_compute_budget), in encoder rows =
+    # placeholder tokens: outputs kept by content hash (LRU), and rows encoded per step (None:
+    # max_num_batched_tokens); one item larger than the budget still runs, alone in its step
+    encoder_cache_tokens: int = 16384
+    max_num_encoder_tokens: int | None = None
     seed: int = 0  # default sampling seed of requests that set none
     # CPU threads for torch; None: $OMP_NUM_THREADS if set, else the usable cores less those
     # busy with other work, chosen once per process (hardware.default_num_threads)
@@ -78,6 +83,14 @@ class EngineConfig:
         if isinstance(self.http_image_max_bytes, bool) or not isinstance(self.http_image_max_bytes, int) \
                 or self.http_image_max_bytes < 1:
             raise ValueError(f"http_image_max_bytes must be an int >= 1, got {self.http_image_max_bytes!r}")
+        if isinstance(self.encoder_cache_tokens, bool) or not isinstance(self.encoder_cache_tokens, int) \
+                or self.encoder_cache_tokens < 0:
+            raise ValueError(f"encoder_cache_tokens must be an int >= 0 (tokens), got {self.encoder_cache_tokens!r}")
+        if self.max_num_encoder_tokens is not None and (isinstance(self.max_num_encoder_tokens, bool) or not
+                                                         isinstance(self.max_num_encoder_tokens, int)
+                                                         or self.max_num_encoder_tokens < 1):
+            raise ValueError(f"max_num_encoder_tokens must be an int >= 1 (tokens) or None, "
+                             f"got {self.max_num_encoder_tokens!r}")
         for name in ("min_pixels", "max_pixels"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

@@ -1,6 +1,7 @@
 """``Request``: a request as the engine tracks it (the KV-side ``RequestState`` plus sampling,
-multimodal inputs, sampled tokens and how it finished). Text and stream deltas live in the
-``OutputProcessor``'s per-request state."""
+media items of any modality, whose placeholder ranges are ``mm_positions``, sampled tokens
+and how it finished). Text and stream deltas live in the ``OutputProcessor``'s per-request
+state."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ class Request(RequestState):
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     prompt: str | None = None  # prompt text, when given as text
     max_tokens: int = 16  # resolved generation limit (tokens)
-    images: list = field(default_factory=list)  # mm_token_pipeline.ProcessedImage per image, in order
+    mm_items: list = field(default_factory=list)  # media items in prompt order (ProcessedImage, ProcessedVideo, tiles)
     mrope_positions: torch.Tensor | None = None  # [3, num_prompt_tokens] M-RoPE positions (None: text model)
-    image_embeds: list[torch.Tensor | None] | None = None  # per image [num_tokens_i, hidden] once needed and encoded
+    mm_embeds: list[torch.Tensor | None] | None = None  # per item [num_tokens_i, hidden] once needed and encoded
     generator: torch.Generator | None = None  # per-request sampling RNG
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
     error: str | None = None  # why it failed (finish_reason == "error")

@@ -113,9 +113,7 @@ def mix(quick: bool = False, dtype: torch.dtype = torch.float32) -> dict:
     for name, caching in (("caches on", True), ("caches off", False)):
         log(f"mix: {name}")
         llm = LLM(folder, dtype=dtype_name(dtype), max_model_len=2048, num_kvcache_blocks=512,
-                  enable_prefix_caching=caching)
-        if not caching:
-            llm.engine.runner.encoder_cache_size = 0  # every request runs the vision tower
+                  enable_prefix_caching=caching, encoder_cache_tokens=16384 if caching else 0)  # 0: tower every time
         llm.chat([{"role": "user", "content": [{"type": "image", "image": image_path("rocket.jpg")},
                                                {"type": "text", "text": "Warm up."}]}],
                  params, mm_options=mm, use_tqdm=False)  # warm-up on a third photo

@@ -10,16 +10,16 @@ from mm_kv_cache_management.block_manager import BlockManager, NoFreeBlocksError
 from mm_kv_cache_management.block_table import BlockTable
 from mm_kv_cache_management.hashing import block_hash
 from mm_kv_cache_management.kv_cache import ContiguousKVCache, KVCacheSpec, PagedKVCache
-from mm_kv_cache_management.request_state import ImageSpan, RequestState, RequestStatus
+from mm_kv_cache_management.request_state import PlaceholderRange, RequestState, RequestStatus
 
 __all__ = [
     "BlockManager",
     "BlockTable",
     "ContiguousKVCache",
-    "ImageSpan",
     "KVCacheSpec",
     "NoFreeBlocksError",
     "PagedKVCache",
+    "PlaceholderRange",
     "RequestState",
     "RequestStatus",
     "block_hash",

@@ -1,9 +1,9 @@
 """Chained content hashes of full KV blocks, for prefix caching.
 
-A block's hash covers its parent block's hash, its token ids and, for every image whose
-placeholder run overlaps the block, the image's content hash and the offset of the block
-inside that run. Image pad tokens share one id, so without the image key two different
-images would map to the same K/V (handed case C12).
+A block's hash covers its parent block's hash, its token ids and, for every media item
+(image, video) whose placeholder run overlaps the block, the item's content hash and the
+offset of the block's first token in the item's encoder rows. Placeholder tokens share one
+id, so without that key two different images would map to the same K/V (handed case C12).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ def block_hash(
     Args:
         parent_hash: hash of the previous block of the same request, ``None`` for block 0.
         token_ids: the block's ``block_size`` token ids.
-        extra_keys: ``(image content hash, offset of this block's first token within the
-            image's pad run)`` for each image span the block overlaps.
+        extra_keys: ``(item content hash, offset of this block's first token in the item's
+            encoder rows)`` for each placeholder range the block overlaps.
     """
     h = hashlib.blake2b(digest_size=16)
     h.update(parent_hash or b"root")

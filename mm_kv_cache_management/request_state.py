@@ -1,4 +1,4 @@
-"""The KV-side view of a request: its tokens, image spans, blocks and progress."""
+"""The KV-side view of a request: its tokens, multimodal placeholder ranges, blocks and progress."""
 
 from __future__ import annotations
 
@@ -16,12 +16,26 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(slots=True, frozen=True)
-class ImageSpan:
-    """Where one image's placeholder tokens sit in a request's token ids."""
+class PlaceholderRange:
+    """One run of a media item's placeholder tokens in a request's token ids (vLLM v1's
+    ``PlaceholderRange`` of a ``MultiModalFeatureSpec``), for any modality.
 
-    offset: int  # index of the first <|image_pad|> token of this image
-    length: int  # number of <|image_pad|> tokens (one per merged patch)
-    content_hash: str  # identifies the image's pixels (and resize) for prefix caching
+    A media item fills one run (an image, a Qwen2.5-VL video) or several (a Qwen3-VL video:
+    one run per temporal group, timestamp text between; a SmolVLM tile). Run ``k`` of an
+    item takes the item's encoder rows ``embed_offset .. embed_offset + length - 1``.
+    """
+
+    offset: int  # index of the first placeholder token of this run
+    length: int  # placeholder tokens in this run (one per encoder output row)
+    content_hash: str  # identifies the item's content (and preprocessing) for prefix caching
+    modality: str = "image"  # "image" | "video"
+    item_index: int = 0  # which of the request's media items this run belongs to
+    embed_offset: int = 0  # the item's encoder row of this run's first token
+
+    @property
+    def end(self) -> int:
+        """One past the run's last token."""
+        return self.offset + self.length
 
 
 @dataclass(eq=False)
@@ -36,7 +50,7 @@ class RequestState:
     request_id: str  # unique per engine
     token_ids: list[int]  # prompt ids, then generated ids
     num_prompt_tokens: int = -1  # length of the prompt part of token_ids (-1: all of it)
-    image_spans: list[ImageSpan] = field(default_factory=list)  # sorted by offset
+    mm_positions: list[PlaceholderRange] = field(default_factory=list)  # sorted by offset
     rope_delta: int = 0  # M-RoPE position offset of decode tokens
     block_table: BlockTable | None = None  # None while no blocks are held
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
@@ -64,9 +78,9 @@ class RequestState:
             i = len(self._block_hashes)
             start, end = i * block_size, (i + 1) * block_size
             extra = [
-                (span.content_hash, start - span.offset)
-                for span in self.image_spans
-                if span.offset < end and start < span.offset + span.length
+                (span.content_hash, span.embed_offset + start - span.offset)
+                for span in self.mm_positions
+                if span.offset < end and start < span.end
             ]
             parent = self._block_hashes[-1] if i else None
             self._block_hashes.append(block_hash(parent, self.token_ids[start:end], extra))

@@ -21,20 +21,26 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 #: Message keys accepted besides ``role`` and ``content`` (OpenAI chat message fields that
 #: templates may read).
 _MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
+#: A video item's options (qwen-vl-utils' message keys; ``sample_fps`` for a list of frames).
+VIDEO_OPTIONS = {"fps", "nframes", "min_frames", "max_frames", "video_start", "video_end", "sample_fps",
+                 "min_pixels", "max_pixels", "total_pixels"}
 #: Content item type -> keys that item may carry.
 CONTENT_TYPES = {
     "text": {"type", "text"},
     "image": {"type", "image", "min_pixels", "max_pixels", "longest_edge"},
     "image_url": {"type", "image_url", "min_pixels", "max_pixels", "longest_edge"},
+    "video": {"type", "video", *VIDEO_OPTIONS},
+    "video_url": {"type", "video_url", *VIDEO_OPTIONS},
 }
 
 
 def content_type(item: dict) -> str | None:
     """Type of a content item: its ``type``, else inferred from an ``image`` / ``image_url``
-    / ``text`` key (qwen-vl-utils style items may omit ``type``); ``None`` if none applies."""
+    / ``video`` / ``video_url`` / ``text`` key (qwen-vl-utils style items may omit ``type``);
+    ``None`` if none applies."""
     if "type" in item:
         return item["type"]
-    for key in ("image", "image_url", "text"):
+    for key in ("image", "image_url", "video", "video_url", "text"):
         if key in item:
             return key
     return None
@@ -51,6 +57,10 @@ def _check_item(item, where: str) -> None:
         raise ValueError(f"{where}: unknown key(s) {unknown} in a {kind!r} item; allowed: {sorted(CONTENT_TYPES[kind])}")
     if kind == "text" and not isinstance(item.get("text"), str):
         raise ValueError(f"{where}: a 'text' item needs a str 'text', got {item.get('text')!r}")
+    url = item.get("video_url")
+    if isinstance(url, dict) and sorted(str(k) for k in url if k != "url"):
+        raise ValueError(f"{where}.video_url: unknown key(s) {sorted(str(k) for k in url if k != 'url')}; "
+                         "allowed: ['url']")
     url = item.get("image_url")
     if isinstance(url, dict):
         extra = sorted(str(k) for k in url if k not in ("url", "detail"))
@@ -67,7 +77,7 @@ def check_messages(messages) -> None:
     Raises:
         TypeError: ``messages`` is not a list of dicts, or content is not str / list / None.
         ValueError: empty list, a missing or unknown role, an unknown message key, a content
-            item of an unknown type (``input_audio``, ``video``, ...) or with an unknown key,
+            item of an unknown type (``input_audio``, ...) or with an unknown key,
             an ``image_url.detail`` other than ``"auto"``. The message names the index.
     """
     if not isinstance(messages, list) or not messages:
@@ -95,7 +105,7 @@ def to_string_content(messages: list[dict]) -> list[dict]:
     with ``"\\n"``, ``None`` -> ``""``). Call :func:`check_messages` first.
 
     Raises:
-        ValueError: an image item (a text-only template cannot place it).
+        ValueError: an image or video item (a text-only template cannot place it).
     """
     out = []
     for i, message in enumerate(messages):
@@ -103,7 +113,8 @@ def to_string_content(messages: list[dict]) -> list[dict]:
         if isinstance(content, list):
             kinds = [content_type(item) for item in content]
             if any(k != "text" for k in kinds):
-                raise ValueError(f"messages[{i}]: image items need a vision-language model; this one is text-only")
+                raise ValueError(f"messages[{i}]: image and video items need a vision-language model; "
+                                 "this one is text-only")
             content = "\n".join(item["text"] for item in content)
         out.append({**message, "content": "" if content is None else content})
     return out

@@ -37,6 +37,8 @@ class ProcessedImage:
         resized_hw: ``(height, width)`` in pixels after ``smart_resize``.
     """
 
+    modality = "image"  # class attribute, not a field: what every media item says it is
+
     pixel_values: torch.Tensor
     grid_thw: tuple[int, int, int]
     num_tokens: int

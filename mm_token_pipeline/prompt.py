@@ -90,6 +90,11 @@ def extract_image_items(messages: list[dict]) -> list[tuple[object, dict]]:
     return found
 
 
+def extract_mm_items(messages: list[dict]) -> list[tuple[str, object, dict]]:
+    """``(modality, source, item)`` of every media item in prompt order (TEMPORARY: images only)."""
+    return [("image", src, item) for src, item in extract_image_items(messages)]
+
+
 def extract_images(messages: list[dict]) -> list:
     """Image sources of ``messages`` in prompt order (see :func:`extract_image_items`)."""
     return [src for src, _ in extract_image_items(messages)]

@@ -53,6 +53,7 @@ class SmolVLMTile:
     content_hash: str
     image_index: int
     grid_thw: None = None  # no M-RoPE grid: SmolVLM's decoder uses 1-D RoPE
+    modality: str = "image"  # "video" for a frame of a video
 
 
 def longest_edge_for(max_pixels: int | None, longest_edge: int | None, *, tile: int, default: int) -> int:
@@ -195,6 +196,9 @@ class SmolVLMVisionEncoder(torch.nn.Module):
         except RuntimeError as exc:
             raise ValueError(f"SmolVLM vision state dict does not fit the config: {exc}") from exc
         return encoder.to(device=device, dtype=dtype).eval()
+
+    #: the one constructor every family's tower has (``ModelFamily.vision_tower``): the FULL config
+    from_hf_config = from_state_dict
 
     @property
     def dtype(self) -> torch.dtype:

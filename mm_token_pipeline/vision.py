@@ -94,6 +94,13 @@ class VisionEncoder(torch.nn.Module):
             raise ValueError(f"vision state dict does not fit the config: {exc}") from exc
         return encoder.to(device=device, dtype=dtype).eval()
 
+    @classmethod
+    def from_hf_config(cls, hf_config, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
+                       device: torch.device | str = "cpu") -> "VisionEncoder":
+        """:meth:`from_state_dict` on ``hf_config.vision_config`` (the one constructor every
+        family's tower has, named by ``ModelFamily.vision_tower``)."""
+        return cls.from_state_dict(hf_config.vision_config, state_dict, dtype=dtype, device=device)
+
     @property
     def dtype(self) -> torch.dtype:
         """Parameter dtype of the tower."""

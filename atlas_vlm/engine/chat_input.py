@@ -88,15 +88,15 @@ def _has_text(message: dict) -> bool:
 
 
 class ChatInput:
-    """Chat prompt -> ``ProcessedPrompt`` for one model.
+    """Chat prompt -> prompt ids and media items for one model.
 
     Args:
         tokenizer: the model's transformers tokenizer (its ``chat_template`` is the default).
         config: ``EngineConfig`` (``min_pixels``/``max_pixels`` over the checkpoint's,
             ``limit_request_pixels``, ``allow_http_images``, ``http_image_timeout_s``,
             ``http_image_max_bytes``).
-        hf_config: the model's transformers config: a ``vision_config`` means images (the
-            Qwen2-VL / Qwen2.5-VL / Qwen3-VL path, or SmolVLM2's HF processor).
+        hf_config: the model's transformers config; its ``ModelFamily.mm_inputs`` handles
+            the media (``engine.mm_inputs``), text models take none.
         image_settings: the checkpoint's ``ImageProcessorSettings`` (its
             ``preprocessor_config.json``; ``LoadedModel.image_settings``), None for text models
             (read from ``hf_config`` alone, i.e. the released defaults, when not given).
@@ -106,115 +106,48 @@ class ChatInput:
     """
 
     def __init__(self, tokenizer, config, hf_config, image_settings=None):
+        from atlas_vlm.models.registry import import_named, resolve_family
         from mm_token_pipeline import image_processor_settings
 
         self.tokenizer = tokenizer
         self.config = config
         self.hf_config = hf_config
-        self.is_vlm = hasattr(hf_config, "vision_config")
-        self.model_type = getattr(hf_config, "model_type", None)
-        if image_settings is None and self.is_vlm:
+        self.family = resolve_family(hf_config)
+        if image_settings is None and self.family.multimodal:
             image_settings = image_processor_settings(None, hf_config)
         self.image_settings = image_settings
         self.engine_bounds = config.image_bounds(image_settings)  # checkpoint, then engine options
-        self._hf_processor = None  # SmolVLM2: the checkpoint's HF processor, loaded on first use
+        self.media = None  # the family's MediaInputs; None for text models
+        if self.family.mm_inputs is not None:
+            self.media = import_named(self.family.mm_inputs)(tokenizer, config, hf_config, image_settings,
+                                                             self.engine_bounds)
 
     def process(self, prompt: dict) -> tuple[list[int], list]:
-        """``(prompt token ids, processed images)`` of a chat prompt dict (see the module
-        docstring); image pads are expanded, one ``ProcessedImage`` per image item in order.
+        """``(prompt token ids, media items)`` of a chat prompt dict (see the module
+        docstring); placeholders are expanded, one item per image / video (SmolVLM: per
+        tile) in prompt order.
 
-        Per-image ``min_pixels`` / ``max_pixels`` in a content item override ``mm_options``,
+        Per-item ``min_pixels`` / ``max_pixels`` in a content item override ``mm_options``,
         which override the engine's ``min_pixels`` / ``max_pixels``.
 
         Raises:
-            ValueError, TypeError: see :func:`parse_chat_prompt`; images sent to a text-only model.
-            mm_token_pipeline.ImageInputError: an image cannot be loaded, fetched or resized.
+            ValueError, TypeError: see :func:`parse_chat_prompt`; media sent to a text-only
+                model, or a modality this family does not take (named).
+            mm_token_pipeline.ImageInputError / VideoInputError: a medium cannot be loaded,
+                fetched or resized.
         """
         p = parse_chat_prompt(prompt)
-        template_kwargs = {**(p["chat_template_kwargs"] or {}), **({"tools": p["tools"]} if p["tools"] else {})}
-        template_args = dict(add_generation_prompt=p["add_generation_prompt"],
-                             continue_final_message=p["continue_final_message"],
-                             chat_template=p["chat_template"], **template_kwargs)
-        if not self.is_vlm:
-            ids = self.tokenizer.apply_chat_template(to_string_content(p["messages"]), tokenize=True,
-                                                     return_dict=False, **template_args)
+        if self.media is None:
+            template_kwargs = {**(p["chat_template_kwargs"] or {}), **({"tools": p["tools"]} if p["tools"] else {})}
+            ids = self.tokenizer.apply_chat_template(
+                to_string_content(p["messages"]), tokenize=True, return_dict=False,
+                add_generation_prompt=p["add_generation_prompt"], continue_final_message=p["continue_final_message"],
+                chat_template=p["chat_template"], **template_kwargs)
             return list(ids), []
-        from mm_token_pipeline import build_prompt_ids, preprocess_image
-        from mm_token_pipeline.qwen3_vl import QWEN3_VL_CHAT_TEMPLATE
-
-        if self.model_type == "smolvlm":
-            return self._smolvlm(p)
-        images = []
-        for opts, pil in self._images(p):
-            if opts.longest_edge is not None:
-                raise ValueError(f"longest_edge is SmolVLM's image bound; {self.model_type} takes "
-                                 "min_pixels / max_pixels")
-            min_pixels, max_pixels = opts.resolved()
-            images.append(preprocess_image(pil, min_pixels=min_pixels, max_pixels=max_pixels,
-                                           **self.image_settings.preprocess_kwargs()))
-        ids = build_prompt_ids(self.tokenizer, p["messages"], images,
-                               add_generation_prompt=p["add_generation_prompt"],
-                               continue_final_message=p["continue_final_message"],
-                               chat_template=p["chat_template"], chat_template_kwargs=template_kwargs,
-                               default_template=QWEN3_VL_CHAT_TEMPLATE if self.model_type == "qwen3_vl" else None)
-        return list(ids), images
-
-    def _images(self, p: dict):
-        """``(options, RGB PIL image)`` per image item: the item's bounds over the request's
-        ``mm_options`` over the engine's (its ``min_pixels`` / ``max_pixels`` over the
-        checkpoint's). With ``config.limit_request_pixels`` (the server) a request or item
-        may lower ``max_pixels`` / ``longest_edge``, never raise them: checked before the
-        image is loaded.
-
-        Raises:
-            ValueError: a bound above the engine's under ``limit_request_pixels`` (named).
-        """
-        from mm_token_pipeline import extract_image_items, load_image
-
-        request_opts = p["mm_options"].merged_over(self.engine_bounds)
-        for index, (source, item) in enumerate(extract_image_items(p["messages"])):
-            item_opts = {k: item[k] for k in ("min_pixels", "max_pixels", "longest_edge") if k in item}
-            opts = MultiModalOptions.from_value(item_opts, where=f"image {index}").merged_over(request_opts)
-            if self.config.limit_request_pixels:
-                self._check_limits(opts, index)
-            pil = load_image(source, allow_http=self.config.allow_http_images,
-                             http_timeout_s=self.config.http_image_timeout_s,
-                             max_http_bytes=self.config.http_image_max_bytes)
-            yield opts, pil
-
-    def _check_limits(self, opts: MultiModalOptions, index: int) -> None:
-        limits = {"max_pixels": self.engine_bounds.max_pixels,
-                  "longest_edge": self.image_settings.longest_edge if self.image_settings else None}
-        for name, limit in limits.items():
-            value = getattr(opts, name)
-            if value is not None and limit is not None and value > limit:
-                raise ValueError(f"image {index}: {name} {value} is above this server's {name} {limit}; "
-                                 "a request may lower the image bounds, not raise them")
-
-    def _smolvlm(self, p: dict) -> tuple[list[int], list]:
-        """SmolVLM2: ids and tiles from the checkpoint's HF processor (loaded once from the
-        tokenizer's folder); the bound is a longest edge (``longest_edge``, or ``max_pixels``
-        mapped to one: item, then ``mm_options``, then the engine's ``max_pixels``).
-
-        Raises:
-            ValueError: ``continue_final_message`` / a template override (not supported on
-                this path), or per-image bounds that differ (the processor resizes alike)."""
-        from transformers import AutoProcessor
-
-        from mm_token_pipeline.smolvlm import longest_edge_for, smolvlm_prompt
-
-        if p["continue_final_message"] or not p["add_generation_prompt"] or p["chat_template"] or p["chat_template_kwargs"] \
-                or p["tools"]:
-            raise ValueError("SmolVLM2 prompts take the processor's template with add_generation_prompt=True only; "
-                             "continue_final_message, chat_template, chat_template_kwargs and tools are not supported")
-        if self._hf_processor is None:
-            self._hf_processor = AutoProcessor.from_pretrained(self.tokenizer.name_or_path, fix_mistral_regex=False)
-        proc = self._hf_processor
-        tile, default = proc.image_processor.max_image_size["longest_edge"], proc.image_processor.size["longest_edge"]
-        edges, pils = [], []
-        for opts, pil in self._images(p):
-            edges.append(longest_edge_for(opts.max_pixels, opts.longest_edge, tile=tile, default=default))
-            pils.append(pil)
-        if len(set(edges)) > 1:
-            raise ValueError(f"SmolVLM resizes all images of a prompt alike; got per-image longest edges {edges}")
-        return smolvlm_prompt(proc, p["messages"], pils, edges[0] if edges else default)
+        for i, message in enumerate(p["messages"]):
+            for item in message.get("content") if isinstance(message.get("content"), list) else ():
+                kind = content_type(item).removesuffix("_url")
+                if kind != "text" and kind not in self.family.modalities:
+                    raise ValueError(f"messages[{i}]: {self.family.name} does not take {kind} input "
+                                     f"(it takes {', '.join(self.family.modalities)})")
+        return self.media.prompt_ids(p)

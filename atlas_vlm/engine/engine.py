@@ -75,7 +75,9 @@ class LLMEngine:
                                                                  self.reasoning_parser)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill,
                                    max_model_len=self.max_model_len, eos_token_ids=eos,
-                                   structured_output_manager=self.structured_output_manager)
+                                   structured_output_manager=self.structured_output_manager,
+                                   max_num_encoder_tokens=config.max_num_encoder_tokens or budget,
+                                   is_encoded=self.runner.encoder_cache.__contains__)
         self.input_processor = InputProcessor(self.tokenizer, self.hf_config, config, arch.vocab_size,
                                               self.max_model_len, self.block_manager, self.runner.device,
                                               loaded.image_settings)
@@ -162,13 +164,17 @@ class LLMEngine:
         sched = self.scheduler
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
                                    sched.enable_chunked_prefill, max_model_len=sched.max_model_len,
-                                   eos_token_ids=sched.eos_token_ids)
+                                   eos_token_ids=sched.eos_token_ids,
+                                   structured_output_manager=sched.structured_output_manager,
+                                   max_num_encoder_tokens=sched.max_num_encoder_tokens, is_encoded=sched.is_encoded)
         self.scheduler.num_preemptions = sched.num_preemptions  # a running total (metrics)
         self.input_processor.block_manager = self.block_manager
         self.output_processor = OutputProcessor(self.tokenizer)
         self.runner.encoder_cache.clear()
         for req in self.requests.values():
-            req.image_embeds = None
+            req.mm_embeds = None
+            if self.structured_output_manager is not None:
+                self.structured_output_manager.remove_request(req.request_id)
         self.requests = {}
         self._finished_outside_step = []
         return dropped

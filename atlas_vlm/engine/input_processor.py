@@ -20,7 +20,7 @@ import torch
 from atlas_vlm.engine.chat_input import ChatInput
 from atlas_vlm.request import Request
 from atlas_vlm.sampling_params import SamplingParams
-from mm_kv_cache_management import ImageSpan
+from mm_kv_cache_management import PlaceholderRange
 
 
 class RequestTooLongError(ValueError):
@@ -29,22 +29,68 @@ class RequestTooLongError(ValueError):
 
 @dataclass
 class ProcessedPrompt:
-    prompt_token_ids: list[int]  # image pads expanded
+    """A prompt ready to become a request: ids with placeholders expanded, its media items
+    (any modality, prompt order) and their placeholder runs, and its positions."""
+
+    prompt_token_ids: list[int]  # placeholders expanded
     prompt: str | None = None  # text form, when known
-    images: list = field(default_factory=list)  # mm_token_pipeline.ProcessedImage per image
-    image_spans: list[ImageSpan] = field(default_factory=list)  # pad runs, in order
+    mm_items: list = field(default_factory=list)  # ProcessedImage / ProcessedVideo / tiles, prompt order
+    mm_positions: list[PlaceholderRange] = field(default_factory=list)  # placeholder runs, by offset
     mrope_positions: torch.Tensor | None = None  # [3, num_tokens], M-RoPE models only
     rope_delta: int = 0  # M-RoPE decode offset
 
+    @property
+    def images(self) -> list:
+        """The image items (SmolVLM: image tiles), in prompt order."""
+        return [item for item in self.mm_items if item.modality == "image"]
 
-def _image_spans(token_ids: list[int], images, image_token_id: int) -> list[ImageSpan]:
-    spans, i = [], 0
-    for img in images:
-        while token_ids[i] != image_token_id:
-            i += 1
-        spans.append(ImageSpan(i, img.num_tokens, img.content_hash))
-        i += img.num_tokens
-    return spans
+    @property
+    def videos(self) -> list:
+        """The video items (SmolVLM: video frames), in prompt order."""
+        return [item for item in self.mm_items if item.modality == "video"]
+
+    @property
+    def image_spans(self) -> list[PlaceholderRange]:
+        """The placeholder runs of images."""
+        return [r for r in self.mm_positions if r.modality == "image"]
+
+
+def placeholder_ranges(token_ids: list[int], items: list, placeholder_ids: dict[str, int]) -> list[PlaceholderRange]:
+    """The placeholder runs of every media item, items in prompt order.
+
+    Item ``k`` takes the next runs of its modality's placeholder token until its
+    ``num_tokens`` encoder rows are placed: one run for an image, one per temporal group for
+    a Qwen3-VL video (timestamp text between), a run may also hold several adjacent items.
+
+    Raises:
+        ValueError: the prompt has fewer or more placeholder tokens than the items need
+            (the message gives both counts per modality).
+    """
+    ranges, i, n = [], 0, len(token_ids)
+
+    def mismatch() -> ValueError:
+        counts = {m: sum(1 for t in token_ids if t == tok) for m, tok in placeholder_ids.items()}
+        needed = {m: sum(it.num_tokens for it in items if placeholder_ids[it.modality] == tok)
+                  for m, tok in placeholder_ids.items()}
+        return ValueError(f"prompt holds placeholder tokens {counts} but its media items need {needed}; "
+                          "pass images and videos through chat messages")
+
+    for k, item in enumerate(items):
+        token, placed = placeholder_ids[item.modality], 0
+        while placed < item.num_tokens:
+            while i < n and token_ids[i] != token:
+                i += 1
+            if i == n:
+                raise mismatch()
+            j = i
+            while j < n and token_ids[j] == token and j - i < item.num_tokens - placed:
+                j += 1
+            ranges.append(PlaceholderRange(i, j - i, item.content_hash, item.modality, k, placed))
+            placed, i = placed + j - i, j
+    tokens = set(placeholder_ids.values())
+    if sum(1 for t in token_ids if t in tokens) != sum(r.length for r in ranges):
+        raise mismatch()
+    return ranges
 
 
 class SerializedTokenizer:
@@ -141,8 +187,8 @@ class InputProcessor:
             if prompt.get("mm_options") is not None and "messages" not in prompt:
                 raise ValueError("mm_options applies to chat prompts ({'messages': ...}) only")
             if "messages" in prompt:
-                ids, images = self.chat.process(prompt)
-                return self._finish(ProcessedPrompt(ids, images=images))
+                ids, items = self.chat.process(prompt)
+                return self._finish(ProcessedPrompt(ids, mm_items=items))
             if "prompt_token_ids" in prompt:
                 _check_keys(prompt, {"prompt_token_ids", "mm_options"}, "prompt_token_ids")
                 return self.from_token_ids(prompt["prompt_token_ids"])
@@ -166,28 +212,13 @@ class InputProcessor:
         return self._finish(ProcessedPrompt(list(ids)))
 
     def _finish(self, p: ProcessedPrompt) -> ProcessedPrompt:
-        if not self.is_vlm:
+        """Placeholder runs and positions of a prompt for a multimodal model (the family's
+        ``MediaInputs``); text models pass through."""
+        media = self.chat.media
+        if media is None:
             return p
-        from mm_token_pipeline import get_rope_index
-
-        cfg = self.hf_config
-        image_token_id = cfg.image_token_id
-        num_pads = sum(1 for t in p.prompt_token_ids if t == image_token_id)
-        if num_pads != sum(img.num_tokens for img in p.images):
-            raise ValueError(
-                f"prompt holds {num_pads} <|image_pad|> tokens but its images need "
-                f"{sum(img.num_tokens for img in p.images)}; pass images through chat messages"
-            )
-        p.image_spans = _image_spans(p.prompt_token_ids, p.images, image_token_id)
-        if getattr(cfg, "model_type", None) == "smolvlm":  # 1-D RoPE: no M-RoPE positions (models-vl)
-            return p
-        p.mrope_positions, p.rope_delta = get_rope_index(
-            p.prompt_token_ids,
-            [img.grid_thw for img in p.images],
-            spatial_merge_size=cfg.vision_config.spatial_merge_size,
-            image_token_id=image_token_id,
-            vision_start_token_id=cfg.vision_start_token_id,
-        )
+        p.mm_positions = placeholder_ranges(p.prompt_token_ids, p.mm_items, media.placeholder_token_ids())
+        p.mrope_positions, p.rope_delta = media.positions(p.prompt_token_ids, p.mm_items)
         return p
 
     # ---- requests ---------------------------------------------------------------------
@@ -211,8 +242,8 @@ class InputProcessor:
         generator.manual_seed(params.seed if params.seed is not None else self.config.seed + next(self._seeds))
         return Request(
             request_id=request_id if request_id is not None else str(next(self._ids)),
-            token_ids=list(p.prompt_token_ids), image_spans=p.image_spans, rope_delta=p.rope_delta,
-            sampling_params=params, prompt=p.prompt, max_tokens=max_tokens, images=p.images,
+            token_ids=list(p.prompt_token_ids), mm_positions=p.mm_positions, rope_delta=p.rope_delta,
+            sampling_params=params, prompt=p.prompt, max_tokens=max_tokens, mm_items=p.mm_items,
             mrope_positions=p.mrope_positions, generator=generator,
         )
 

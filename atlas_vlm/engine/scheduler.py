@@ -11,6 +11,12 @@ After the forward, ``update_from_output`` moves every scheduled request on (thro
 finishes requests on EOS, a stop token, ``max_tokens`` or ``max_model_len`` (vLLM
 ``Scheduler.update_from_output`` / ``check_stop``); stop strings are the output processor's.
 
+Media items share a second budget per step, in encoder rows (``max_num_encoder_tokens``, as
+vLLM v1's ``encoder_compute_budget``): a prefill chunk that would reach an item not yet in
+the encoder cache counts its rows; when they do not fit, the chunk ends before that item's
+first placeholder (the item waits for a later step). An item larger than the whole budget
+still runs, alone in its step, so nothing starves.
+
 With a ``StructuredOutputManager`` (the owner of grammar state), ``schedule`` asks it for the
 step's token bitmask, ``update_from_output`` hands it every accepted token (a grammar that
 ends stops its request with "stop"), and ``finish`` tells it the request is gone.
@@ -47,11 +53,16 @@ class Scheduler:
         enable_chunked_prefill: a prompt may be split across steps; if off, a prompt is
             computed in one step (alone if it is longer than the budget).
         structured_output_manager: the ``StructuredOutputManager`` of the engine, or None.
+        max_num_encoder_tokens: encoder rows (image / video tokens) computed per step at most;
+            None: no limit.
+        is_encoded: ``callable(content_hash) -> bool``, the item's rows are in the encoder
+            cache (cost nothing); None: every item not yet embedded in its request costs.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, max_model_len: int | None = None,
-                 eos_token_ids: set[int] | None = None, structured_output_manager=None):
+                 eos_token_ids: set[int] | None = None, structured_output_manager=None,
+                 max_num_encoder_tokens: int | None = None, is_encoded=None):
         self.block_manager = block_manager
         self.structured_output_manager = structured_output_manager
         self.max_model_len = max_model_len  # None: no limit here (the engine checks at entry)
@@ -59,6 +70,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_num_encoder_tokens = max_num_encoder_tokens
+        self.is_encoded = is_encoded or (lambda content_hash: False)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # total, for tests and benchmarks
@@ -105,6 +118,33 @@ class Scheduler:
                 if victim is req:
                     return False
 
+    def _fit_encoder_budget(self, req: Request, n: int, budget: int, fresh: bool) -> tuple[int, int]:
+        """``(tokens of the chunk, encoder rows it costs)``: the chunk ``num_computed_tokens ..
+        + n`` cut before the first placeholder run whose item's rows do not fit ``budget``
+        (rows left this step). ``fresh``: nothing was encoded yet this step, so one item over
+        the whole budget may run. Without chunked prefill a chunk is never cut (0 if it does
+        not fit)."""
+        if not req.mm_positions or self.max_num_encoder_tokens is None:
+            return n, 0
+        start, end = req.num_computed_tokens, req.num_computed_tokens + n
+        embeds = req.mm_embeds or [None] * len(req.mm_items)
+        cost, seen = 0, set()
+        for r in req.mm_positions:
+            if r.end <= start or r.item_index in seen:
+                continue
+            if r.offset >= end:
+                break
+            seen.add(r.item_index)
+            item = req.mm_items[r.item_index]
+            if embeds[r.item_index] is not None or self.is_encoded(item.content_hash):
+                continue
+            if cost + item.num_tokens > budget and not (fresh and cost == 0):
+                if not self.enable_chunked_prefill:
+                    return 0, 0
+                return max(0, r.offset - start), cost
+            cost += item.num_tokens
+        return n, cost
+
     def schedule(self) -> SchedulerOutput:
         """The next step's chunks (and, with structured output, their grammar bitmask)."""
         out = self._schedule()
@@ -115,16 +155,21 @@ class Scheduler:
     def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        encoder_budget = self.max_num_encoder_tokens or 0
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed_tokens
             if remaining == 1 and not self._reserve_decode_slot(req, out):
                 break
-            n = min(remaining, budget)
+            n, cost = self._fit_encoder_budget(req, min(remaining, budget), encoder_budget,
+                                               encoder_budget == self.max_num_encoder_tokens)
+            i += 1
+            if n == 0:
+                continue  # its next media item waits for a step with encoder budget left
             out.chunks.append((req, n))
             budget -= n
-            i += 1
+            encoder_budget -= cost
         if out.preempted:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -136,6 +181,11 @@ class Scheduler:
             self.block_manager.prefill_allocate(req)
             remaining = req.num_tokens - req.num_computed_tokens
             n = min(remaining, budget) if self.enable_chunked_prefill else remaining
+            n, cost = self._fit_encoder_budget(req, n, encoder_budget, encoder_budget == self.max_num_encoder_tokens)
+            if n == 0:  # its first media item does not fit this step's encoder budget
+                self.block_manager.free_request(req)
+                break
+            encoder_budget -= cost
             self.waiting.popleft()
             self.running.append(req)
             req.status = RequestStatus.RUNNING

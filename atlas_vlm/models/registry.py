@@ -35,6 +35,11 @@ class ModelFamily:
         qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3, HF ``Qwen3Attention``).
         multimodal: takes images (has a ``vision_config``).
         mrope: positions are M-RoPE's ``[3, num_tokens]`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
+        mm_inputs: ``"module:Class"`` of the family's ``engine.mm_inputs.MediaInputs``
+            (media loading, preprocessing, placeholder ids, positions); None for text models.
+        vision_tower: ``"module:Class"`` of its vision tower, built by
+            ``Class.from_hf_config(hf_config, state_dict, dtype=, device=)``; None for text models.
+        modalities: the media a prompt of this family may carry.
     """
 
     name: str
@@ -46,21 +51,29 @@ class ModelFamily:
     qk_norm: bool = False
     multimodal: bool = False
     mrope: bool = False
+    mm_inputs: str | None = None
+    vision_tower: str | None = None
+    modalities: tuple[str, ...] = ()
 
+
+_QWEN_VL = dict(nested_text_config=True, multimodal=True, mrope=True, modalities=("image", "video"),
+                mm_inputs="atlas_vlm.engine.mm_inputs:QwenVLInputs")
 
 FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("llama", ("LlamaForCausalLM",), ("llama",)),
     ModelFamily("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), qkv_bias=True),
     ModelFamily("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), qkv_bias=None, qk_norm=True),
-    ModelFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",), ("qwen2_vl",),
-                nested_text_config=True, qkv_bias=True, multimodal=True, mrope=True),
-    ModelFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), ("qwen2_5_vl",),
-                nested_text_config=True, qkv_bias=True, multimodal=True, mrope=True),
+    ModelFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",), ("qwen2_vl",), qkv_bias=True,
+                vision_tower="mm_token_pipeline.vision:VisionEncoder", **_QWEN_VL),
+    ModelFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), ("qwen2_5_vl",), qkv_bias=True,
+                vision_tower="mm_token_pipeline.vision:VisionEncoder", **_QWEN_VL),
     ModelFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",), ("qwen3_vl",),
-                model_cls="atlas_vlm.models.qwen3_vl:Qwen3VLForCausalLM", nested_text_config=True,
-                qkv_bias=None, qk_norm=True, multimodal=True, mrope=True),
+                model_cls="atlas_vlm.models.qwen3_vl:Qwen3VLForCausalLM", qkv_bias=None, qk_norm=True,
+                vision_tower="mm_token_pipeline.qwen3_vl:Qwen3VLVisionEncoder", **_QWEN_VL),
     ModelFamily("smolvlm", ("SmolVLMForConditionalGeneration",), ("smolvlm",),
-                nested_text_config=True, qkv_bias=None, multimodal=True),
+                nested_text_config=True, qkv_bias=None, multimodal=True, modalities=("image",),
+                mm_inputs="atlas_vlm.engine.mm_inputs:SmolVLMInputs",
+                vision_tower="mm_token_pipeline.smolvlm:SmolVLMVisionEncoder"),
 )
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {a: f.name for f in FAMILIES for a in f.architectures}
@@ -101,7 +114,12 @@ def text_config_of(hf_config, family: ModelFamily | None = None):
     return nested or hf_config
 
 
+def import_named(path: str):
+    """Import ``"module:attr"`` and return the attribute."""
+    module, attr = path.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def model_class(family: ModelFamily) -> type:
     """Import and return ``family.model_cls``."""
-    module, attr = family.model_cls.split(":")
-    return getattr(importlib.import_module(module), attr)
+    return import_named(family.model_cls)

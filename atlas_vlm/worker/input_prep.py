@@ -1,5 +1,5 @@
 """Pure input preparation for one engine step: ids, positions, slot mapping, block tables,
-the attention layout and which image-embedding rows land where. No model, no cache: every
+the attention layout and which encoder rows (images, videos) land where. No model, no cache: every
 function here runs on CPU lists and is tested without weights."""
 
 from __future__ import annotations
@@ -18,26 +18,35 @@ class ModelInput:
     meta: AttentionMetadata  # slot mapping, block tables, attention mask
     logits_index: torch.Tensor  # [num_sampled] flat index of the last token of each finishing chunk
     sampled: list[int]  # index into the step's chunks of each row of logits_index
-    mm_embeds: torch.Tensor | None  # [num_image_tokens_in_step, hidden] rows replacing pad embeddings
-    mm_token_index: torch.Tensor | None  # [num_image_tokens_in_step] flat token index of each row
+    mm_embeds: torch.Tensor | None  # [num_placeholder_tokens_in_step, hidden] rows replacing pad embeddings
+    mm_token_index: torch.Tensor | None  # [num_placeholder_tokens_in_step] flat token index of each row
 
 
-def image_rows_for_chunk(spans, embeds, start: int, end: int):
-    """Image-embedding rows that fall in tokens ``start .. end-1`` of one request.
+def mm_rows_for_chunk(ranges, embeds, start: int, end: int):
+    """Encoder rows that fall in tokens ``start .. end-1`` of one request.
 
     Args:
-        spans: the request's ``ImageSpan`` list (offset, length in tokens).
-        embeds: per image ``[length_i, hidden]`` embeddings (same order as ``spans``).
+        ranges: the request's ``PlaceholderRange`` list (offset, length, item_index,
+            embed_offset), sorted by offset.
+        embeds: per media item ``[num_tokens_i, hidden]`` encoder rows (None: not needed).
 
     Returns:
         list of ``(first token index within the chunk, rows [n, hidden])``; a chunk boundary
-        inside a pad run takes the matching slice of that image's rows (case C13).
+        inside a placeholder run takes the matching slice of that item's rows (case C13),
+        and run ``k`` of a many-run item (a Qwen3-VL video) its own rows.
+
+    Raises:
+        ValueError: a run in the chunk whose item has no rows (a bug upstream, never ignored).
     """
     out = []
-    for span, emb in zip(spans, embeds):
-        lo, hi = max(start, span.offset), min(end, span.offset + span.length)
+    for r in ranges:
+        lo, hi = max(start, r.offset), min(end, r.end)
         if lo < hi:
-            out.append((lo - start, emb[lo - span.offset:hi - span.offset]))
+            emb = embeds[r.item_index]
+            if emb is None:
+                raise ValueError(f"{r.modality} item {r.item_index} at tokens {r.offset}..{r.end - 1} has no encoder rows")
+            first = r.embed_offset + lo - r.offset
+            out.append((lo - start, emb[first:first + hi - lo]))
     return out
 
 
@@ -70,8 +79,8 @@ def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = Fal
         if end == req.num_tokens:
             logits_index.append(base + n - 1)
             sampled.append(i)
-        if req.image_embeds is not None:
-            for offset, rows in image_rows_for_chunk(req.image_spans, req.image_embeds, start, end):
+        if req.mm_embeds is not None:
+            for offset, rows in mm_rows_for_chunk(req.mm_positions, req.mm_embeds, start, end):
                 mm_rows.append(rows)
                 mm_index.extend(range(base + offset, base + offset + rows.shape[0]))
         base += n

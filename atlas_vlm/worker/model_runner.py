@@ -1,10 +1,10 @@
-"""``ModelRunner``: owns the model weights, the KV cache and the vision tower, and runs one
-batched forward per engine step. Scheduling and stopping rules live elsewhere."""
+"""``ModelRunner``: owns the model weights, the KV cache, the vision tower and its encoder
+cache, and runs one batched forward per engine step. Scheduling and stopping rules live
+elsewhere."""
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -13,6 +13,7 @@ from atlas_vlm import hardware
 from atlas_vlm.config import EngineConfig
 from atlas_vlm.layers.attention import resolve_attention_backend
 from atlas_vlm.layers.linear import can_pack, pack_linears
+from atlas_vlm.worker.encoder_cache import EncoderCache
 from atlas_vlm.worker.input_prep import ModelInput, prepare_inputs
 from atlas_vlm.loader import LoadedModel
 from atlas_vlm.worker.sampler import SamplerOutput, sample
@@ -72,9 +73,10 @@ class ModelRunner:
                                                            arch.num_heads, arch.num_kv_heads, arch.head_dim)
         self.vision = None  # built before the KV cache so the CUDA budget sees its weights
         if loaded.vision_state_dict is not None:
-            from mm_token_pipeline.towers import build_vision_encoder  # one dispatch per family
+            from atlas_vlm.models.registry import import_named, resolve_family
 
-            self.vision = build_vision_encoder(loaded.hf_config, loaded.vision_state_dict,
+            tower = import_named(resolve_family(loaded.hf_config).vision_tower)  # the family's tower class
+            self.vision = tower.from_hf_config(loaded.hf_config, loaded.vision_state_dict,
                                                dtype=self.dtype, device=self.device)
             if pack:
                 self.num_packed_linears += pack_linears(self.vision)
@@ -100,46 +102,50 @@ class ModelRunner:
         else:
             self.kv_cache = PagedKVCache(spec, num_blocks, self.block_size, device=self.device)
         self.num_blocks = num_blocks
-        self.encoder_cache: OrderedDict[str, torch.Tensor] = OrderedDict()  # image hash -> embeddings
-        self.encoder_cache_size = 64  # images kept
-        self.num_encoder_runs = 0  # vision-tower forwards (one per image not found in the cache)
+        self.encoder_cache = EncoderCache(config.encoder_cache_tokens)  # content hash -> encoder rows
+        self.num_encoder_runs = 0  # media items encoded (one per item not found in the cache)
         # Called after each forward as observer(chunks, inputs, logits, sampled), before any
         # request state moves on and before sampling (a test may write into ``logits`` to
         # inject a fault): how tests and benchmarks watch steps without patching methods.
         self.observers: list[Callable[[list, ModelInput, torch.Tensor, list[int]], None]] = []
 
     @torch.inference_mode()
-    def encode_images(self, req) -> None:
-        """Fill ``req.image_embeds``: per image ``[num_tokens, hidden]`` (Qwen3-VL: with its
-        DeepStack columns), reusing cached images. An image whose tokens are all computed
-        already (a prefix-cache hit covering it) needs no features and stays ``None`` until
-        a recompute (preemption) reaches it again."""
-        if not req.images:
+    def encode_mm(self, req, start: int, end: int) -> None:
+        """Fill ``req.mm_embeds`` for every media item with a placeholder run in tokens
+        ``start .. end-1``: per item ``[num_tokens, hidden]`` (Qwen3-VL: with its DeepStack
+        columns), from the encoder cache or one tower call for all missing items. An item
+        whose tokens are all computed already (a prefix-cache hit covering it) needs no
+        features and stays ``None`` until a chunk (a recompute after preemption) reaches it.
+
+        Raises:
+            ValueError: media sent to a model without a vision tower.
+        """
+        if not req.mm_items:
             return
-        embeds = list(req.image_embeds) if req.image_embeds is not None else [None] * len(req.images)
-        needed = [i for i, (span, emb) in enumerate(zip(req.image_spans, embeds))
-                  if emb is None and span.offset + span.length > req.num_computed_tokens]
-        missing = list({req.images[i].content_hash: req.images[i] for i in needed
-                        if req.images[i].content_hash not in self.encoder_cache}.values())
+        embeds = list(req.mm_embeds) if req.mm_embeds is not None else [None] * len(req.mm_items)
+        needed = sorted({r.item_index for r in req.mm_positions
+                         if r.offset < end and start < r.end and embeds[r.item_index] is None})
+        cache = self.encoder_cache
+        missing = list({req.mm_items[i].content_hash: req.mm_items[i] for i in needed
+                        if req.mm_items[i].content_hash not in cache}.values())
         if missing:
             if self.vision is None:
-                raise ValueError("this model has no vision tower; it cannot take images")
-            for img, emb in zip(missing, self.vision.encode_images(missing)):
-                self.encoder_cache[img.content_hash] = emb
+                raise ValueError(f"this model has no vision tower; it cannot take {missing[0].modality} input")
+            for item, rows in zip(missing, self.vision.encode_images(missing)):
+                cache.put(item.content_hash, rows)
                 self.num_encoder_runs += 1
         for i in needed:
-            self.encoder_cache.move_to_end(req.images[i].content_hash)
-            embeds[i] = self.encoder_cache[req.images[i].content_hash]
-        req.image_embeds = embeds
-        while len(self.encoder_cache) > self.encoder_cache_size:
-            self.encoder_cache.popitem(last=False)
+            cache.pin(req.mm_items[i].content_hash)
+            embeds[i] = cache.get(req.mm_items[i].content_hash)
+        req.mm_embeds = embeds
 
     @torch.inference_mode()
     def forward_logits(self, chunks) -> tuple[torch.Tensor, list[int]]:
         """One batched forward. Returns fp32 logits ``[num_sampled, vocab]`` of the chunks
         that reach their request's end, and those chunks' indices."""
-        for req, _ in chunks:
-            self.encode_images(req)
+        for req, n in chunks:
+            self.encode_mm(req, req.num_computed_tokens, req.num_computed_tokens + n)
+        self.encoder_cache.unpin_all()  # the step's rows are in its requests now
         inp = prepare_inputs(chunks, self.device, self.mrope, self.attention_backend)
         x = self.model.embed(inp.input_ids, inp.mm_embeds, inp.mm_token_index)  # [num_tokens, hidden]
         # Qwen3-VL's DeepStack adds image rows inside the decoder

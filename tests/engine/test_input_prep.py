@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atlas_vlm.worker.input_prep import image_rows_for_chunk, prepare_inputs
+from atlas_vlm.worker.input_prep import mm_rows_for_chunk, prepare_inputs
 from atlas_vlm.layers.attention import build_attention_metadata
 from atlas_vlm.request import Request
-from mm_kv_cache_management import BlockTable, ImageSpan
+from mm_kv_cache_management import BlockTable, PlaceholderRange
 
 pytestmark = pytest.mark.text
 
@@ -138,13 +138,13 @@ def test_text_positions_without_mrope():
     assert inp.meta.slot_mapping.tolist() == list(range(97, 104))  # block 6, offsets 1..7
 
 
-def test_image_rows_for_chunk_slices_across_boundaries():
-    spans = [ImageSpan(3, 10, "img1"), ImageSpan(20, 4, "img2")]
+def test_mm_rows_for_chunk_slices_across_boundaries():
+    spans = [PlaceholderRange(3, 10, "img1"), PlaceholderRange(20, 4, "img2", item_index=1)]
     emb1 = torch.arange(10.0)[:, None].expand(10, 2)  # row r holds r
     emb2 = 100 + torch.arange(4.0)[:, None].expand(4, 2)
 
     def rows(start, end):
-        return [(off, r[:, 0].tolist()) for off, r in image_rows_for_chunk(spans, [emb1, emb2], start, end)]
+        return [(off, r[:, 0].tolist()) for off, r in mm_rows_for_chunk(spans, [emb1, emb2], start, end)]
 
     assert rows(0, 3) == []
     assert rows(0, 8) == [(3, [0, 1, 2, 3, 4])]
@@ -157,10 +157,10 @@ def test_image_rows_for_chunk_slices_across_boundaries():
 def test_prepare_inputs_places_image_rows_of_a_split_image():
     """Image 1 (tokens 3..12) split by a chunk boundary at 8; the second chunk is batched after
     another request, so its flat indices are offset by that request's tokens."""
-    spans = [ImageSpan(3, 10, "img1")]
+    spans = [PlaceholderRange(3, 10, "img1")]
     emb = torch.arange(10.0)[:, None].expand(10, 4)
     ids = list(range(16))
-    first = make_req("v", ids, [2], computed=0, image_spans=spans, image_embeds=[emb])
+    first = make_req("v", ids, [2], computed=0, mm_positions=spans, mm_embeds=[emb])
     inp = prepare_inputs([(first, 8)])
     assert inp.mm_token_index.tolist() == [3, 4, 5, 6, 7]
     assert inp.mm_embeds[:, 0].tolist() == [0, 1, 2, 3, 4]
@@ -172,3 +172,19 @@ def test_prepare_inputs_places_image_rows_of_a_split_image():
     assert inp.mm_embeds[:, 0].tolist() == [5, 6, 7, 8, 9]
     assert inp.logits_index.tolist() == [1, 9]
     assert inp.sampled == [0, 1]
+
+
+def test_mm_rows_of_a_many_run_item_take_their_own_rows():
+    """A video in two runs (a Qwen3-VL video: one run per temporal group, timestamp text
+    between): run 2 takes rows 4..7 of the item's rows, wherever a chunk cuts."""
+    ranges = [PlaceholderRange(2, 4, "vid", "video", 0, 0), PlaceholderRange(9, 4, "vid", "video", 0, 4)]
+    emb = torch.arange(8.0)[:, None].expand(8, 3)
+
+    def rows(start, end):
+        return [(off, r[:, 0].tolist()) for off, r in mm_rows_for_chunk(ranges, [emb], start, end)]
+
+    assert rows(0, 16) == [(2, [0, 1, 2, 3]), (9, [4, 5, 6, 7])]
+    assert rows(4, 11) == [(0, [2, 3]), (5, [4, 5])]
+    assert rows(11, 13) == [(0, [6, 7])]
+    with pytest.raises(ValueError, match="video item 0 .* has no encoder rows"):
+        mm_rows_for_chunk(ranges, [None], 0, 4)

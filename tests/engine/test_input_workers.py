@@ -48,7 +48,7 @@ def test_concurrent_preparation_equals_serial(tiny_models):
     assert errors == []
     for a, b in zip(serial, results, strict=True):
         assert b.token_ids == a.token_ids
-        assert [s.length for s in b.image_spans] == [s.length for s in a.image_spans]
+        assert [s.length for s in b.mm_positions] == [s.length for s in a.mm_positions]
         assert bool((b.mrope_positions == a.mrope_positions).all())
     # the user's "<|im_start|>" stays text (split), the template's is the special token
     im_start = llm.tokenizer.convert_tokens_to_ids("<|im_start|>")

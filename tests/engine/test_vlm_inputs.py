@@ -37,7 +37,7 @@ TEXT = {"type": "text", "text": "What is this?"}
 
 @pytest.mark.parametrize(("item", "name"), [
     ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "input_audio"),
-    ({"type": "video", "video": "clip.mp4"}, "video"),
+    ({"type": "audio_url", "audio_url": {"url": "clip.wav"}}, "audio_url"),
     ({"type": "file", "file": {"file_id": "f"}}, "file"),
 ])
 def test_unknown_content_type_refused_not_dropped(llm, item, name):

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from mm_kv_cache_management import BlockManager, ImageSpan, NoFreeBlocksError, RequestState
+from mm_kv_cache_management import BlockManager, PlaceholderRange, NoFreeBlocksError, RequestState
 
 pytestmark = pytest.mark.text
 
@@ -26,7 +26,7 @@ def ceil_div(a: int, b: int) -> int:
 def content_key(req: RequestState, i: int, bs: int) -> tuple:
     """What decides the K/V of block ``i``: every token up to its end and the images among them."""
     end = (i + 1) * bs
-    spans = tuple((s.offset, s.length, s.content_hash) for s in req.image_spans if s.offset < end)
+    spans = tuple((s.offset, s.length, s.content_hash) for s in req.mm_positions if s.offset < end)
     return tuple(req.token_ids[:end]), spans
 
 
@@ -84,7 +84,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if image is not None and length >= 10:
             off, n = 2, 8  # an image's pad count is fixed by its content
             ids[off : off + n] = [PAD] * n
-            spans = [ImageSpan(off, n, image)]
+            spans = [PlaceholderRange(off, n, image)]
         if diverge_at is not None and diverge_at < length:
             ids[diverge_at] = -1 - self.counter
         self._admit(ids, spans, computed)
@@ -98,16 +98,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         old = data.draw(st.sampled_from(pool))
         ids = old.token_ids[: max(1, old.num_tokens + extra)] + [7] * max(0, extra)
-        spans = [s for s in old.image_spans if s.offset + s.length <= len(ids)]
+        spans = [s for s in old.mm_positions if s.offset + s.length <= len(ids)]
         if other_image:
             swap = {"hashA": "hashB", "hashB": "hashA"}
-            spans = [ImageSpan(s.offset, s.length, swap[s.content_hash]) for s in spans]
+            spans = [PlaceholderRange(s.offset, s.length, swap[s.content_hash]) for s in spans]
         self._admit(ids, spans, computed)
 
     def _admit(self, ids, spans, computed):
         length = len(ids)
         self.counter += 1
-        req = RequestState(f"r{self.counter}", ids, image_spans=spans)
+        req = RequestState(f"r{self.counter}", ids, mm_positions=spans)
 
         hashes = req.block_hashes(self.bs, length - 1)
         expected_hits = []

@@ -135,7 +135,7 @@ def test_prefix_and_encoder_cache_with_a_repeated_image(q3, hf, budget):
     (out4,), rec4 = chat(llm, [third_c], N, SMALL)
     assert_matches_hf(llm, hf, third_c, out4, rec4, N, SMALL)
     assert llm.engine.runner.num_encoder_runs == 1
-    assert rec4.by_request[out4.request_id][0]["req"].image_embeds == [None]
+    assert rec4.by_request[out4.request_id][0]["req"].mm_embeds == [None]
 
 
 @torch.no_grad()

@@ -56,7 +56,7 @@ def test_one_image_tiles_and_tokens_come_from_the_hf_processor(llm, hf):
     c = conv(IMAGES / "chelsea.png", text="Describe this image.")
     (out,), rec = chat(llm, [c], N)
     p = assert_matches_hf(llm, hf, c, out, rec, N)
-    proc = llm.engine.input_processor.chat._hf_processor
+    proc = llm.engine.input_processor.chat.media.hf_processor
     # chelsea 451x300 at longest edge 256: 256x(ceil(170/64)*64=192) -> 4x3 tiles + global
     assert len(p.images) == 4 * 3 + 1
     text = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"},
@@ -94,7 +94,9 @@ def test_batched_with_other_requests(llm, hf):
 
 
 def test_chunked_prefill_splits_a_tile(sm, hf):
-    llm = LLM(str(sm[0]), max_model_len=1024, num_kvcache_blocks=128, max_num_batched_tokens=20, **CPU_FP32)
+    # the encoder budget set apart from the 20-token step: chunks cut by tokens only, so inside tiles
+    llm = LLM(str(sm[0]), max_model_len=1024, num_kvcache_blocks=128, max_num_batched_tokens=20,
+              max_num_encoder_tokens=4096, **CPU_FP32)
     c = conv(IMAGES / "chelsea.png", text="Describe this image.")
     (out,), rec = chat(llm, [c], N, SMALL)
     p = assert_matches_hf(llm, hf, c, out, rec, N, SMALL)
@@ -163,7 +165,7 @@ def test_one_and_two_pixel_images_are_read_channels_last(llm, size):
 
     image = Image.new("RGB", size, (200, 30, 90))
     p = llm.engine.process_prompt({"messages": conv(image, text="Hi")})
-    proc = llm.engine.input_processor.chat._hf_processor
+    proc = llm.engine.input_processor.chat.media.hf_processor
     text = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}],
                                     add_generation_prompt=True, tokenize=False)
     ref = proc(text=text, images=[image], return_tensors="pt", input_data_format="channels_last")

@@ -1,6 +1,8 @@
-"""Chat messages of the OpenAI API to the engine's message form, with the server's image policy.
+"""Chat messages of the OpenAI API to the engine's message form, with the server's media policy.
 
-Scope: ``image_url`` parts become ``{"type": "image", "image": source}`` items. Sources:
+Scope: ``image_url`` parts become ``{"type": "image", "image": source}`` items and
+``video_url`` parts ``{"type": "video", "video": source}`` (vLLM's part), under one policy
+(videos capped by ``max_video_bytes``). Sources:
 ``data:`` URIs always (decoded size capped); local files (``file://`` or a plain path)
 only under ``--allowed-local-media-path``; ``http(s)://`` only with
 ``--allow-http-images``, fetched here with ``httpx`` (connect/read timeout, byte cap) so a
@@ -45,6 +47,7 @@ class MediaPolicy:
     allow_http_images: bool = False
     http_timeout_s: float = 10.0  # connect and read timeout of one image download (seconds)
     max_image_bytes: int = 20 * 2**20  # encoded size cap of one image (bytes), any source
+    max_video_bytes: int = 64 * 2**20  # encoded size cap of one video (bytes), any source
     allowed_media_domains: list[str] | None = None  # http(s) hosts allowed; None: any public host
     max_redirects: int = 3  # redirect hops followed (each checked) per download
     resolver: Resolver | None = None
@@ -134,28 +137,33 @@ async def check_fetch_target(url: str, policy: MediaPolicy, param: str) -> tuple
     return parsed.copy_with(host=addresses[0]), host
 
 
-def _local_path(url: str, policy: MediaPolicy, param: str) -> str:
+def _cap(policy: MediaPolicy, kind: str) -> int:
+    return policy.max_video_bytes if kind == "video" else policy.max_image_bytes
+
+
+def _local_path(url: str, policy: MediaPolicy, param: str, kind: str = "image") -> str:
     path = url[len("file://"):] if url.startswith("file://") else url
+    code = f"invalid_{kind}"
     if policy.allowed_local_media_path is None:
-        raise APIError(400, f"{param}: local image files are refused; start the server with "
-                       "--allowed-local-media-path DIR to serve files under DIR", param, "invalid_image")
+        raise APIError(400, f"{param}: local {kind} files are refused; start the server with "
+                       "--allowed-local-media-path DIR to serve files under DIR", param, code)
     root = os.path.realpath(policy.allowed_local_media_path)
     real = os.path.realpath(path)
     if os.path.commonpath([root, real]) != root:
-        raise APIError(400, f"{param}: local image {path!r} is not under --allowed-local-media-path {root}",
-                       param, "invalid_image")
+        raise APIError(400, f"{param}: local {kind} {path!r} is not under --allowed-local-media-path {root}",
+                       param, code)
     if not os.path.isfile(real):
-        raise APIError(400, f"{param}: local image {path!r} not found", param, "invalid_image")
-    if os.path.getsize(real) > policy.max_image_bytes:
-        raise APIError(400, f"{param}: image file is over the {policy.max_image_bytes}-byte cap", param,
-                       "invalid_image")
+        raise APIError(400, f"{param}: local {kind} {path!r} not found", param, code)
+    if os.path.getsize(real) > _cap(policy, kind):
+        raise APIError(400, f"{param}: {kind} file is over the {_cap(policy, kind)}-byte cap", param, code)
     return real
 
 
-async def _download(url: str, policy: MediaPolicy, param: str) -> bytes:
+async def _download(url: str, policy: MediaPolicy, param: str, kind: str = "image") -> bytes:
+    code, cap = f"invalid_{kind}", _cap(policy, kind)
     if not policy.allow_http_images:
-        raise APIError(400, f"{param}: http(s) image URLs are refused; start the server with "
-                       "--allow-http-images to fetch them", param, "invalid_image")
+        raise APIError(400, f"{param}: http(s) {kind} URLs are refused; start the server with "
+                       "--allow-http-images to fetch them", param, code)
     data = bytearray()
     try:
         # trust_env=False: no proxy from the environment (it would connect to a host we never checked)
@@ -174,40 +182,45 @@ async def _download(url: str, policy: MediaPolicy, param: str) -> bytes:
                         url = str(original.join(location))
                         continue
                     if resp.status_code != 200:
-                        raise APIError(400, f"{param}: fetching {url} gave HTTP {resp.status_code}", param,
-                                       "invalid_image")
+                        raise APIError(400, f"{param}: fetching {url} gave HTTP {resp.status_code}", param, code)
                     async for chunk in resp.aiter_bytes():
                         data += chunk
-                        if len(data) > policy.max_image_bytes:
-                            raise APIError(400, f"{param}: image at {url} is over the {policy.max_image_bytes}-byte "
-                                           f"cap", param, "invalid_image")
+                        if len(data) > cap:
+                            raise APIError(400, f"{param}: {kind} at {url} is over the {cap}-byte cap", param, code)
                     return bytes(data)
                 finally:
                     await resp.aclose()
-            raise APIError(400, f"{param}: fetching the image took more than {policy.max_redirects} redirects "
-                           f"(last {url[:80]!r})", param, "invalid_image")
+            raise APIError(400, f"{param}: fetching the {kind} took more than {policy.max_redirects} redirects "
+                           f"(last {url[:80]!r})", param, code)
     except httpx.HTTPError as e:
         raise APIError(400, f"{param}: fetching {url} failed ({type(e).__name__}: {printable(str(e))})", param,
-                       "invalid_image") from e
+                       code) from e
+
+
+async def resolve_media(url: str, policy: MediaPolicy, param: str, kind: str = "image"):
+    """One ``image_url.url`` / ``video_url.url`` -> a source for ``load_image`` /
+    ``load_video`` (str or bytes); ``kind`` is "image" or "video" (its byte cap, its
+    error code ``invalid_<kind>``).
+
+    Raises:
+        APIError(400): a refused or unreachable source, or one over the kind's byte cap.
+    """
+    code, cap = f"invalid_{kind}", _cap(policy, kind)
+    if url.startswith("data:"):
+        payload = url.split(",", 1)[1] if "," in url else ""
+        if len(payload) * 3 // 4 > cap:
+            raise APIError(400, f"{param}: data URI {kind} is over the {cap}-byte cap", param, code)
+        return url
+    if url.startswith(("http://", "https://")):
+        return await _download(url, policy, param, kind)
+    if "://" in url and not url.startswith("file://"):
+        raise APIError(400, f"{param}: unsupported {kind} URL scheme in {url[:40]!r}", param, code)
+    return _local_path(url, policy, param, kind)
 
 
 async def resolve_image(url: str, policy: MediaPolicy, param: str):
-    """One ``image_url.url`` -> an image source for ``load_image`` (str or bytes).
-
-    Raises:
-        APIError(400): a refused or unreachable source, or one over ``max_image_bytes``.
-    """
-    if url.startswith("data:"):
-        payload = url.split(",", 1)[1] if "," in url else ""
-        if len(payload) * 3 // 4 > policy.max_image_bytes:
-            raise APIError(400, f"{param}: data URI image is over the {policy.max_image_bytes}-byte cap",
-                           param, "invalid_image")
-        return url
-    if url.startswith(("http://", "https://")):
-        return await _download(url, policy, param)
-    if "://" in url and not url.startswith("file://"):
-        raise APIError(400, f"{param}: unsupported image URL scheme in {url[:40]!r}", param, "invalid_image")
-    return _local_path(url, policy, param)
+    """:func:`resolve_media` for an image."""
+    return await resolve_media(url, policy, param, "image")
 
 
 def _arguments(text: str):
@@ -220,11 +233,14 @@ def _arguments(text: str):
         return text
 
 
-async def to_engine_messages(messages: list[ChatMessage], policy: MediaPolicy, is_vlm: bool) -> list[dict]:
+async def to_engine_messages(messages: list[ChatMessage], policy: MediaPolicy, is_vlm: bool,
+                             video_options: dict | None = None) -> list[dict]:
     """OpenAI messages -> the engine's chat messages (role, content str or item list).
 
     A list of text parts only is joined with newlines into one string on a text-only model
     (as vLLM's "string" content format), since plain chat templates expect strings.
+    ``video_options`` (qwen-vl-utils keys: ``fps``, ``nframes``, ``total_pixels``, from the
+    request's ``mm_processor_kwargs``) go on every video item.
     """
     out = []
     for i, m in enumerate(messages):
@@ -234,6 +250,10 @@ async def to_engine_messages(messages: list[ChatMessage], policy: MediaPolicy, i
             for j, part in enumerate(content):
                 if part.type == "text":
                     items.append({"type": "text", "text": part.text})
+                elif part.type == "video_url":
+                    src = await resolve_media(part.video_url.url, policy, f"messages.{i}.content.{j}.video_url",
+                                              "video")
+                    items.append({"type": "video", "video": src, **(video_options or {})})
                 else:
                     src = await resolve_image(part.image_url.url, policy, f"messages.{i}.content.{j}.image_url")
                     items.append({"type": "image", "image": src})

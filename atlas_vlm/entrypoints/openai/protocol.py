@@ -93,7 +93,18 @@ class ImagePart(_Strict):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class VideoURL(_Strict):
+    url: str
+
+
+class VideoPart(_Strict):
+    """vLLM's ``{"type": "video_url", "video_url": {"url": ...}}`` part (a file, data: URI or URL)."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
 class FunctionCall(_Strict):
@@ -164,8 +175,15 @@ class StreamOptions(_Strict):
 
 
 class MMProcessorKwargs(_Strict):
+    """vLLM's per-request processor options: pixel bounds (images and video frames), and for
+    videos the sampling rate ``fps`` (frames per second), a fixed ``num_frames`` and the
+    ``total_pixels`` budget of all frames (qwen-vl-utils' options)."""
+
     max_pixels: int | None = Field(default=None, ge=1)
     min_pixels: int | None = Field(default=None, ge=1)
+    fps: float | None = Field(default=None, gt=0, le=240)
+    num_frames: int | None = Field(default=None, ge=1, le=4096)
+    total_pixels: int | None = Field(default=None, ge=1)
 
 
 class _SamplingFields(_Strict):

@@ -19,11 +19,12 @@ from atlas_vlm.entrypoints.openai.tool_parsers import tool_call_structured_outpu
 
 async def _prompt(ctx: ServerContext, req: ChatCompletionRequest) -> dict:
     """The engine's chat prompt dict; vLLM's template switches only when the client sent them."""
-    prompt = {"messages": await to_engine_messages(req.messages, ctx.media, ctx.is_vlm)}
-    if req.mm_processor_kwargs is not None:
-        opts = req.mm_processor_kwargs.model_dump(exclude_none=True)
-        if opts:
-            prompt["mm_options"] = opts
+    kwargs = req.mm_processor_kwargs.model_dump(exclude_none=True) if req.mm_processor_kwargs is not None else {}
+    video = {{"num_frames": "nframes"}.get(k, k): kwargs.pop(k) for k in ("fps", "num_frames", "total_pixels")
+             if k in kwargs}  # video sampling options go on each video item
+    prompt = {"messages": await to_engine_messages(req.messages, ctx.media, ctx.is_vlm, video)}
+    if kwargs:
+        prompt["mm_options"] = kwargs
     for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
         if getattr(req, name) is not None:
             prompt[name] = getattr(req, name)

@@ -62,7 +62,7 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None, index: in
 def engine_error(e: Exception) -> APIError:
     """Map ``AsyncLLM.add_request`` errors to HTTP: queue full or shutting down 503, bad input 400."""
     from atlas_vlm.engine.engine import RequestTooLongError
-    from mm_token_pipeline import ImageInputError
+    from mm_token_pipeline import ImageInputError, VideoInputError
 
     if isinstance(e, QueueFullError):
         return APIError(503, str(e), None, "queue_full")
@@ -74,6 +74,8 @@ def engine_error(e: Exception) -> APIError:
         return APIError(400, str(e), None, "context_length_exceeded")
     if isinstance(e, ImageInputError):
         return APIError(400, str(e), "messages", "invalid_image")
+    if isinstance(e, VideoInputError):
+        return APIError(400, str(e), "messages", "invalid_video")
     return APIError(400, str(e), None, "invalid_value")
 
 
