@@ -55,6 +55,7 @@ from .processor_config import ImageProcessorSettings, image_processor_settings
 from .resize import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, MAX_ASPECT_RATIO, smart_resize
 from .video_io import (VideoFrameBounds, VideoFrames, VideoInputError, VideoProbe, load_video, probe_video,
                        sample_frame_indices, video_frame_bounds, video_resized_size)
+from .video_processor import ProcessedVideo, preprocess_video
 from .vision import VisionEncoder
 
 __all__ = [
@@ -93,4 +94,6 @@ __all__ = [
     "sample_frame_indices",
     "video_frame_bounds",
     "video_resized_size",
+    "ProcessedVideo",
+    "preprocess_video",
 ]
