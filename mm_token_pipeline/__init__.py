@@ -50,7 +50,7 @@ from .mrope import decode_position, get_rope_index
 from .options import MultiModalOptions
 from .processor import ProcessedImage, preprocess_image
 from .prompt import (QWEN2_5_VL_CHAT_TEMPLATE, build_prompt_ids, expand_image_pads, extract_image_items, extract_images,
-                     qwen_tokenizer_dir)
+                     extract_mm_items, qwen_tokenizer_dir)
 from .processor_config import ImageProcessorSettings, image_processor_settings
 from .resize import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, MAX_ASPECT_RATIO, smart_resize
 from .video_io import (VideoFrameBounds, VideoFrames, VideoInputError, VideoProbe, load_video, probe_video,
@@ -80,6 +80,7 @@ __all__ = [
     "build_prompt_ids",
     "extract_images",
     "extract_image_items",
+    "extract_mm_items",
     "qwen_tokenizer_dir",
     "QWEN2_5_VL_CHAT_TEMPLATE",
     "get_rope_index",

@@ -30,17 +30,22 @@ __all__ = ["QWEN3_VL_CHAT_TEMPLATE", "QWEN3_VL_IMAGE_MEAN", "QWEN3_VL_IMAGE_STD"
 QWEN3_VL_IMAGE_MEAN = (0.5, 0.5, 0.5)
 QWEN3_VL_IMAGE_STD = (0.5, 0.5, 0.5)
 
-#: Qwen3-VL-Instruct chat template, reduced to what the engine uses (no tools, no video
-#: timestamps): unlike Qwen2.5-VL there is NO default system prompt; one
-#: ``<|vision_start|><|image_pad|><|vision_end|>`` per image item.
+#: Qwen3-VL-Instruct chat template, reduced to what the engine uses (no tools): unlike
+#: Qwen2.5-VL there is NO default system prompt; one ``<|vision_start|><|image_pad|><|vision_end|>``
+#: per image item and, as the released template, one ``<|vision_start|><|video_pad|><|vision_end|>``
+#: per video item (``build_prompt_ids(..., video_timestamps=True)`` expands the pad to the
+#: per-group timestamps and runs inside that wrapper, as transformers 5.24 does).
 QWEN3_VL_CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}"
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for content in message['content'] %}"
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
     "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
     "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
