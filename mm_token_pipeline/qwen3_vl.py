@@ -12,7 +12,9 @@ DeepStack feature per ``deepstack_visual_indexes`` entry; :class:`Qwen3VLVisionE
 hands them back side by side in ONE tensor per image, so any slicing by token (chunked
 prefill, encoder cache) keeps the DeepStack rows with the main ones.
 M-RoPE positions for images follow the same rule as Qwen2.5-VL (HF
-``Qwen3VLModel.get_rope_index`` differs only for videos): use :func:`get_rope_index`.
+``Qwen3VLModel.get_rope_index`` differs only for videos, whose grids it splits per temporal
+group): :func:`get_rope_index_qwen3_vl` (in ``mrope``, re-exported here) covers both. Video
+prompts: ``build_prompt_ids(..., video_timestamps=True)`` with :data:`QWEN3_VL_CHAT_TEMPLATE`.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import torch
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
+from .mrope import get_rope_index_qwen3_vl
 from .vision import VisionEncoder
 
 __all__ = ["QWEN3_VL_CHAT_TEMPLATE", "QWEN3_VL_IMAGE_MEAN", "QWEN3_VL_IMAGE_STD",
-           "Qwen3VLVisionEncoder"]
+           "Qwen3VLVisionEncoder", "get_rope_index_qwen3_vl"]
 
 #: Per-channel mean and std of Qwen3-VL's image processor (its preprocessor_config.json).
 QWEN3_VL_IMAGE_MEAN = (0.5, 0.5, 0.5)
