@@ -128,3 +128,35 @@ def test_count_and_order_errors(tokenizer):
     video = ours[1]
     assert torch.equal(torch.tensor(mtp.build_prompt_ids(tokenizer, CONVERSATIONS["video"], [video])).eq(
         VIDEO_PAD_ID).sum(), torch.tensor(video.num_tokens))
+
+
+@pytest.mark.parametrize("qwen3", [False, True], ids=["qwen2_5_vl", "qwen3_vl"])
+def test_one_frame_clip_end_to_end(tokenizer, tmp_path, qwen3):
+    """A clip shorter than one sampling step: one temporal group (the frame repeated), one
+    timestamp, ids equal to HF's processor and positions equal to HF's get_rope_index."""
+    from test_video_io import write_clip
+    from test_video_mrope import HF
+    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+    messages = [{"role": "user", "content": [{"type": "video", "video": str(write_clip(tmp_path / "one.mp4", 1))},
+                                             TEXT]}]
+    ours, images, videos, metas = media(messages, qwen3)
+    video = ours[0]
+    assert video.grid_thw[0] == 1 and video.frame_indices == [0, 0] and len(video.timestamps) == 1
+    out = hf_ids(hf_processor(tokenizer, qwen3), messages, images, videos, metas)
+    ids = mtp.build_prompt_ids(tokenizer, messages, ours, video_timestamps=qwen3,
+                               default_template=QWEN3_VL_CHAT_TEMPLATE if qwen3 else None)
+    assert ids == out["input_ids"][0].tolist()
+    if qwen3:
+        ref = HF(Qwen3VLModel, Qwen3VLConfig())(ids, video_grid_thw=out["video_grid_thw"])
+        got = mtp.get_rope_index_qwen3_vl(ids, [], [video.grid_thw], image_token_id=151655, video_token_id=VIDEO_PAD_ID,
+                                          vision_start_token_id=VS)
+    else:
+        ref = HF(Qwen2_5_VLModel, Qwen2_5_VLConfig())(ids, video_grid_thw=out["video_grid_thw"],
+                                                      second_per_grid_ts=out["second_per_grid_ts"])
+        got = mtp.get_rope_index(ids, [], image_token_id=151655, vision_start_token_id=VS, video_token_id=VIDEO_PAD_ID,
+                                 video_grid_thw=[video.grid_thw], second_per_grid_ts=[video.second_per_grid_t],
+                                 tokens_per_second=4)
+    assert torch.equal(got[0], ref[0]) and got[1] == ref[1]
