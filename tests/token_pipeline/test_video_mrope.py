@@ -85,7 +85,8 @@ def test_qwen2_5_vl_equals_hf(seed, tokens_per_second):
 def test_qwen2_vl_equals_hf(seed):
     ids, images, videos, _ = random_request(random.Random(100 + seed), qwen3=False)
     ref, ref_delta = HF(Qwen2VLModel, Qwen2VLConfig())(
-        ids, image_grid_thw=torch.tensor(images).reshape(-1, 3) if images else None, video_grid_thw=torch.tensor(videos))
+        ids, image_grid_thw=torch.tensor(images).reshape(-1, 3) if images else None,
+        video_grid_thw=torch.tensor(videos))
     ours, delta = get_rope_index(ids, images, image_token_id=IMG, vision_start_token_id=VS, video_token_id=VID,
                                  video_grid_thw=videos)
     assert torch.equal(ours, ref) and delta == ref_delta
@@ -95,7 +96,8 @@ def test_qwen2_vl_equals_hf(seed):
 def test_qwen3_vl_equals_hf(seed):
     ids, images, videos, _ = random_request(random.Random(200 + seed), qwen3=True)
     ref, ref_delta = HF(Qwen3VLModel, Qwen3VLConfig())(
-        ids, image_grid_thw=torch.tensor(images).reshape(-1, 3) if images else None, video_grid_thw=torch.tensor(videos))
+        ids, image_grid_thw=torch.tensor(images).reshape(-1, 3) if images else None,
+        video_grid_thw=torch.tensor(videos))
     ours, delta = get_rope_index_qwen3_vl(ids, images, videos, image_token_id=IMG, video_token_id=VID,
                                           vision_start_token_id=VS)
     assert torch.equal(ours, ref) and delta == ref_delta
