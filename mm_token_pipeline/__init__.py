@@ -28,10 +28,16 @@ Data path of one request (shapes for the default geometry: patch 14 px, merge 2)
     embeds = encoder.encode_images(processed)                # [num_tokens_i, out_hidden] each
     next_pos = mtp.decode_position(len(ids), rope_delta)     # position of the first new token
 
-Video (``video_io``, not yet wired into the engine): ``load_video`` decodes with PyAV,
-seeking to the frames qwen-vl-utils 0.0.14 samples (``sample_frame_indices``), into uint8
-RGB ``[T, H, W, 3]`` plus fps / frame-index metadata; ``video_frame_bounds`` /
-``video_resized_size`` give its per-frame pixel bounds; bad input raises ``VideoInputError``.
+Video (not yet wired into the engine): ``load_video`` decodes with PyAV, seeking to the
+frames qwen-vl-utils 0.0.14 samples (``sample_frame_indices``), into uint8 RGB
+``[T, H, W, 3]`` plus fps / frame-index metadata; ``preprocess_video`` resizes every frame as
+qwen-vl-utils ``fetch_video`` (``video_frame_bounds`` / ``video_resized_size``) and patchifies
+with HF's video processor into a ``ProcessedVideo`` (``pixel_values``, ``grid_thw``,
+``second_per_grid_t``, Qwen3-VL ``timestamps``) that ``VisionEncoder.encode_images`` takes as
+it takes images; ``build_prompt_ids`` expands ``<|video_pad|>`` (``extract_mm_items`` lists
+images and videos in prompt order; ``video_timestamps=True`` for Qwen3-VL);
+``get_rope_index(..., video_token_id, video_grid_thw, second_per_grid_ts, tokens_per_second)``
+and ``get_rope_index_qwen3_vl`` give the positions. Bad input raises ``VideoInputError``.
 
 Other families live in their own modules: ``mm_token_pipeline.qwen3_vl`` (patch 16,
 DeepStack tower, chat template) and ``mm_token_pipeline.smolvlm`` (prompt and tiles from the
@@ -46,15 +52,16 @@ known after ``preprocess_image`` and never exceeds ``max_pixels // 28**2``.
 from .http_fetch import DownloadError, fetch_url
 from .image_io import (DEFAULT_HTTP_MAX_BYTES, DEFAULT_HTTP_TIMEOUT_S, DEFAULT_MAX_IMAGE_PIXELS, ImageInputError,
                        load_image, to_rgb)
-from .mrope import decode_position, get_rope_index
+from .mrope import decode_position, get_rope_index, get_rope_index_qwen3_vl
 from .options import MultiModalOptions
 from .processor import ProcessedImage, preprocess_image
 from .prompt import (QWEN2_5_VL_CHAT_TEMPLATE, build_prompt_ids, expand_image_pads, extract_image_items, extract_images,
-                     qwen_tokenizer_dir)
+                     extract_mm_items, qwen_tokenizer_dir)
 from .processor_config import ImageProcessorSettings, image_processor_settings
 from .resize import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, MAX_ASPECT_RATIO, smart_resize
 from .video_io import (VideoFrameBounds, VideoFrames, VideoInputError, VideoProbe, load_video, probe_video,
                        sample_frame_indices, video_frame_bounds, video_resized_size)
+from .video_processor import ProcessedVideo, preprocess_video
 from .vision import VisionEncoder
 
 __all__ = [
@@ -79,9 +86,11 @@ __all__ = [
     "build_prompt_ids",
     "extract_images",
     "extract_image_items",
+    "extract_mm_items",
     "qwen_tokenizer_dir",
     "QWEN2_5_VL_CHAT_TEMPLATE",
     "get_rope_index",
+    "get_rope_index_qwen3_vl",
     "decode_position",
     "VisionEncoder",
     "VideoInputError",
@@ -93,4 +102,6 @@ __all__ = [
     "sample_frame_indices",
     "video_frame_bounds",
     "video_resized_size",
+    "ProcessedVideo",
+    "preprocess_video",
 ]

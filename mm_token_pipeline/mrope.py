@@ -1,11 +1,22 @@
-"""M-RoPE positions of one request: ``get_rope_index`` and ``decode_position``.
+"""M-RoPE positions of one request: ``get_rope_index``, ``get_rope_index_qwen3_vl``, ``decode_position``.
 
-Scope: the 3-axis (temporal, height, width) rotary positions that Qwen2.5-VL's decoder
-uses, for images only, for ONE request (no batch, no padding). The rule is HF transformers'
-``Qwen2_5_VLModel.get_rope_index`` (modeling_qwen2_5_vl.py, v4.57.6): text tokens get the
-same position on all 3 axes, counting on from ``max(previous positions) + 1``; the merged
-patches of an image get ``(0, row, col)`` offset by the position where the image starts
-(images have ``second_per_grid_t = 0``, so the temporal index is 0 on every frame).
+Scope: the 3-axis (temporal, height, width) rotary positions of Qwen2-VL, Qwen2.5-VL and
+Qwen3-VL decoders for ONE request (no batch, no padding), images and videos. The rule is HF
+transformers 5.24's ``get_rope_index`` (``modeling_qwen2_vl.py``, ``modeling_qwen2_5_vl.py``,
+``modeling_qwen3_vl.py``) with its ``get_vision_position_ids``:
+
+- the ids split into runs of one kind (text, image pads, video pads: ``mm_token_type_ids``);
+  a text run counts on from the current position ``p`` on all 3 axes;
+- a vision run of grid ``(t, h, w)`` (``gh, gw = h // merge, w // merge``) gets, for token
+  ``(i, r, c)`` in ``[t, gh, gw]`` order, ``(p + int(i * interval), p + r, p + c)``; then
+  ``p += max(gh, gw)`` (NOT ``max + 1``: for a video with ``int((t-1) * interval) >= max(gh, gw)``
+  the following text starts below the video's largest temporal position, as in HF 5.24;
+  4.57 used ``max + 1``; for images both agree);
+- ``interval``: images 1; Qwen2-VL videos 1; Qwen2.5-VL videos ``tokens_per_second *
+  second_per_grid_t`` in float32 (HF multiplies the config int by the processor's float32
+  ``second_per_grid_ts`` tensor; ``.long()`` truncates); Qwen3-VL splits each video grid into
+  ``t`` grids ``(1, h, w)``, one per timestamped run (``repeat_interleave``), interval 1;
+- ``rope_delta = max(positions) + 1 - N``; decoding continues at ``cache_position + rope_delta``.
 """
 
 from __future__ import annotations
@@ -14,73 +25,138 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["get_rope_index", "decode_position"]
+__all__ = ["get_rope_index", "get_rope_index_qwen3_vl", "decode_position"]
+
+
+def _grids(value, name: str) -> list[tuple[int, int, int]]:
+    if value is None:
+        return []
+    rows = value.tolist() if isinstance(value, torch.Tensor) else list(value)
+    out = [tuple(int(v) for v in g) for g in rows]
+    if any(len(g) != 3 or min(g) < 1 for g in out):
+        raise ValueError(f"{name} rows must be (t, h, w) with every value >= 1, got {out}")
+    return out
+
+
+def _positions(ids: list[int], kinds: dict[int, str], grids: dict[str, list], intervals: list,
+               merge: int, vision_start_token_id: int) -> tuple[torch.Tensor, int]:
+    """Positions ``[3, N]`` and rope_delta; ``intervals`` holds one float32 tensor (or 1) per video grid."""
+    n = len(ids)
+    if n == 0:
+        raise ValueError("input_ids is empty")
+    used = {kind: 0 for kind in grids}
+    chunks: list[torch.Tensor] = []  # each [3, len]
+    pos, st = 0, 0
+    while st < n:
+        kind = kinds.get(ids[st])
+        ed = st
+        while ed < n and kinds.get(ids[ed]) == kind:
+            ed += 1
+        if kind is None:  # text run st..ed
+            chunks.append(torch.arange(pos, pos + ed - st).view(1, -1).expand(3, -1))  # [3, len]
+            pos += ed - st
+            st = ed
+            continue
+        k = used[kind]
+        if k >= len(grids[kind]):
+            raise ValueError(f"{kind} token at index {st} but only {len(grids[kind])} {kind}_grid_thw entries")
+        if st == 0 or ids[st - 1] != vision_start_token_id:
+            raise ValueError(f"{kind} token run at index {st} is not preceded by <|vision_start|>")
+        t, h, w = grids[kind][k]
+        gh, gw = h // merge, w // merge
+        count = t * gh * gw
+        if ed - st != count:
+            raise ValueError(f"{kind} {k} at index {st}: expected {count} {kind} tokens for grid {grids[kind][k]}, "
+                             f"got a run of {ed - st}")
+        interval = intervals[k] if kind == "video" else 1
+        t_idx = (torch.arange(t) * interval).long()  # HF get_vision_position_ids, before the offset
+        block = torch.stack(torch.meshgrid(t_idx, torch.arange(gh), torch.arange(gw), indexing="ij")).reshape(3, -1)
+        chunks.append(block + pos)  # [3, count]
+        pos += max(gh, gw)
+        used[kind], st = k + 1, ed
+    for kind, rows in grids.items():
+        if used[kind] != len(rows):
+            raise ValueError(f"{len(rows)} {kind}_grid_thw entries but {used[kind]} {kind} runs in input_ids")
+    positions = torch.cat(chunks, dim=1).to(torch.long)  # [3, N]
+    return positions, int(positions.max()) + 1 - n
 
 
 def get_rope_index(
     input_ids: Sequence[int] | torch.Tensor,
-    image_grid_thw: Sequence[Sequence[int]] | torch.Tensor,
+    image_grid_thw: Sequence[Sequence[int]] | torch.Tensor | None = None,
     *,
     spatial_merge_size: int = 2,
     image_token_id: int,
     vision_start_token_id: int,
+    video_token_id: int | None = None,
+    video_grid_thw: Sequence[Sequence[int]] | torch.Tensor | None = None,
+    second_per_grid_ts: Sequence[float] | torch.Tensor | None = None,
+    tokens_per_second: float | None = None,
 ) -> tuple[torch.Tensor, int]:
-    """M-RoPE positions ``[3, N]`` (int64) and ``rope_delta`` for one request of N tokens.
+    """M-RoPE positions ``[3, N]`` (int64) and ``rope_delta`` of Qwen2-VL / Qwen2.5-VL for N tokens.
 
     Args:
-        input_ids: ``[N]`` token ids, each image already expanded to its run of
-            ``t*h*w // spatial_merge_size**2`` ``image_token_id`` tokens, preceded by
-            ``vision_start_token_id``.
+        input_ids: ``[N]`` token ids, each image / video expanded to its run of
+            ``t*h*w // spatial_merge_size**2`` pads, preceded by ``vision_start_token_id``.
         image_grid_thw: ``[num_images, 3]`` grids ``(t, h, w)`` in patches, in prompt order.
         spatial_merge_size: patches merged per side into one token (2).
+        video_token_id, video_grid_thw: the video pad id and ``[num_videos, 3]`` grids.
+        second_per_grid_ts: seconds per temporal group per video (``ProcessedVideo.second_per_grid_t``;
+            HF default 1 each when None); used only with ``tokens_per_second``.
+        tokens_per_second: Qwen2.5-VL's ``vision_config.tokens_per_second`` (temporal interval
+            ``tokens_per_second * second_per_grid_t``); None: Qwen2-VL's rule (interval 1).
 
     Returns:
         ``(positions, rope_delta)``: positions ``[3, N]`` int64, rows (t, h, w);
-        ``rope_delta = positions.max() + 1 - N`` (0 for text only). Equal to HF's
-        ``get_rope_index`` on the same ids (batch of one, no attention mask).
+        ``rope_delta = positions.max() + 1 - N``. Equal to HF 5.24 ``get_rope_index``.
 
     Raises:
-        ValueError: empty ids, an image run not preceded by ``<|vision_start|>``, a run whose
-            length differs from its grid, or a different number of runs and grids.
+        ValueError: empty ids, a run not preceded by ``<|vision_start|>``, a run whose length
+            differs from its grid, a different number of runs and grids (per modality), video
+            grids without ``video_token_id``, or a ``second_per_grid_ts`` count mismatch.
     """
     ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else [int(x) for x in input_ids]
-    grids = [tuple(int(v) for v in g) for g in (
-        image_grid_thw.tolist() if isinstance(image_grid_thw, torch.Tensor) else image_grid_thw)]
-    n = len(ids)
-    if n == 0:
-        raise ValueError("input_ids is empty")
-    chunks: list[torch.Tensor] = []  # each [3, len]
-    next_pos, st, img = 0, 0, 0
-    while True:
-        try:
-            ed = ids.index(image_token_id, st)
-        except ValueError:
-            ed = n
-        if ed > st:  # text run st..ed
-            chunks.append(torch.arange(next_pos, next_pos + ed - st).view(1, -1).expand(3, -1))  # [3, len]
-            next_pos += ed - st
-        if ed == n:
-            break
-        if img >= len(grids):
-            raise ValueError(f"image token at index {ed} but only {len(grids)} image_grid_thw entries")
-        if ed == 0 or ids[ed - 1] != vision_start_token_id:
-            raise ValueError(f"image token run at index {ed} is not preceded by <|vision_start|>")
-        t, h, w = grids[img]
-        gh, gw = h // spatial_merge_size, w // spatial_merge_size
-        count = t * gh * gw
-        if ids[ed:ed + count] != [image_token_id] * count:
-            raise ValueError(f"image {img} at index {ed}: expected {count} image tokens for grid {grids[img]}")
-        t_idx = torch.zeros(count, dtype=torch.long)
-        h_idx = torch.arange(gh).view(1, -1, 1).expand(t, -1, gw).flatten()  # [t, gh, gw] -> [count]
-        w_idx = torch.arange(gw).view(1, 1, -1).expand(t, gh, -1).flatten()  # [t, gh, gw] -> [count]
-        block = torch.stack([t_idx, h_idx, w_idx]) + next_pos  # [3, count]
-        chunks.append(block)
-        next_pos = int(block.max()) + 1
-        st, img = ed + count, img + 1
-    if img != len(grids):
-        raise ValueError(f"{len(grids)} image_grid_thw entries but {img} image runs in input_ids")
-    positions = torch.cat(chunks, dim=1).to(torch.long)  # [3, N]
-    return positions, next_pos - n
+    videos = _grids(video_grid_thw, "video_grid_thw")
+    if videos and video_token_id is None:
+        raise ValueError("video_grid_thw given without video_token_id")
+    intervals: list = [1] * len(videos)
+    if tokens_per_second is not None:
+        seconds = torch.ones(len(videos)) if second_per_grid_ts is None else \
+            torch.as_tensor(second_per_grid_ts, dtype=torch.float32).reshape(-1)
+        if len(seconds) != len(videos):
+            raise ValueError(f"{len(seconds)} second_per_grid_ts for {len(videos)} video_grid_thw entries")
+        intervals = [tokens_per_second * s for s in seconds]  # 0-dim float32 tensors, as HF
+    kinds = {image_token_id: "image"}
+    if video_token_id is not None:
+        kinds[video_token_id] = "video"
+    return _positions(ids, kinds, {"image": _grids(image_grid_thw, "image_grid_thw"), "video": videos}, intervals,
+                      spatial_merge_size, vision_start_token_id)
+
+
+def get_rope_index_qwen3_vl(
+    input_ids: Sequence[int] | torch.Tensor,
+    image_grid_thw: Sequence[Sequence[int]] | torch.Tensor | None = None,
+    video_grid_thw: Sequence[Sequence[int]] | torch.Tensor | None = None,
+    *,
+    spatial_merge_size: int = 2,
+    image_token_id: int,
+    video_token_id: int,
+    vision_start_token_id: int,
+) -> tuple[torch.Tensor, int]:
+    """Qwen3-VL's M-RoPE positions ``[3, N]`` and ``rope_delta`` (HF ``Qwen3VLModel.get_rope_index``).
+
+    Each video grid ``(t, h, w)`` becomes ``t`` grids ``(1, h, w)``, one per timestamped run
+    ``<t seconds><|vision_start|>pads<|vision_end|>`` of ``build_prompt_ids(...,
+    video_timestamps=True)``; the timestamp text is ordinary text. Images as :func:`get_rope_index`.
+
+    Raises:
+        ValueError: as :func:`get_rope_index`; grid counts are per frame for videos.
+    """
+    frames = [(1, h, w) for t, h, w in _grids(video_grid_thw, "video_grid_thw") for _ in range(t)]
+    ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else [int(x) for x in input_ids]
+    return _positions(ids, {image_token_id: "image", video_token_id: "video"},
+                      {"image": _grids(image_grid_thw, "image_grid_thw"), "video": frames}, [1] * len(frames),
+                      spatial_merge_size, vision_start_token_id)
 
 
 def decode_position(context_len: int, rope_delta: int) -> int:

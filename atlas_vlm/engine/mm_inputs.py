@@ -138,11 +138,15 @@ class QwenVLInputs(MediaInputs):
                 min_pixels, max_pixels = opts.resolved()
                 items.append(preprocess_image(medium, min_pixels=min_pixels, max_pixels=max_pixels, **geometry))
             else:
-                from mm_token_pipeline import load_video, preprocess_video
+                from mm_token_pipeline import VideoInputError, load_video, preprocess_video
 
                 sampling = {k: opts[k] for k in ("fps", "nframes", "min_frames", "max_frames", "video_start",
                                                  "video_end", "sample_fps") if k in opts}
                 frames = load_video(medium, fetch=self._fetch, **sampling)  # qwen-vl-utils' sampling, seeking
+                if frames.sample_fps is None and family != "qwen2_vl":
+                    raise VideoInputError(frames.source, f"the source fps is unknown, and {family} needs it "
+                                          "(seconds per temporal group: M-RoPE / timestamps); give a file that "
+                                          "states its frame rate, or a list of frames with sample_fps")
                 bounds = {k: opts[k] for k in ("min_pixels", "max_pixels", "total_pixels") if k in opts}
                 items.append(preprocess_video(frames, source=f"video {index} ({frames.source})", **bounds, **geometry))
         template_kwargs = {**(p["chat_template_kwargs"] or {}), **({"tools": p["tools"]} if p["tools"] else {})}
@@ -169,10 +173,10 @@ class QwenVLInputs(MediaInputs):
         if not videos:
             return get_rope_index(ids, images, **common)
         if cfg.model_type == "qwen3_vl":
-            from mm_token_pipeline.qwen3_vl import qwen3_vl_rope_index
+            from mm_token_pipeline.qwen3_vl import get_rope_index_qwen3_vl
 
-            return qwen3_vl_rope_index(ids, images, [v.grid_thw for v in videos],
-                                       video_token_id=cfg.video_token_id, **common)
+            return get_rope_index_qwen3_vl(ids, images, [v.grid_thw for v in videos],
+                                           video_token_id=cfg.video_token_id, **common)
         tokens_per_second = getattr(cfg.vision_config, "tokens_per_second", None) \
             if cfg.model_type == "qwen2_5_vl" else None
         return get_rope_index(ids, images, video_grid_thw=[v.grid_thw for v in videos],
