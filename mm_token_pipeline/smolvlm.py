@@ -92,7 +92,7 @@ def _as_template_messages(messages: list[dict], videos: bool = False) -> list[di
         for item in content:
             if item.get("type") in ("image", "image_url") or "image" in item or "image_url" in item:
                 items.append({"type": "image"})
-            elif item.get("type") == "video" or "video" in item:
+            elif item.get("type") in ("video", "video_url") or "video" in item or "video_url" in item:
                 if not videos:
                     raise ValueError("video items need their videos: pass videos= (one per video item)")
                 items.append({"type": "video"})

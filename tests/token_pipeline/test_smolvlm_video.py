@@ -293,5 +293,8 @@ def test_bad_options_and_mismatched_items(proc):
     messages = [{"role": "user", "content": [{"type": "video", "video": str(CLIP2)}]}]
     with pytest.raises(ValueError, match="video items need their videos"):
         smolvlm_prompt(proc, messages, [], LONGEST_EDGE)
+    url_item = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "file://x.mp4"}}]}]
+    with pytest.raises(ValueError, match="video items need their videos"):  # never read as empty text
+        smolvlm_prompt(proc, url_item, [], LONGEST_EDGE)
     with pytest.raises(ValueError, match="1 video items but 2 videos"):
         smolvlm_prompt(proc, messages, [], LONGEST_EDGE, videos=[str(CLIP2), str(CLIP2)])
