@@ -24,6 +24,7 @@ import hashlib
 import math
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from transformers.models.smolvlm.configuration_smolvlm import SmolVLMConfig
@@ -45,8 +46,10 @@ class SmolVLMTile:
         num_tokens: ``image_seq_len`` ``<image>`` tokens this tile fills.
         content_hash: sha256 hex of the pixel values and mask (prefix-cache identity).
         image_index: which image of the prompt the tile comes from (0-based).
+        modality: ``"image"`` (class attribute; video frames are ``SmolVLMVideoFrame``).
     """
 
+    modality: ClassVar[str] = "image"
     pixel_values: torch.Tensor
     pixel_attention_mask: torch.Tensor
     num_tokens: int
@@ -77,9 +80,10 @@ def longest_edge_for(max_pixels: int | None, longest_edge: int | None, *, tile: 
     return min(int(longest_edge), default)
 
 
-def _as_template_messages(messages: list[dict]) -> list[dict]:
-    """Messages with string content as one text item and every image item as ``{"type": "image"}``
-    (the form SmolVLM's chat template reads)."""
+def _as_template_messages(messages: list[dict], videos: bool = False) -> list[dict]:
+    """Messages with string content as one text item, every image item as ``{"type": "image"}``
+    and (``videos=True``; else refused) every video item as ``{"type": "video"}`` (the form
+    SmolVLM's chat template reads)."""
     out = []
     for message in messages:
         content = message.get("content")
@@ -89,30 +93,43 @@ def _as_template_messages(messages: list[dict]) -> list[dict]:
         for item in content:
             if item.get("type") in ("image", "image_url") or "image" in item or "image_url" in item:
                 items.append({"type": "image"})
-            elif item.get("type") == "video" or "video" in item:
-                raise ValueError("video items are not supported")
+            elif item.get("type") in ("video", "video_url") or "video" in item or "video_url" in item:
+                if not videos:
+                    raise ValueError("video items need their videos: pass videos= (one per video item)")
+                items.append({"type": "video"})
             else:
                 items.append({"type": "text", "text": item.get("text", "")})
         out.append({"role": message["role"], "content": items})
     return out
 
 
-def smolvlm_prompt(processor, messages: list[dict], images: list, longest_edge: int) -> tuple[list[int], list[SmolVLMTile]]:
-    """Prompt ids and tiles of one chat request, both from the HF ``SmolVLMProcessor``.
+def smolvlm_prompt(processor, messages: list[dict], images: list, longest_edge: int,
+                   videos: list | None = None) -> tuple[list[int], list]:
+    """Prompt ids and tower items of one chat request, all from the HF ``SmolVLMProcessor``.
 
     Args:
         processor: the checkpoint's ``SmolVLMProcessor`` (``AutoProcessor.from_pretrained``).
-        messages: chat messages; image items in the order of ``images``.
+        messages: chat messages; image items in the order of ``images``, video items
+            (``{"type": "video", "video": ...}``) in the order of ``videos``.
         images: RGB ``PIL.Image`` per image item.
-        longest_edge: resize target in pixels (:func:`longest_edge_for`).
+        longest_edge: resize target in pixels of the images (:func:`longest_edge_for`).
+        videos: per video item a ``SmolVLMVideo`` (``smolvlm_video.load_smolvlm_video``,
+            SmolVLM's frame sampling) or a source loaded with the checkpoint's sampling
+            defaults; ``None``: no video items (see ``smolvlm_video.smolvlm_video_prompt``).
 
     Returns:
-        ``(ids [N], tiles)``; tile k fills the k-th run of ``image_seq_len`` ``<image>`` tokens.
+        ``(ids [N], items)``; item k fills the k-th run of ``image_seq_len`` ``<image>``
+        tokens: ``SmolVLMTile`` per image tile, ``SmolVLMVideoFrame`` per video frame.
 
     Raises:
         ValueError: the processor's token runs do not match its tiles (e.g. a literal
-            ``<image>`` in user text), or video items.
+            ``<image>`` in user text), or video items without ``videos``.
+        VideoInputError: a video that cannot be loaded or sampled (names the video).
     """
+    if videos is not None:
+        from .smolvlm_video import smolvlm_video_prompt
+
+        return smolvlm_video_prompt(processor, messages, images, longest_edge, videos)
     text = processor.apply_chat_template(_as_template_messages(messages), add_generation_prompt=True, tokenize=False)
     # channels-last said explicitly: transformers guesses the layout from the array's shape,
     # and a 1- or 2-pixel-wide image (1, 1, 3) would read as channels-first
