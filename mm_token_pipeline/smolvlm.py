@@ -56,7 +56,6 @@ class SmolVLMTile:
     content_hash: str
     image_index: int
     grid_thw: None = None  # no M-RoPE grid: SmolVLM's decoder uses 1-D RoPE
-    modality: str = "image"  # "video" for a frame of a video
 
 
 def longest_edge_for(max_pixels: int | None, longest_edge: int | None, *, tile: int, default: int) -> int:

@@ -71,7 +71,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 model_cls="atlas_vlm.models.qwen3_vl:Qwen3VLForCausalLM", qkv_bias=None, qk_norm=True,
                 vision_tower="mm_token_pipeline.qwen3_vl:Qwen3VLVisionEncoder", **_QWEN_VL),
     ModelFamily("smolvlm", ("SmolVLMForConditionalGeneration",), ("smolvlm",),
-                nested_text_config=True, qkv_bias=None, multimodal=True, modalities=("image",),
+                nested_text_config=True, qkv_bias=None, multimodal=True, modalities=("image", "video"),
                 mm_inputs="atlas_vlm.engine.mm_inputs:SmolVLMInputs",
                 vision_tower="mm_token_pipeline.smolvlm:SmolVLMVisionEncoder"),
 )
