@@ -11,6 +11,7 @@ block table are what the step saw.
 from __future__ import annotations
 
 import http.server
+import inspect
 import math
 import queue
 import threading
@@ -141,22 +142,39 @@ def mm_token_type_ids(ids: torch.Tensor) -> torch.Tensor:
 
 
 def hf_inputs(p):
+    """HF ``generate`` / forward inputs of one ``ProcessedPrompt``: SmolVLM's tiles and video
+    frames stacked in prompt order (its ``inputs_merger`` fills the ``<image>`` runs in that
+    order); Qwen's images and videos apart, with Qwen2.5-VL's ``second_per_grid_ts``."""
     ids = torch.tensor([p.prompt_token_ids])
     kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
-    if p.images and hasattr(p.images[0], "pixel_attention_mask"):  # SmolVLM: one item per tile
-        kwargs["pixel_values"] = torch.stack([t.pixel_values for t in p.images])[None]  # [1, tiles, 3, H, W]
-        kwargs["pixel_attention_mask"] = torch.stack([t.pixel_attention_mask for t in p.images])[None]
-    elif p.images:
+    items = p.mm_items
+    if items and hasattr(items[0], "pixel_attention_mask"):  # SmolVLM: one item per tile / frame
+        kwargs["pixel_values"] = torch.stack([t.pixel_values for t in items])[None]  # [1, items, 3, H, W]
+        kwargs["pixel_attention_mask"] = torch.stack([t.pixel_attention_mask for t in items])[None]
+        return kwargs
+    if p.images:
         kwargs["pixel_values"] = torch.cat([im.pixel_values for im in p.images])
         kwargs["image_grid_thw"] = torch.tensor([list(im.grid_thw) for im in p.images])
+    if p.videos:
+        kwargs["pixel_values_videos"] = torch.cat([v.pixel_values for v in p.videos])
+        kwargs["video_grid_thw"] = torch.tensor([list(v.grid_thw) for v in p.videos])
+        kwargs["second_per_grid_ts"] = torch.tensor([v.second_per_grid_t for v in p.videos])
+    if items:
         kwargs["mm_token_type_ids"] = mm_token_type_ids(ids)
+    return kwargs
+
+
+def drop_unused(hf, kwargs: dict) -> dict:
+    """``kwargs`` without ``second_per_grid_ts`` for the families whose forward has none."""
+    if "second_per_grid_ts" in kwargs and "second_per_grid_ts" not in inspect.signature(hf.forward).parameters:
+        kwargs = {k: v for k, v in kwargs.items() if k != "second_per_grid_ts"}
     return kwargs
 
 
 @torch.no_grad()
 def hf_reference(hf, p, n_tokens):
     """HF greedy tokens, first-step logits (plain forward) and per-step generate logits."""
-    kwargs = hf_inputs(p)
+    kwargs = drop_unused(hf, hf_inputs(p))
     first = hf(**kwargs).logits[0, -1].float()
     gen = hf.generate(**kwargs, max_new_tokens=n_tokens, do_sample=False, output_logits=True,
                       return_dict_in_generate=True, pad_token_id=151643)
@@ -168,9 +186,12 @@ def assert_rope_matches_hf(hf, p):
     """MAC-V3: our prompt positions and rope_delta equal HF ``get_rope_index``."""
     kwargs = hf_inputs(p)
     # keywords: Qwen2.5-VL's signature has second_per_grid_ts, Qwen2-VL's and Qwen3-VL's do not
+    extra = {"second_per_grid_ts": kwargs["second_per_grid_ts"]} if "second_per_grid_ts" in kwargs and \
+        "second_per_grid_ts" in inspect.signature(hf.model.get_rope_index).parameters else {}
     pos, delta = hf.model.get_rope_index(kwargs["input_ids"], mm_token_type_ids(kwargs["input_ids"]),
                                          image_grid_thw=kwargs.get("image_grid_thw"),
-                                         attention_mask=kwargs["attention_mask"])
+                                         video_grid_thw=kwargs.get("video_grid_thw"),
+                                         attention_mask=kwargs["attention_mask"], **extra)
     assert p.mrope_positions.shape == (3, len(p.prompt_token_ids))
     assert torch.equal(p.mrope_positions.long(), pos[:, 0].long())
     assert p.rope_delta == int(delta.reshape(-1)[0])

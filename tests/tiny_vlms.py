@@ -109,7 +109,13 @@ def build_tiny_smolvlm(out_dir: Path, seed: int = 0):
                                             max_image_size={"longest_edge": SMOLVLM_TILE},
                                             image_mean=[0.5] * 3, image_std=[0.5] * 3)
     processor = SmolVLMProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                 video_processor=SmolVLMVideoProcessor(), image_seq_len=SMOLVLM_SEQ_LEN,
+                                 # video_sampling as SmolVLM2's checkpoints state it, scaled down
+                                 video_processor=SmolVLMVideoProcessor(
+                                     video_sampling={"fps": 1, "max_frames": 6,
+                                                     "video_size": {"longest_edge": 2 * SMOLVLM_TILE}},
+                                     max_image_size={"longest_edge": SMOLVLM_TILE},
+                                     image_mean=[0.5] * 3, image_std=[0.5] * 3),
+                                 image_seq_len=SMOLVLM_SEQ_LEN,
                                  chat_template=DEFAULT_CHAT_TEMPLATE)
     processor.save_pretrained(out_dir)
     return model
