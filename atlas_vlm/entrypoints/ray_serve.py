@@ -189,6 +189,7 @@ def run_ray_server(engine_config, args) -> int:
 
     media = dict(allowed_local_media_path=args.allowed_local_media_path, allow_http_images=args.allow_http_images,
                  http_timeout_s=args.image_fetch_timeout, max_image_bytes=args.max_image_bytes,
+                 max_video_bytes=getattr(args, "max_video_bytes", 64 * 2**20),
                  allowed_media_domains=getattr(args, "allowed_media_domains", None))
     app = build_app(dataclasses.asdict(engine_config), args.replicas,
                     served_model_names=args.served_model_name or [args.model or "SmolLM2-135M-Instruct"],

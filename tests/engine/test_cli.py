@@ -106,3 +106,35 @@ def test_ctrl_c_is_a_one_line_notice_and_exit_130(monkeypatch, capsys, during_lo
     assert rc == 130
     assert out.err == "interrupted (Ctrl-C)\n"  # one line, no traceback
     assert out.out == ("" if during_load else "Par\n")
+
+
+VIDEOS = IMAGES.parent / "videos"
+
+
+@pytest.mark.vlm
+def test_video_prompt_equals_the_library(tiny_models, capsys):
+    folder = tiny_models["qwen2_5_vl"][0]
+    clip = str(VIDEOS / "frames_30fps_90.mp4")
+    rc = _cli().main([*FP32, "--model", str(folder), "--video", clip, "--fps", "1", "--prompt", "What happens?",
+                      "--max-tokens", "6"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    llm = LLM(str(folder), num_kvcache_blocks=256, dtype="float32")
+    msgs = [{"role": "user", "content": [{"type": "video", "video": clip, "fps": 1.0},
+                                         {"type": "text", "text": "What happens?"}]}]
+    expected = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=6))[0]
+    assert out.out == expected.text + "\n"
+    assert expected.prompt_token_ids.count(151656) > 0  # <|video_pad|> tokens: the video reached the model
+
+
+@pytest.mark.vlm
+def test_default_model_runs_a_video_and_a_bad_video_is_a_clear_error(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("ATLAS_VLM_CACHE", str(tmp_path))
+    rc = _cli().main(["--video", str(VIDEOS / "short_0.5s_30fps.mp4"), "--prompt", "What is this?",
+                      "--max-tokens", "4"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "RANDOM weights" in out.err and "[finish_reason=" in out.err
+    rc = _cli().main(["--video", str(VIDEOS / "not_a_video.mp4"), "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "not_a_video.mp4" in err and "not a video" in err

@@ -135,3 +135,73 @@ def test_a_bad_image_leaves_8_concurrent_streams_unaffected(vlm_server, vlm_llm,
     assert texts == [r.text for r in refs]
     m = vlm_server.metrics()
     assert m["atlas:num_kv_blocks_free"] == m["atlas:num_kv_blocks_total"]
+
+
+# ---- video_url (vLLM's part) ---------------------------------------------------------------
+VIDEOS = IMAGES.parent / "videos"
+CLIP = VIDEOS / "frames_30fps_90.mp4"
+VIDEO_KWARGS = {"min_pixels": 4 * 28 * 28, "max_pixels": 16 * 28 * 28}  # a few tokens per frame group
+
+
+def video_uri(path) -> str:
+    kind = "webm" if str(path).endswith(".webm") else "mp4"
+    return f"data:video/{kind};base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def video_msg(url: str, text: str = "What happens in the clip?") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                         {"type": "text", "text": text}]}]
+
+
+def offline_video(llm, text: str = "What happens in the clip?", n: int = 8, **video_options):
+    item = {"type": "video", "video": str(CLIP), **VIDEO_KWARGS, **video_options}
+    conv = [{"role": "user", "content": [item, {"type": "text", "text": text}]}]
+    return llm.chat(conv, SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)[0]
+
+
+def ask_video(server, url: str, text: str = "What happens in the clip?", n: int = 8, **kwargs):
+    return server.client().chat.completions.create(
+        model="tiny-vl", messages=video_msg(url, text), max_tokens=n, temperature=0,
+        extra_body={"mm_processor_kwargs": {**VIDEO_KWARGS, **kwargs}})
+
+
+def test_video_url_data_uri_equals_the_library(vlm_server, vlm_llm):
+    ref = offline_video(vlm_llm)
+    r = ask_video(vlm_server, video_uri(CLIP))
+    assert r.choices[0].message.content == ref.text
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    slower = offline_video(vlm_llm, fps=1.0)  # mm_processor_kwargs.fps is the item's fps
+    r1 = ask_video(vlm_server, video_uri(CLIP), fps=1.0)
+    assert r1.usage.prompt_tokens == len(slower.prompt_token_ids) < len(ref.prompt_token_ids)
+    assert r1.choices[0].message.content == slower.text
+
+
+@pytest.mark.parametrize(("url_of", "words"), [
+    (lambda: video_uri(VIDEOS / "not_a_video.mp4"), "not a video"),
+    (lambda: "data:video/mp4;base64,AAAA", "not a video"),
+    (lambda: str(VIDEOS / "frames_2fps_8.mp4"), "not under --allowed-local-media-path"),
+])
+def test_bad_videos_are_400_naming_the_video_while_streams_run(vlm_server, vlm_llm, url_of, words):
+    ref = offline(vlm_llm, "Question: what is in the picture?", n=12)
+    client = vlm_server.client()
+    started = threading.Event()
+
+    def stream():
+        chunks = client.chat.completions.create(model="tiny-vl", messages=image_msg(data_uri(PHOTO),
+                                                "Question: what is in the picture?"),
+                                                max_tokens=12, temperature=0, stream=True)
+        parts = []
+        for c in chunks:
+            parts.append(c.choices[0].delta.content or "" if c.choices else "")
+            started.set()
+        return "".join(parts)
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        future = pool.submit(stream)
+        assert started.wait(300)
+        with pytest.raises(openai.BadRequestError) as e:
+            ask_video(vlm_server, url_of())
+        assert future.result(timeout=300) == ref.text
+    assert e.value.status_code == 400 and words in e.value.body["message"]
+    m = vlm_server.metrics()
+    assert m["atlas:num_kv_blocks_free"] == m["atlas:num_kv_blocks_total"]

@@ -22,12 +22,16 @@ def add_parser(sub) -> None:
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="answer 503 while this many requests wait (default: no limit)")
     p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
-                   help="allow image_url file:// URLs and paths under DIR (default: no local files)")
-    p.add_argument("--allow-http-images", action="store_true", help="fetch http(s) image URLs (default: refused)")
+                   help="allow image_url / video_url file:// URLs and paths under DIR (default: no local files)")
+    p.add_argument("--allow-http-images", action="store_true",
+                   help="fetch http(s) image and video URLs (default: refused)")
     p.add_argument("--image-fetch-timeout", type=float, default=10.0,
                    help="connect/read timeout of one http(s) image download, seconds (default 10)")
     p.add_argument("--max-image-bytes", type=bytes_arg(), default=20 * 2**20,
                    help="largest encoded image accepted from any source (default 20MiB)")
+    p.add_argument("--max-video-bytes", type=bytes_arg(), default=64 * 2**20,
+                   help="largest encoded video_url video accepted from a file or URL (default 64MiB; a data: URI "
+                        "is also bounded by --max-request-body-bytes)")
     p.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
                    help="with --allow-http-images: fetch images only from these hosts (exact names or IPs); a "
                         "host named here may resolve to a private address (default: any host with a public "
@@ -114,7 +118,7 @@ def run_serve(args) -> int:
     if args.shutdown_timeout <= 0:
         raise ValueError(f"--shutdown-timeout must be > 0 seconds, got {args.shutdown_timeout}")
     media = MediaPolicy(args.allowed_local_media_path, args.allow_http_images, args.image_fetch_timeout,
-                        args.max_image_bytes, allowed_media_domains=args.allowed_media_domains)
+                        args.max_image_bytes, args.max_video_bytes, allowed_media_domains=args.allowed_media_domains)
     return run_server(config, host=args.host, port=args.port,
                       served_model_names=args.served_model_name or [args.model or "SmolLM2-135M-Instruct"],
                       api_key=args.api_key, max_waiting_requests=args.max_waiting_requests, media=media,
