@@ -76,6 +76,34 @@ def _smolvlm_tiles(hf_config, max_pixels: int) -> tuple[int, int, int]:
     return n * n + (1 if n > 1 else 0), (v.image_size // v.patch_size) ** 2, tile
 
 
+def video_tokens_per_clip(hf_config, seconds: float, video_sampling: dict | None = None) -> tuple[int, int, int]:
+    """``(frames, pixels per frame, visual tokens)`` of the largest clip of ``seconds``
+    seconds, with each family's default sampling; ``(0, 0, 0)`` where none is stated.
+
+    Qwen2-VL / 2.5-VL / 3-VL (qwen-vl-utils 0.0.14, as the engine samples): frames by
+    ``smart_nframes`` at fps 2 (a 30 fps source assumed; at least 4, an even count), each
+    frame at most ``video_frame_bounds(...).max_pixels`` (768 tokens a frame group, less
+    under the 128000-token ``total_pixels`` default); tokens ``frames / temporal_patch_size
+    * max_pixels // (patch_size * spatial_merge_size)**2``. SmolVLM2 (HF
+    ``SmolVLMVideoProcessor``): ``min(round(fps * seconds), max_frames)`` frames from the
+    checkpoint's ``video_sampling``, each one ``max_image_size`` square of one tile's tokens;
+    without a ``video_sampling`` the count is not stated (zeros).
+    """
+    v = hf_config.vision_config
+    if v.model_type in ("smolvlm_vision", "idefics3_vision"):
+        if not video_sampling:
+            return 0, 0, 0
+        frames = max(1, min(int(round(video_sampling["fps"] * seconds)), int(video_sampling["max_frames"])))
+        _, per_tile, tile = _smolvlm_tiles(hf_config, 1)
+        return frames, tile * tile, frames * per_tile // hf_config.scale_factor**2
+    from mm_token_pipeline import sample_frame_indices, video_frame_bounds
+
+    frames = sample_frame_indices(max(1, int(round(seconds * 30))), 30.0).nframes
+    bounds = video_frame_bounds(frames, patch_size=v.patch_size, merge_size=v.spatial_merge_size)
+    per_group = int(bounds.max_pixels) // (v.patch_size * v.spatial_merge_size) ** 2
+    return frames, int(bounds.max_pixels), frames // v.temporal_patch_size * per_group
+
+
 def engine_max_pixels(config, image_settings) -> int | None:
     """The bound the engine sizes its vision reserve for: ``EngineConfig.image_bounds`` over
     the checkpoint's ``image_settings`` (its ``max_pixels`` where the config sets none; None
@@ -138,6 +166,10 @@ class MemoryPlan:
     image_tokens: int  # visual tokens of one image at max_pixels (0: text-only model)
     max_num_seqs: int  # sequences of L tokens (each with one image) held at once; 0 if L < image_tokens
     pixels_source: str = ""  # where max_pixels came from ("max_pixels=" or the checkpoint's settings)
+    video_seconds: float = 0.0  # the planned clip's length (video_tokens_per_clip)
+    video_frames: int = 0  # frames sampled from it (0: no video, or none stated)
+    video_frame_pixels: int = 0  # pixels of each frame at most
+    video_tokens: int = 0  # visual tokens of the clip
 
     @property
     def fits(self) -> bool:
@@ -162,10 +194,18 @@ class MemoryPlan:
     def blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
 
+    @property
+    def max_num_video_seqs(self) -> int:
+        """Sequences of L tokens, each with one planned clip, held at once (0: the clip is over L)."""
+        if not self.video_tokens or self.video_tokens >= self.max_model_len:
+            return 0
+        return self.num_blocks // self.blocks_per_seq
+
 
 def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_utilization: float = 0.9,
          max_model_len: int | None = None, max_pixels: int | None = None, dtype: str = "bf16",
-         block_size: int = 16, image_settings=None, quantization: str | None = None) -> MemoryPlan:
+         block_size: int = 16, image_settings=None, quantization: str | None = None,
+         video_seconds: float = 10.0, video_sampling: dict | None = None) -> MemoryPlan:
     """Plan one model on one GPU (see the module docstring for every formula).
 
     Args:
@@ -176,6 +216,8 @@ def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_u
             folder; the family's released defaults when that is None too).
         quantization: None (dense) or "int8" / "int4" / "awq" / "gptq": the decoder's
             projections at that scheme's bytes (``quantization.sizes``); the rest dense.
+        video_seconds: the planned clip (``video_tokens_per_clip``); ``video_sampling``: a
+            SmolVLM2 checkpoint's ``video_sampling`` (its processor config), if any.
 
     Raises:
         ValueError: unknown ``dtype`` or ``quantization``, or a vision tower without a formula.
@@ -203,6 +245,8 @@ def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_u
     length = max_model_len or min(text.max_position_embeddings, 4096)
     image_tokens = visual_tokens_per_image(hf_config, max_pixels) if vis else 0
     seqs = blocks // -(-length // block_size) if length >= image_tokens else 0
+    frames, frame_pixels, video_tokens = video_tokens_per_clip(hf_config, video_seconds, video_sampling) \
+        if vis else (0, 0, 0)
     return MemoryPlan(model, b, weights, vis, peak, spec.bytes_per_token, spec.bytes_per_token * block_size,
                       block_size, gpu_memory, gpu_memory_utilization, budget, blocks, length, max_pixels,
-                      image_tokens, seqs, source, quantization)
+                      image_tokens, seqs, source, video_seconds, frames, frame_pixels, video_tokens, quantization)

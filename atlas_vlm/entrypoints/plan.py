@@ -51,8 +51,34 @@ def plan_model(model: str, args, **overrides) -> MemoryPlan:
     kwargs = dict(model=model, gpu_memory=args.gpu_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                   max_model_len=args.max_model_len, max_pixels=args.max_pixels, dtype=args.dtype,
                   block_size=args.block_size, image_settings=image_processor_settings(folder, cfg),
-                  quantization=getattr(args, "quantization", None))
+                  quantization=getattr(args, "quantization", None),
+                  video_seconds=getattr(args, "video_seconds", 10.0), video_sampling=_video_sampling(folder))
     return plan(cfg, **{**kwargs, **overrides})
+
+
+def _video_sampling(folder) -> dict | None:
+    """The ``video_sampling`` a SmolVLM2 folder's processor config states (None if none)."""
+    import json
+    from pathlib import Path
+
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        path = Path(folder) / name
+        if path.is_file():
+            found = json.loads(path.read_text()).get("video_sampling")
+            if found:
+                return found
+    return None
+
+
+def _video_row(p: MemoryPlan) -> str:
+    if not p.image_tokens:
+        return "none (text-only model)"
+    if not p.video_tokens:
+        return "not stated (the processor config has no video_sampling)"
+    fit = f"{p.max_num_video_seqs:,} sequences with one such clip" if p.max_num_video_seqs else \
+        f"over L={p.max_model_len:,}: no sequence holds it"
+    return (f"{p.video_seconds:g} s clip: {p.video_frames} frames x {p.video_frame_pixels:,} pixels = "
+            f"{p.video_tokens:,} visual tokens ({fit})")
 
 
 def _gib(n: int) -> str:
@@ -69,6 +95,7 @@ def format_plan(p: MemoryPlan) -> str:
         ("image bound", f"max_pixels={p.max_pixels:,} ({p.image_tokens:,} visual tokens per image; "
                         f"{'from ' + p.pixels_source if not p.pixels_source.startswith('max_pixels') else 'given'})"
                         if p.image_tokens else "none (text-only model)"),
+        ("video bound", _video_row(p)),
         ("vision activation peak", f"{_gib(p.vision_peak_bytes)}" if p.image_tokens else "none"),
         ("KV per token", f"{p.kv_bytes_per_token:,} bytes"),
         (f"KV per block ({p.block_size} tokens)", f"{p.kv_bytes_per_block:,} bytes"),
@@ -91,11 +118,12 @@ def format_matrix(args) -> str:
     length = args.max_model_len or 4096
     bound = f"max_pixels={args.max_pixels:,}" if args.max_pixels else "each model's own max_pixels"
     head = (f"{'model':<45} {'weights':>10} {'KV/token':>9} {'image tok':>9} "
-            + " ".join(f"{f'{g} GiB':>14}" for g in MATRIX_GIB))
+            + " ".join(f"{f'{g} GiB':>14}" for g in MATRIX_GIB) + f" {'video tok':>9}")
     lines = [f"sequences of L={length} tokens (one image at {bound}) held at once (KV blocks of "
              f"{args.block_size}), {args.dtype}, gpu_memory_utilization={args.gpu_memory_utilization}; "
              "'-': no KV block fits beside the weights and the activation reserve, "
-             "'img>L': one image is longer than L", head]
+             f"'img>L': one image is longer than L; video tok: a {args.video_seconds:g} s clip at each family's "
+             "default sampling ('-': not stated)", head]
     quants = [getattr(args, "quantization", None)]
     if quants[0] is None:
         quants.append("int4")  # the int4 rows (group 128) beside the dense ones
@@ -109,7 +137,7 @@ def format_matrix(args) -> str:
                 cells.append(f"{seqs:>5} {f'({p.num_blocks})':>8}")
             name = model if quant is None else f"{model} {quant}"
             lines.append(f"{name:<45} {_gib(first.weight_bytes):>10} {first.kv_bytes_per_token:>9,} "
-                         f"{first.image_tokens or '-':>9} " + " ".join(cells))
+                         f"{first.image_tokens or '-':>9} " + " ".join(cells) + f" {first.video_tokens or '-':>9}")
     return "\n".join(lines)
 
 
@@ -125,6 +153,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-pixels", type=int, default=None,
                    help="bound of the one image per sequence, in pixels (default: the checkpoint's own, from its "
                         "preprocessor_config.json, as the engine)")
+    p.add_argument("--video-seconds", type=float, default=10.0,
+                   help="length of the planned video clip in seconds (default 10): frames x pixels by each "
+                        "family's default sampling (qwen-vl-utils fps 2; SmolVLM2's video_sampling)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--block-size", type=int, default=16, help="kvcache_block_size")
     p.add_argument("--matrix", action="store_true",

@@ -137,3 +137,27 @@ def test_engine_cuda_budget_is_the_planners_formula(monkeypatch):
     assert kv_cache_budget_bytes(cfg, torch.device("cuda"), c, engine_max_pixels(cfg, settings)) == default.kv_budget_bytes
     assert vision_activation_peak(c, P, 2) == VISION_PEAK["Qwen2.5-VL-3B-Instruct"]
     assert visual_tokens_per_image(c, P) == 1280
+
+
+@pytest.mark.parametrize(("name", "seconds", "expected"), [
+    # qwen-vl-utils at fps 2 from a 30 fps source: 2 frames a second (at least 4, even); per frame
+    # min(768 tokens, 0.9 * 128000 tokens / frames * 2) of (patch * merge)**2 pixels
+    ("Qwen2.5-VL-3B-Instruct", 10, (20, 768 * 28 * 28, 10 * 768)),
+    ("Qwen2.5-VL-3B-Instruct", 1, (4, 768 * 28 * 28, 2 * 768)),
+    ("Qwen3-VL-4B-Instruct", 10, (20, 768 * 32 * 32, 10 * 768)),
+    ("Qwen2.5-VL-3B-Instruct", 600, (768, int(0.9 * 128000 / 768 * 2) * 28 * 28, 384 * int(0.9 * 128000 / 768 * 2))),
+])
+def test_video_tokens_per_clip_follow_qwen_vl_utils(name, seconds, expected):
+    from atlas_vlm.memory_plan import video_tokens_per_clip
+
+    assert video_tokens_per_clip(config(name), seconds) == expected
+
+
+def test_smolvlm_video_tokens_need_its_video_sampling():
+    from atlas_vlm.memory_plan import video_tokens_per_clip
+
+    c = config("SmolVLM2-2.2B-Instruct")
+    assert video_tokens_per_clip(c, 10) == (0, 0, 0)  # not stated: no guess
+    per_frame = (384 // 14) ** 2 // c.scale_factor**2  # one 384 px square of 14 px patches, 4x4 pixel shuffle
+    assert video_tokens_per_clip(c, 10, {"fps": 1, "max_frames": 64}) == (10, 384 * 384, 10 * per_frame)
+    assert video_tokens_per_clip(c, 600, {"fps": 1, "max_frames": 64})[0] == 64

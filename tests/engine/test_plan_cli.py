@@ -47,6 +47,16 @@ def test_matrix_prints_the_four_models_on_six_gpus(capsys):
     assert rows["Qwen/Qwen2.5-VL-3B-Instruct"][4] == "16384"  # 12,845,056 px / 28**2
     assert rows["Qwen/Qwen2.5-0.5B-Instruct"][3:5] == ["12,288", "-"]
     assert rows["Qwen/Qwen2.5-0.5B-Instruct"][11:13] == ["419", "(107477)"]  # 24 GiB column
+    # the last column: a 10 s clip at qwen-vl-utils' fps 2: 20 frames, 10 groups of 768 tokens
+    assert [rows[m][-1] for m in CHAIN] == ["7680", "7680", "-", "-"]  # SmolVLM2's config states no video_sampling
+
+
+def test_plan_has_a_video_row(capsys, tmp_path):
+    assert main(["plan", "--model", "Qwen/Qwen2.5-VL-3B-Instruct", "--max-model-len", "32768",
+                 "--video-seconds", "60"]) == 0
+    out = capsys.readouterr().out
+    # 60 s at fps 2 = 120 frames; per frame min(768 tokens, 0.9 * 128000 / 120 * 2 tokens) * 28**2 px
+    assert "video bound" in out and "60 s clip: 120 frames x 602,112 pixels = 46,080 visual tokens" in out
 
 
 def test_matrix_with_an_explicit_bound(capsys):
