@@ -112,6 +112,7 @@ class SmolVLMVideoFrame:
             position and source index, and its pixel values (a repeated video hashes equal).
         video_index: which video of the prompt the frame comes from (0-based).
         frame_index: its source frame index; timestamp_s: ``frame_index / fps`` seconds.
+        source: the video's name in errors (:attr:`SmolVLMVideo.source`).
     """
 
     modality: ClassVar[str] = "video"
@@ -123,6 +124,7 @@ class SmolVLMVideoFrame:
     frame_index: int
     timestamp_s: float
     grid_thw: None = None  # no M-RoPE grid: SmolVLM's decoder uses 1-D RoPE
+    source: str = ""
 
 
 def _positive(source: str, name: str, value, *, integral: bool):
@@ -332,7 +334,8 @@ def smolvlm_video_prompt(processor, messages: list[dict], images: list, longest_
                 digest = hashlib.sha256(f"{video.digest}|{k}|{index}|".encode())
                 digest.update(pv.numpy().tobytes())
                 digest.update(mask.numpy().tobytes())
-                items.append(SmolVLMVideoFrame(pv, mask, seq_len, digest.hexdigest(), n_video, index, t))
+                items.append(SmolVLMVideoFrame(pv, mask, seq_len, digest.hexdigest(), n_video, index, t,
+                                               source=video.source))
                 b += 1
             n_video += 1
     n_image_tokens = sum(1 for t in ids if t == processor.image_token_id)

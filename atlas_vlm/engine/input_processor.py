@@ -93,6 +93,27 @@ def placeholder_ranges(token_ids: list[int], items: list, placeholder_ids: dict[
     return ranges
 
 
+def media_summary(items: list) -> str:
+    """Each media item of a prompt in words, for errors: ``"video 0 (clip.mp4): 6 frames, 390
+    tokens; image 0: 256 tokens"`` (SmolVLM's tiles and frames counted per image / video)."""
+    groups: dict[tuple[str, object], list] = {}
+    for k, item in enumerate(items):  # a SmolVLM image's tiles / a video's frames share their index
+        key = getattr(item, "image_index", getattr(item, "video_index", k))
+        groups.setdefault((item.modality, key), []).append(item)
+    parts, counts = [], {"image": 0, "video": 0}
+    for (modality, _), members in groups.items():
+        source = getattr(members[0], "source", "")
+        name = f"{modality} {counts[modality]}" + (f" ({source})" if source else "")
+        counts[modality] += 1
+        tokens = sum(m.num_tokens for m in members)
+        if modality == "video":
+            frames = len(getattr(members[0], "frame_indices", members))
+            parts.append(f"{name}: {frames} frames, {tokens} tokens")
+        else:
+            parts.append(f"{name}: {tokens} tokens")
+    return "; ".join(parts)
+
+
 class SerializedTokenizer:
     """A tokenizer whose calls run one at a time (one re-entrant lock per tokenizer).
 
@@ -237,7 +258,12 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         p = self.process_prompt(prompt)
-        max_tokens = self._check_length(len(p.prompt_token_ids), params.max_tokens)
+        try:
+            max_tokens = self._check_length(len(p.prompt_token_ids), params.max_tokens)
+        except RequestTooLongError as e:
+            if p.mm_items:
+                raise RequestTooLongError(f"{e}; its media: {media_summary(p.mm_items)}") from None
+            raise
         generator = torch.Generator(device=self.device)
         generator.manual_seed(params.seed if params.seed is not None else self.config.seed + next(self._seeds))
         return Request(
@@ -253,7 +279,7 @@ class InputProcessor:
             raise ValueError("the prompt is empty")
         if num_prompt >= self.max_model_len:
             raise RequestTooLongError(
-                f"prompt is {num_prompt} tokens (text and image tokens together); max_model_len is "
+                f"prompt is {num_prompt} tokens (text and media tokens together); max_model_len is "
                 f"{self.max_model_len}, which must leave room for at least one generated token"
             )
         max_tokens = max_tokens or (self.max_model_len - num_prompt)

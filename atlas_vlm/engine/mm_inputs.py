@@ -148,7 +148,7 @@ class QwenVLInputs(MediaInputs):
                                           "(seconds per temporal group: M-RoPE / timestamps); give a file that "
                                           "states its frame rate, or a list of frames with sample_fps")
                 bounds = {k: opts[k] for k in ("min_pixels", "max_pixels", "total_pixels") if k in opts}
-                items.append(preprocess_video(frames, source=f"video {index} ({frames.source})", **bounds, **geometry))
+                items.append(preprocess_video(frames, source=frames.source, **bounds, **geometry))
         template_kwargs = {**(p["chat_template_kwargs"] or {}), **({"tools": p["tools"]} if p["tools"] else {})}
         ids = build_prompt_ids(self.tokenizer, p["messages"], items,
                                add_generation_prompt=p["add_generation_prompt"],

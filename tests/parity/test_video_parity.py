@@ -16,7 +16,7 @@ import torch
 
 from helpers import CPU_FP32, IMAGES, LOGITS_ATOL, assert_matches_hf, chat, conv, hf_reference
 from tiny_vlms import QWEN3_VL_PIX, build_tiny_qwen3_vl, build_tiny_smolvlm
-from atlas_vlm import LLM
+from atlas_vlm import LLM, SamplingParams
 
 pytestmark = pytest.mark.vlm
 
@@ -140,3 +140,16 @@ def test_preempted_video_request_recomputes_to_the_same_answer(family):
             torch.testing.assert_close(a, b, atol=LOGITS_ATOL, rtol=0)
     preempted = [rid for rid, recs in rec.by_request.items() if sum(r["start"] == 0 for r in recs) > 1]
     assert preempted, "no request was recomputed from its start"
+
+
+def test_a_video_over_max_model_len_is_refused_naming_it_before_any_block(family):
+    llm = LLM(str(family[1]), max_model_len=32, num_kvcache_blocks=64, **CPU_FP32)
+    c = conv(video(family), text="Too long?")
+    with pytest.raises(ValueError, match=r"max_model_len is 32.*its media: video 0 \(.*frames_30fps_90.mp4\): "
+                                         r"\d+ frames, \d+ tokens"):
+        llm.chat(c, SamplingParams(max_tokens=4), use_tqdm=False)
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not llm.engine.requests
+    (out,) = llm.chat([conv(video(family), text="Too long?"), [{"role": "user", "content": "Hi"}]],
+                      SamplingParams(max_tokens=2), use_tqdm=False)[1:]  # the other request of a batch runs
+    assert out.finish_reason == "length"
