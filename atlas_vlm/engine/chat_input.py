@@ -100,12 +100,13 @@ class ChatInput:
         image_settings: the checkpoint's ``ImageProcessorSettings`` (its
             ``preprocessor_config.json``; ``LoadedModel.image_settings``), None for text models
             (read from ``hf_config`` alone, i.e. the released defaults, when not given).
+        max_model_len: tokens per request; a video over it is refused before decoding.
 
     Raises:
         ValueError: the engine's pixel bounds contradict the checkpoint's (``EngineConfig.image_bounds``).
     """
 
-    def __init__(self, tokenizer, config, hf_config, image_settings=None):
+    def __init__(self, tokenizer, config, hf_config, image_settings=None, max_model_len: int | None = None):
         from atlas_vlm.models.registry import import_named, resolve_family
         from mm_token_pipeline import image_processor_settings
 
@@ -119,8 +120,9 @@ class ChatInput:
         self.engine_bounds = config.image_bounds(image_settings)  # checkpoint, then engine options
         self.media = None  # the family's MediaInputs; None for text models
         if self.family.mm_inputs is not None:
-            self.media = import_named(self.family.mm_inputs)(tokenizer, config, hf_config, image_settings,
-                                                             self.engine_bounds)
+            self.media = import_named(self.family.mm_inputs)(
+                tokenizer, config, hf_config, image_settings, self.engine_bounds,
+                max_prompt_tokens=max_model_len - 1 if max_model_len else None)
 
     def process(self, prompt: dict) -> tuple[list[int], list]:
         """``(prompt token ids, media items)`` of a chat prompt dict (see the module

@@ -184,7 +184,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.block_manager = block_manager
         self.device = device
-        self.chat = ChatInput(self.tokenizer, config, hf_config, image_settings)
+        self.chat = ChatInput(self.tokenizer, config, hf_config, image_settings, max_model_len)
         self._ids = itertools.count()  # default request ids
         self._seeds = itertools.count()  # default seeds: engine seed + arrival index
 
