@@ -98,7 +98,8 @@ def _tokens(folder, messages, mm_options=None, **engine):
     hf_config = AutoConfig.from_pretrained(folder)
     chat = ChatInput(None, EngineConfig(model=str(folder), **engine), hf_config,
                      mtp.image_processor_settings(folder, hf_config))
-    pairs = chat._images({"messages": messages, "mm_options": mtp.MultiModalOptions.from_value(mm_options)})
+    media = chat.media.media({"messages": messages, "mm_options": mtp.MultiModalOptions.from_value(mm_options)})
+    pairs = [(opts, pil) for _, _, opts, pil in media]  # (modality, index, options, loaded image)
     return [mtp.preprocess_image(pil, min_pixels=o.min_pixels, max_pixels=o.max_pixels).num_tokens for o, pil in pairs]
 
 
