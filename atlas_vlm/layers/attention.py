@@ -142,11 +142,15 @@ def paged_attention(
             full prefill (each request's context is exactly its new tokens).
         layer: decoder layer index into the cache.
         meta: the step's ``AttentionMetadata``; ``meta.bucketed`` selects the bucketed backend.
+            A ``worker.compiled_decode.DecodeMeta`` (pure decode, static shapes) attends
+            through its one op instead.
         scale: softmax scale, usually ``head_dim ** -0.5``.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]``.
     """
+    if not isinstance(meta, AttentionMetadata):  # a compiled decode step's static layout
+        return meta.attend(q, k, v, kv_cache, layer, scale)  # worker.compiled_decode.DecodeMeta
     num_tokens, num_heads, head_dim = q.shape
     if meta.bucketed is not None:
         if kv_cache is not None:
