@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from atlas_vlm.layers import decode_kernel
-from atlas_vlm.layers.attention_bucketed import BucketedLayout, bucketed_paged_attention, build_bucketed_layout
+from atlas_vlm.layers.attention_bucketed import (BucketedLayout, block_table_tensor, bucketed_paged_attention,
+                                                 build_bucketed_layout)
 
 ATTENTION_BACKENDS = ("reference", "bucketed", "decode_kernel")
 
@@ -102,19 +103,18 @@ def build_attention_metadata(
     token_index = (torch.arange(num_seqs)[:, None] * max_q + rows[None, :])[valid]  # [num_tokens]
     query_pos = (c_lens - q_lens)[:, None] + rows[None, :]  # [num_seqs, max_q] absolute positions
     mask = bucketed = None
+    tables = block_table_tensor(block_tables, device)  # [num_seqs, max_blocks], built once per step
     if backend in ("bucketed", "decode_kernel"):
         bucketed = build_bucketed_layout(list(query_lens), list(context_lens), block_tables, device,
-                                         decode_kernel=backend == "decode_kernel")
+                                         decode_kernel=backend == "decode_kernel", tables=tables)
     else:
         keys = torch.arange(max_c)
         mask = keys[None, None, :] <= query_pos[:, :, None]  # [num_seqs, max_q, max_c] causal, within length
         mask &= valid[:, :, None] | (keys == 0)[None, None, :]
         mask = mask[:, None].to(device)
-    width = max(len(t) for t in block_tables)
-    tables = [t + [0] * (width - len(t)) for t in block_tables]
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+        block_tables=tables,
         context_lens=list(context_lens),
         query_lens=list(query_lens),
         query_index=query_index.to(device),
@@ -142,11 +142,15 @@ def paged_attention(
             full prefill (each request's context is exactly its new tokens).
         layer: decoder layer index into the cache.
         meta: the step's ``AttentionMetadata``; ``meta.bucketed`` selects the bucketed backend.
+            A ``worker.compiled_decode.DecodeMeta`` (pure decode, static shapes) attends
+            through its one op instead.
         scale: softmax scale, usually ``head_dim ** -0.5``.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]``.
     """
+    if not isinstance(meta, AttentionMetadata):  # a compiled decode step's static layout
+        return meta.attend(q, k, v, kv_cache, layer, scale)  # worker.compiled_decode.DecodeMeta
     num_tokens, num_heads, head_dim = q.shape
     if meta.bucketed is not None:
         if kv_cache is not None:

@@ -54,6 +54,8 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # opaque to the compiler (worker/compiled_decode.py)
+            return torch.ops.atlas_vlm.packed_linear(x, self.packed_weight, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
@@ -75,3 +77,17 @@ def pack_linears(module: nn.Module) -> int:
         else:
             count += pack_linears(child)
     return count
+
+
+@torch.library.custom_op("atlas_vlm::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                  out_features: int) -> torch.Tensor:
+    """``PackedLinear.forward`` as one op the compiler does not look into: ``x`` ``[n, in]`` ->
+    ``[n, out_features]`` (inductor lowers ``mkldnn._linear_pointwise`` only over a frozen
+    constant weight, which the packed attribute is not)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, packed_weight, bias, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)

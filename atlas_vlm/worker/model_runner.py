@@ -102,6 +102,12 @@ class ModelRunner:
         else:
             self.kv_cache = PagedKVCache(spec, num_blocks, self.block_size, device=self.device)
         self.num_blocks = num_blocks
+        from atlas_vlm.worker.compiled_decode import CompiledDecode, resolve_compile_decode
+
+        on, self.compile_decode_reason = resolve_compile_decode(config.compile_decode, self.device)
+        self.compiled_decode = CompiledDecode(
+            self.model, self.kv_cache, self.block_size, max_model_len, config.max_num_seqs, self.mrope,
+            use_kernel=self.attention_backend == "decode_kernel") if on else None  # None: eager decode
         self.encoder_cache = EncoderCache(config.encoder_cache_tokens)  # content hash -> encoder rows
         self.num_encoder_runs = 0  # media items encoded (one per item not found in the cache)
         # Called after each forward as observer(chunks, inputs, logits, sampled), before any
@@ -143,6 +149,14 @@ class ModelRunner:
     def forward_logits(self, chunks) -> tuple[torch.Tensor, list[int]]:
         """One batched forward. Returns fp32 logits ``[num_sampled, vocab]`` of the chunks
         that reach their request's end, and those chunks' indices."""
+        if self.compiled_decode is not None and self.compiled_decode.applies(
+                chunks, getattr(self.model, "takes_mm_in_forward", False)):
+            logits = self.compiled_decode.run(chunks)  # None: this step runs eager (below)
+            if logits is not None:
+                inp = self.compiled_decode.model_input(chunks)
+                for observe in self.observers:
+                    observe(chunks, inp, logits, inp.sampled)
+                return logits, inp.sampled
         for req, n in chunks:
             self.encode_mm(req, req.num_computed_tokens, req.num_computed_tokens + n)
         self.encoder_cache.unpin_all()  # the step's rows are in its requests now

@@ -148,3 +148,30 @@ def test_engine_greedy_tokens_identical_with_either_backend(tiny_models):
             tokens[kind, backend] = [o.token_ids for o in outs]
             assert all(len(t) == 20 for t in tokens[kind, backend])
     assert len(set(map(str, tokens.values()))) == 1, tokens  # 6 runs, one answer
+
+
+def _padded(rows: list[list[int]]) -> torch.Tensor:
+    """The per-row padded tables as the layout built them before ``block_table_tensor``."""
+    width = max(len(t) for t in rows)
+    return torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.long)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("backend", ["reference", "bucketed", "decode_kernel"])
+def test_block_tables_built_once_equal_the_per_row_lists(seed, backend):
+    # the step's [num_seqs, max_blocks] tensor is built once and every bucket / decode batch /
+    # prefill chunk takes its rows: the same values as building each from the Python lists
+    q_lens, c_lens, slots, tables = random_step(random.Random(seed), 24, 0.7)
+    meta = build_attention_metadata(q_lens, c_lens, slots, tables, backend=backend)
+    assert torch.equal(meta.block_tables, _padded(tables))
+    if meta.bucketed is None:
+        return
+    decodes = [i for i, (q, c) in enumerate(zip(q_lens, c_lens)) if q == 1 and c > 1]
+    if (d := meta.bucketed.decode_batch) is not None:
+        assert d.block_tables.is_contiguous() and torch.equal(d.block_tables, _padded([tables[i] for i in decodes]))
+    starts = torch.tensor([0] + q_lens[:-1]).cumsum(0).tolist()
+    for b in meta.bucketed.decode_buckets:
+        seqs = [starts.index(t) for t in b.token_index.tolist()]
+        assert b.block_tables.is_contiguous() and torch.equal(b.block_tables, _padded([tables[s] for s in seqs]))
+    for p in meta.bucketed.prefills:
+        assert torch.equal(p.block_table, torch.tensor([tables[starts.index(p.start)]]))
