@@ -10,7 +10,7 @@ import io
 from array import array
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -173,12 +173,15 @@ def _decode_packet(packet):
     return packet.decode()
 
 
-def _decode_frames(name: str, container, stream, index: _Index, wanted: Sequence[int]):
+def _decode_frames(name: str, container, stream, index: _Index, wanted: Sequence[int],
+                   keep: Callable[[int, np.ndarray], None] | None = None):
     """Decode the ``wanted`` frame indices (sorted, unique), seeking between keyframes.
 
     Returns ``({index: uint8 [H, W, 3]}, frames_decoded)``. Before each wanted frame the
     decoder seeks to the nearest keyframe at or before it, unless it is already at or past
-    that keyframe (then it continues); only wanted frames are converted and kept.
+    that keyframe (then it continues); only wanted frames are converted and kept. With
+    ``keep``, each wanted frame goes to ``keep(index, rgb)`` as soon as it is decoded instead
+    (the dict comes back empty), so a caller can copy it into its output and drop it.
     """
     av = _av()
     out: dict[int, np.ndarray] = {}
@@ -214,7 +217,11 @@ def _decode_frames(name: str, container, stream, index: _Index, wanted: Sequence
                     continue  # a frame the index does not know (no timestamp): not one we want
                 pos = i
                 if i == w:
-                    out[w] = frame.to_ndarray(format="rgb24")
+                    rgb = frame.to_ndarray(format="rgb24")
+                    if keep is None:
+                        out[w] = rgb
+                    else:
+                        keep(w, rgb)
                     break
                 if i > w:  # the seek landed past the wanted frame: decode from the start once
                     if retried:

@@ -311,11 +311,25 @@ def load_video(
         probe = _probe(name, container, stream, index)
         sampling = sample_frame_indices(probe.total_frames, probe.fps, source=name, **options)
         wanted = sorted(set(sampling.indices))
-        decoded, count = _decode_frames(name, container, stream, index, wanted)
+        slots: dict[int, list[int]] = {}
+        for k, i in enumerate(sampling.indices):
+            slots.setdefault(i, []).append(k)
+        out: list[np.ndarray] = []  # the [T, H, W, 3] output, allocated at the first frame
+
+        def keep(i: int, rgb: np.ndarray) -> None:
+            # each frame goes straight into the output, so the kept frames are held once (a
+            # dict of frames then np.stack held them twice at the peak: glibc keeps the freed
+            # frame buffers in its heap)
+            if not out:
+                out.append(np.empty((len(sampling.indices), *rgb.shape), dtype=np.uint8))
+            elif rgb.shape != out[0].shape[1:]:
+                raise VideoInputError(name, f"frame size changes within the stream "
+                                            f"({sorted({out[0].shape[1:], rgb.shape})}): not supported")
+            for k in slots[i]:
+                out[0][k] = rgb
+
+        _, count = _decode_frames(name, container, stream, index, wanted, keep=keep)
     finally:
         container.close()
-    shapes = {decoded[i].shape for i in wanted}
-    if len(shapes) != 1:
-        raise VideoInputError(name, f"frame size changes within the stream ({sorted(shapes)}): not supported")
-    frames = np.stack([decoded[i] for i in sampling.indices])
+    frames = out[0]
     return VideoFrames(frames=frames, probe=probe, sampling=sampling, frames_decoded=count)

@@ -7,12 +7,15 @@
     python scripts/bench.py --server --quick  # HTTP: atlas-vlm serve vs transformers serve
     python scripts/bench.py --replicas --quick  # 1 vs 2 replicas (Ray Serve), cache-aware vs least-loaded
     python scripts/bench.py --structured --quick  # JSON-schema grammars: compile, mask, tok/s vs unconstrained
+    python scripts/bench.py --video --quick  # video only: 3 s / 60 s clip TTFT, tok/s vs HF; load_video peak RSS
 
 Sections: --text (decode tok/s paged/contiguous vs HF generate and llama.cpp, against the
 bandwidth limit; a 2,048-token prefill vs the GEMM peak; KV waste), --quant (decode tok/s of
 dense fp32, the Q4_1 GGUF as stored and int8 / int4 at load, against the bandwidth limit of the
 bytes each reads and llama.cpp), --vlm (time to first token
-with one image vs HF Qwen2.5-VL), --serve (many requests vs HF sequential, padded batches, HF
+with one image vs HF Qwen2.5-VL; then --video: TTFT and decode tok/s with a 3 s and a 60 s
+clip made with PyAV vs HF generate on the same frames, and load_video's peak RSS on each clip
+in a fresh process), --serve (many requests vs HF sequential, padded batches, HF
 continuous batching and llama.cpp; KV reserved-but-empty; decode FLOP/s vs the measured GEMM
 peak; VLM mix with prefix + encoder caches on vs off), --detok (output
 processing cost per token at the start and the end of a long output), --structured (grammar
@@ -37,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--text", action="store_true", help="decode speed and KV memory (SmolLM2-135M)")
     p.add_argument("--vlm", action="store_true", help="time to first token with one image")
+    p.add_argument("--video", action="store_true",
+                   help="video TTFT / tok/s vs HF (3 s and 60 s clip), load_video peak RSS (part of --vlm)")
     p.add_argument("--serve", action="store_true", help="many requests, KV use, FLOP/s, VLM mix")
     p.add_argument("--detok", action="store_true", help="output processing cost per token vs output length")
     p.add_argument("--quant", action="store_true",
@@ -56,9 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="torch.set_num_threads for every system (default: torch's choice); on a CPU shared "
                         "with other work, 1 avoids OpenMP waits that slow small ops 10-100x")
     args = p.parse_args(argv)
-    if not (args.text or args.vlm or args.serve or args.detok or args.server or args.replicas or args.quant
+    if not (args.text or args.vlm or args.video or args.serve or args.detok or args.server or args.replicas or args.quant
             or args.structured):
         args.text = args.vlm = args.serve = args.detok = args.quant = args.structured = True
+    args.video = args.video or args.vlm
     return args
 
 
@@ -70,7 +76,7 @@ def main(argv=None) -> int:
     import torch
 
     from atlas_vlm import EngineConfig
-    from benchmarks import detokenize, quant, serve, server, structured, targets, text, vlm
+    from benchmarks import detokenize, quant, serve, server, structured, targets, text, video, vlm
 
     replicas = None
     if args.replicas:
@@ -85,10 +91,10 @@ def main(argv=None) -> int:
                "dtype": str(dtype)}
     print(f"dtype {dtype} (--dtype {args.dtype}), torch {torch.__version__}, {torch.get_num_threads()} threads")
     start = time.perf_counter()
-    for name, module in (("text", text), ("quant", quant), ("vlm", vlm), ("serve", serve), ("detok", detokenize),
+    for name, module in (("text", text), ("quant", quant), ("vlm", vlm), ("video", video), ("serve", serve), ("detok", detokenize),
                          ("structured", structured), ("server", server), ("replicas", replicas)):
         if getattr(args, name):
-            kwargs = {"dtype": dtype} if name in ("text", "quant", "vlm", "serve", "structured") else {}
+            kwargs = {"dtype": dtype} if name in ("text", "quant", "vlm", "video", "serve", "structured") else {}
             results[name] = module.run(quick=args.quick, **kwargs)
     results["targets"] = targets.report(results)
     results["wall_s"] = time.perf_counter() - start
