@@ -114,23 +114,9 @@ def extract_image_items(messages: list[dict]) -> list[tuple[object, dict]]:
     "image_url": {"url": src}}`` (or a bare string) gives ``src``.
 
     Raises:
-        ValueError: an image item without a source.
+        ValueError: an image (or video) item without a source.
     """
-    found = []
-    for m_idx, message in enumerate(messages):
-        content = message.get("content")
-        if isinstance(content, str) or content is None:
-            continue
-        for item in content:
-            if not _is_image_item(item):
-                continue
-            src = item.get("image", item.get("image_url"))
-            if isinstance(src, dict):
-                src = src.get("url")
-            if src is None:
-                raise ValueError(f"messages[{m_idx}]: image item without a source: {item!r}")
-            found.append((src, item))
-    return found
+    return [(src, item) for modality, src, item in extract_mm_items(messages) if modality == "image"]
 
 
 def extract_images(messages: list[dict]) -> list:

@@ -156,9 +156,14 @@ def smolvlm_prompt(processor, messages: list[dict], images: list, longest_edge: 
     return ids, tiles
 
 
-def _tiles_per_image(ids: list[int], processor, num_images: int) -> list[int]:
-    """Tiles of each image: one per ``<row_i_col_j>`` token, closed by its global view
-    (``<global-img>``), in prompt order."""
+def global_blocks(ids: list[int], processor) -> list[int]:
+    """Per ``<global-img>`` block of the ids, in order, the ``<row_i_col_j>`` tiles before it
+    (0 for a video frame or an unsplit image).
+
+    Raises:
+        ValueError: ``<row_i_col_j>`` tiles after the last global view (a literal image token
+            in the text, most likely).
+    """
     vocab = processor.tokenizer.get_added_vocab()  # token -> id
     row_col = {i for tok, i in vocab.items() if re.fullmatch(r"<row_\d+_col_\d+>", tok)}
     global_id = processor.tokenizer.convert_tokens_to_ids(processor.global_image_token)
@@ -167,12 +172,21 @@ def _tiles_per_image(ids: list[int], processor, num_images: int) -> list[int]:
         if t in row_col:
             current += 1
         elif t == global_id:
-            counts.append(current + 1)
+            counts.append(current)
             current = 0
-    if len(counts) != num_images or current:
-        raise ValueError(f"the prompt's <row_i_col_j> / <global-img> tokens ({len(counts)} global views, "
-                         f"{current} unclosed tiles) do not match its {num_images} images; is there a literal "
-                         f"image token in the text?")
+    if current:
+        raise ValueError(f"the prompt holds {current} <row_i_col_j> tiles without a global view; is there a literal "
+                         "image token in the text?")
+    return counts
+
+
+def _tiles_per_image(ids: list[int], processor, num_images: int) -> list[int]:
+    """Tiles of each image: one per ``<row_i_col_j>`` token, closed by its global view
+    (``<global-img>``), in prompt order."""
+    counts = [n + 1 for n in global_blocks(ids, processor)]
+    if len(counts) != num_images:
+        raise ValueError(f"the prompt's <row_i_col_j> / <global-img> tokens ({len(counts)} global views) do not "
+                         f"match its {num_images} images; is there a literal image token in the text?")
     return counts
 
 

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from .image_io import ImageInputError, load_image
-from .smolvlm import SmolVLMTile, _as_template_messages
+from .smolvlm import SmolVLMTile, _as_template_messages, global_blocks
 from .video_decode import _build_index, _decode_frames, _open, _probe
 from .video_io import _read_source
 from .video_sampling import VideoInputError
@@ -308,7 +308,7 @@ def smolvlm_video_prompt(processor, messages: list[dict], images: list, longest_
 
     order = [m.group() for m in re.finditer(f"{re.escape(processor.image_token)}|{re.escape(processor.video_token)}",
                                             text)]  # the placeholders, in prompt order
-    blocks = _blocks(ids, processor)
+    blocks = global_blocks(ids, processor)
     items, tile, b = [], 0, 0
     n_image, n_video = 0, 0
     for kind in order:
@@ -345,22 +345,3 @@ def smolvlm_video_prompt(processor, messages: list[dict], images: list, longest_
                          f"and videos give {len(items)} tiles and frames of {seq_len}; is there a literal image "
                          "token in the text?")
     return ids, items
-
-
-def _blocks(ids: list[int], processor) -> list[int]:
-    """Per ``<global-img>`` block of the ids, in order, the ``<row_i_col_j>`` tiles before it
-    (0 for a video frame or an unsplit image)."""
-    vocab = processor.tokenizer.get_added_vocab()  # token -> id
-    row_col = {i for tok, i in vocab.items() if re.fullmatch(r"<row_\d+_col_\d+>", tok)}
-    global_id = processor.tokenizer.convert_tokens_to_ids(processor.global_image_token)
-    counts, current = [], 0
-    for t in ids:
-        if t in row_col:
-            current += 1
-        elif t == global_id:
-            counts.append(current)
-            current = 0
-    if current:
-        raise ValueError(f"the prompt holds {current} <row_i_col_j> tiles without a global view; is there a literal "
-                         "image token in the text?")
-    return counts

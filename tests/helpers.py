@@ -224,6 +224,23 @@ def assert_matches_hf(llm, hf, conversation, out, rec, n_tokens, mm_options=None
     return p
 
 
+def assert_preempted_match_hf(llm, hf, convs, outs, rec, n_tokens, mm_options=None):
+    """After a run with preemption: every request's greedy tokens equal HF ``generate`` and
+    every sampled step's logits (the recompute's included) within ``LOGITS_ATOL``; at least
+    one request was recomputed from its start."""
+    assert llm.engine.scheduler.num_preemptions >= 1
+    for c, out in zip(convs, outs):
+        p = llm.engine.process_prompt({"messages": c, "mm_options": mm_options})
+        tokens, _, step_logits = hf_reference(hf, p, n_tokens)
+        assert out.token_ids == tokens
+        ours = rec.sampled_logits(out.request_id)  # one row per generated token, recompute included
+        assert len(ours) == len(step_logits) == n_tokens
+        for a, b in zip(ours, step_logits):
+            torch.testing.assert_close(a, b, atol=LOGITS_ATOL, rtol=0)
+    preempted = [rid for rid, recs in rec.by_request.items() if sum(r["start"] == 0 for r in recs) > 1]
+    assert preempted, "no request was recomputed from its start"
+
+
 # ---- StepRecorder (text and engine tests) -----------------------------------------------------
 class StepRecorder:
     """Context manager recording what each engine step computed:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import (CPU_FP32, IMAGE_PAD, IMAGES, LOGITS_ATOL, assert_matches_hf, chat, conv, hf_inputs,
-                     hf_reference)
+from helpers import (CPU_FP32, IMAGE_PAD, IMAGES, LOGITS_ATOL, assert_matches_hf, assert_preempted_match_hf, chat,
+                     conv, hf_inputs)
 from tiny_vlms import QWEN3_VL_PIX, build_tiny_qwen3_vl
 from atlas_vlm import LLM
 
@@ -189,17 +189,7 @@ def test_preemption_recomputes_images_with_their_deepstack_rows(q3, hf):
     convs = [conv(IMAGES / "chelsea.png", text="Describe this image."),
              conv(IMAGES / "grace_hopper.jpg", text="Who is this?")]
     outs, rec = chat(llm, convs, 24, SMALL)
-    assert llm.engine.scheduler.num_preemptions >= 1
-    for c, out in zip(convs, outs):
-        p = llm.engine.process_prompt({"messages": c, "mm_options": SMALL})
-        tokens, first, step_logits = hf_reference(hf, p, 24)
-        assert out.token_ids == tokens
-        ours = rec.sampled_logits(out.request_id)  # one row per generated token, recompute included
-        assert len(ours) == len(step_logits) == 24
-        for a, b in zip(ours, step_logits):
-            torch.testing.assert_close(a, b, atol=LOGITS_ATOL, rtol=0)
-    preempted = [rid for rid, recs in rec.by_request.items() if sum(r["start"] == 0 for r in recs) > 1]
-    assert preempted, "no request was recomputed from its start"
+    assert_preempted_match_hf(llm, hf, convs, outs, rec, 24, SMALL)
 
 
 def test_without_an_image_template_qwen3_vl_falls_back_to_its_own(q3, tmp_path):

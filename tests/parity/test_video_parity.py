@@ -12,9 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from helpers import CPU_FP32, IMAGES, LOGITS_ATOL, assert_matches_hf, chat, conv, hf_reference
+from helpers import CPU_FP32, IMAGES, assert_matches_hf, assert_preempted_match_hf, chat, conv
 from tiny_vlms import QWEN3_VL_PIX, build_tiny_qwen3_vl, build_tiny_smolvlm
 from atlas_vlm import LLM, SamplingParams
 
@@ -129,17 +128,7 @@ def test_preempted_video_request_recomputes_to_the_same_answer(family):
     convs = [conv(video(family), text="First question about the clip."),
              conv(video(family, SHORT), text="Second question.")]
     outs, rec = chat(llm, convs, 24)
-    assert llm.engine.scheduler.num_preemptions >= 1
-    for c, out in zip(convs, outs):
-        p = llm.engine.process_prompt({"messages": c})
-        tokens, _, step_logits = hf_reference(family[2], p, 24)
-        assert out.token_ids == tokens
-        ours = rec.sampled_logits(out.request_id)  # one row per generated token, recompute included
-        assert len(ours) == len(step_logits) == 24
-        for a, b in zip(ours, step_logits):
-            torch.testing.assert_close(a, b, atol=LOGITS_ATOL, rtol=0)
-    preempted = [rid for rid, recs in rec.by_request.items() if sum(r["start"] == 0 for r in recs) > 1]
-    assert preempted, "no request was recomputed from its start"
+    assert_preempted_match_hf(llm, family[2], convs, outs, rec, 24)
 
 
 def test_a_video_over_max_model_len_is_refused_naming_it_before_any_block(family, monkeypatch):
