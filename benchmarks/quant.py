@@ -69,7 +69,8 @@ def run(quick: bool = False, dtype: torch.dtype = torch.float32) -> dict:
         llm = LLM(gguf, kv_cache="paged", max_model_len=2048, num_kvcache_blocks=256, **kwargs)
         if ids is None:
             ids = list(llm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
-                                                         add_generation_prompt=True, tokenize=True))
+                                                         add_generation_prompt=True, tokenize=True,
+                                                         return_dict=False))
         r = _best(lambda: _ours(llm, ids, n), repeats)
         r["decode_tok_s"] = (n - 1) / r["decode_s"]
         r["read_bytes"] = read_bytes_per_token(llm.engine.runner.model)

@@ -142,9 +142,9 @@ def decode_flops(llm, batch: int, out_tokens: int, peak: float, seed: int = 1) -
     attn = 4 * a.num_layers * a.num_heads * a.head_dim
     steps, run, step = [], eng.runner.run, eng.step
 
-    def timed_run(chunks):
+    def timed_run(chunks, **kwargs):  # kwargs: grammar_bitmask, passed through
         t0 = now()
-        res = run(chunks)
+        res = run(chunks, **kwargs)
         steps.append({"B": len(chunks), "decode": all(n == 1 for _, n in chunks), "run_s": now() - t0,
                       "flops": sum(per_tok + attn * r.num_computed_tokens + attn for r, _ in chunks)})
         return res
