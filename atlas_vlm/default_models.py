@@ -34,8 +34,8 @@ DEFAULT_VLM_VERSION = "v2"  # bump when the config, seed or saved files change (
 DEFAULT_VLM_SEED = 0
 
 RANDOM_VLM_NOTICE = (
-    "NOTE: no --model given, so images run through a small Qwen2.5-VL built with RANDOM weights "
-    "(real Qwen tokenizer, real image pipeline). Its words are not meaningful. For real answers "
+    "NOTE: no --model given, so images and videos run through a small Qwen2.5-VL built with RANDOM "
+    "weights (real Qwen tokenizer, real image and video pipeline). Its words are not meaningful. For real answers "
     "pass a Qwen2.5-VL-3B-Instruct or Qwen2.5-VL-7B-Instruct checkpoint folder with --model DIR."
 )
 

@@ -244,7 +244,9 @@ def video_frame_bounds(
     """Per-frame pixel bounds of a video of ``nframes`` frames, as qwen-vl-utils 0.0.14 ``fetch_video``.
 
     Rule (``vision_process.fetch_video``): ``factor = patch_size * merge_size``;
-    ``min_pixels`` defaults to ``VIDEO_MIN_TOKEN_NUM * factor**2`` (128 tokens);
+    ``min_pixels`` defaults to ``VIDEO_MIN_TOKEN_NUM * factor**2`` (128 tokens), or to a given
+    ``max_pixels`` below that (qwen-vl-utils would resize such a frame above its
+    ``max_pixels``; here the bound the caller set holds);
     ``total_pixels`` to ``MODEL_SEQ_LEN * factor**2 * 0.9`` (``MODEL_SEQ_LEN`` = 128000, or
     the environment's, as qwen-vl-utils reads it at import); per frame ``max_pixels =
     max(min(VIDEO_MAX_TOKEN_NUM * factor**2, total_pixels / nframes * FRAME_FACTOR),
@@ -279,6 +281,8 @@ def video_frame_bounds(
     frame_min = VIDEO_MIN_TOKEN_NUM * factor * factor
     frame_max = VIDEO_MAX_TOKEN_NUM * factor * factor
     lo = frame_min if min_pixels is None else min_pixels
+    if min_pixels is None and max_pixels is not None and max_pixels < lo:
+        lo = max_pixels  # a given max_pixels under the default minimum lowers it (the bound the user set wins)
     total = _qvu.MODEL_SEQ_LEN * factor * factor * 0.9 if total_pixels is None else total_pixels
     hi = max(min(frame_max, total / int(nframes) * FRAME_FACTOR), int(lo * 1.05))
     if max_pixels is not None:

@@ -123,7 +123,7 @@ def format_matrix(args) -> str:
              f"{args.block_size}), {args.dtype}, gpu_memory_utilization={args.gpu_memory_utilization}; "
              "'-': no KV block fits beside the weights and the activation reserve, "
              f"'img>L': one image is longer than L; video tok: a {args.video_seconds:g} s clip at each family's "
-             "default sampling ('-': not stated)", head]
+             "default sampling ('-': no video, or none stated)", head]
     quants = [getattr(args, "quantization", None)]
     if quants[0] is None:
         quants.append("int4")  # the int4 rows (group 128) beside the dense ones
@@ -167,6 +167,9 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    seconds = getattr(args, "video_seconds", 10.0)
+    if not seconds > 0:
+        raise ValueError(f"--video-seconds must be > 0 (seconds), got {seconds:g}")
     if args.matrix:
         print(format_matrix(args))
         return 0

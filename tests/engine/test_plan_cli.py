@@ -117,3 +117,8 @@ def test_plan_a_hub_id_from_the_cache_offline(capsys, tmp_path, monkeypatch, tin
     out = capsys.readouterr().out
     assert "KV per token                    768 bytes" in out  # 2 layers x 2 (K, V) x 2 kv heads x 24 x 4 bytes
     assert "none (text-only model)" in out
+
+
+def test_video_seconds_must_be_positive(capsys):
+    assert main(["plan", "--matrix", "--video-seconds", "-5"]) == 1
+    assert "--video-seconds must be > 0 (seconds), got -5" in capsys.readouterr().err

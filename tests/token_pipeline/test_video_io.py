@@ -492,3 +492,11 @@ def test_video_frame_bounds_follow_fetch_video():
 def test_video_frame_bounds_errors(kwargs, match):
     with pytest.raises(VideoInputError, match=match):
         video_frame_bounds(**kwargs)
+
+
+def test_a_lone_max_pixels_under_the_default_minimum_lowers_it():
+    px = 28 * 28
+    bounds = video_frame_bounds(6, max_pixels=64 * px)  # the default minimum is 128 tokens a frame
+    assert (bounds.min_pixels, bounds.max_pixels) == (64 * px, 64 * px)
+    h, w = video_resized_size(240, 320, 6, max_pixels=64 * px)
+    assert h * w <= 64 * px and h % 28 == 0 and w % 28 == 0
