@@ -96,7 +96,10 @@ def test_both_generation_flags_refused(tokenizer, chelsea):
 
 @pytest.mark.parametrize(("messages", "cause"), [
     ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], "'input_audio' is not supported"),
-    ([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "v.mp4"}}]}], "'video_url'"),
+    ([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "v.mp4", "detail": "low"}}]}],
+     r"video_url: unknown key\(s\) \['detail'\]; allowed: \['url'\]"),
+    ([{"role": "user", "content": [{"type": "video", "video": "v.mp4", "fsp": 2}]}],
+     r"unknown key\(s\) \['fsp'\] in a 'video' item"),
     ([{"role": "user", "content": [{"foo": 1}]}], "content type None is not supported"),
     ([{"role": "user", "content": [{"type": "image", "image": "a.png", "resized_height": 56}]}],
      r"unknown key\(s\) \['resized_height'\] in a 'image' item"),
