@@ -59,6 +59,7 @@ from benchmarks.common import (  # noqa: E402
     section,
     vlm_model_path,
 )
+from benchmarks.text import _Clock  # noqa: E402  HF streamer recording when each token arrives
 
 QUESTION = "What happens in this video?"
 FPS = 30  # source frame rate of the clips
@@ -117,18 +118,6 @@ def make_clip(path: str | Path, seconds: float, *, width: int = 320, height: int
 
 
 # ---- TTFT and decode ---------------------------------------------------------------------------
-class _Clock:
-    """HF streamer that records when each chunk of tokens arrives (the prompt first)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def put(self, value) -> None:
-        self.times.append(now())
-
-    def end(self) -> None:
-        pass
-
 
 def _messages(path: str, min_pixels: int, max_pixels: int) -> list[dict]:
     return [{"role": "user", "content": [
