@@ -140,5 +140,8 @@ def test_errors_name_the_input():
     with pytest.raises(mtp.VideoInputError, match="needs VideoFrames"):
         mtp.preprocess_video(torch.zeros(2, 8, 8, 3))
     video = mtp.load_video(VIDEOS / "frames_2fps_8.mp4", nframes=2)
-    with pytest.raises(mtp.VideoInputError, match="frames_2fps_8.mp4.*max_pixels=100 is below"):
+    # a lone max_pixels lowers the default minimum, and 100 pixels hold no 28x28 tile
+    with pytest.raises(mtp.VideoInputError, match=r"frames_2fps_8.mp4.*max_pixels \(100\) is below one 28x28 tile"):
         mtp.preprocess_video(video, max_pixels=100)
+    with pytest.raises(mtp.VideoInputError, match="frames_2fps_8.mp4.*max_pixels=100 is below min_pixels=784"):
+        mtp.preprocess_video(video, min_pixels=784, max_pixels=100)
