@@ -268,6 +268,7 @@ def load_video(
     video_end: float | None = None,
     sample_fps: float | None = None,
     fetch: Callable[[str], bytes] | None = None,
+    before_decode: Callable[[VideoProbe, SampledFrames], None] | None = None,
 ) -> VideoFrames:
     """Decode the frames qwen-vl-utils 0.0.14 would sample from a video, seeking to each.
 
@@ -280,6 +281,9 @@ def load_video(
         sample_fps: frames per second of a frame list (default 2.0, as qwen-vl-utils); for
             frame lists only.
         fetch: ``callable(url) -> bytes`` for ``http(s)`` sources; ``None`` refuses them.
+        before_decode: ``callable(probe, sampling)``, called for a file once its frames are
+            sampled and before any is decoded, so the caller may refuse the video there (its
+            token count, say) without a second demux pass; not called for a frame list.
 
     Returns:
         :class:`VideoFrames`: uint8 RGB ``frames [T, H, W, 3]`` (T a multiple of
@@ -310,6 +314,8 @@ def load_video(
         index = _build_index(name, container, stream)
         probe = _probe(name, container, stream, index)
         sampling = sample_frame_indices(probe.total_frames, probe.fps, source=name, **options)
+        if before_decode is not None:
+            before_decode(probe, sampling)
         wanted = sorted(set(sampling.indices))
         slots: dict[int, list[int]] = {}
         for k, i in enumerate(sampling.indices):

@@ -147,9 +147,8 @@ class QwenVLInputs(MediaInputs):
                 sampling = {k: opts[k] for k in ("fps", "nframes", "min_frames", "max_frames", "video_start",
                                                  "video_end", "sample_fps") if k in opts}
                 bounds = {k: opts[k] for k in ("min_pixels", "max_pixels", "total_pixels") if k in opts}
-                fetch = self._fetch_once(medium)
-                self._check_video_tokens(medium, fetch, sampling, bounds, index, sum(it.num_tokens for it in items))
-                frames = load_video(medium, fetch=fetch, **sampling)  # qwen-vl-utils' sampling, seeking
+                check = self._video_token_check(bounds, index, sum(it.num_tokens for it in items))
+                frames = load_video(medium, fetch=self._fetch, before_decode=check, **sampling)  # seeking
                 if frames.sample_fps is None and family != "qwen2_vl":
                     raise VideoInputError(frames.source, f"the source fps is unknown, and {family} needs it "
                                           "(seconds per temporal group: M-RoPE / timestamps); give a file that "
@@ -164,41 +163,35 @@ class QwenVLInputs(MediaInputs):
                                video_timestamps=family == "qwen3_vl")  # Qwen3-VL: '<t seconds>' per group
         return list(ids), items
 
-    def _fetch_once(self, source):
-        """The ``fetch`` for one video source: an http(s) URL is downloaded once here (the
-        probe and the decode then read the same bytes, under the URL's name)."""
-        if isinstance(source, str) and source.startswith(("http://", "https://")):
-            data = self._fetch(source)
-            return lambda url: data
-        return self._fetch
+    def _video_token_check(self, bounds: dict, index: int, before: int):
+        """``load_video``'s ``before_decode`` hook: refuse a video whose tokens (with the
+        ``before`` tokens of earlier items) reach ``max_prompt_tokens``, from the stream's
+        facts and the sampled frame count alone, so an oversized request costs no decoding
+        memory. None when there is no bound.
 
-    def _check_video_tokens(self, source, fetch, sampling: dict, bounds: dict, index: int, before: int) -> None:
-        """Refuse a video whose tokens (with the ``before`` tokens of earlier items) reach
-        ``max_prompt_tokens``, from the stream's facts alone (``probe_video``: one demux
-        pass, nothing decoded), so an oversized request costs no decoding memory.
-
-        Raises:
+        Raises (from the hook):
             RequestTooLongError: the video's frames and tokens named.
         """
-        if self.max_prompt_tokens is None or isinstance(source, (list, tuple)):
-            return
+        if self.max_prompt_tokens is None:
+            return None
         from atlas_vlm.engine.input_processor import RequestTooLongError
-        from mm_token_pipeline import probe_video, sample_frame_indices, video_resized_size
+        from mm_token_pipeline import video_resized_size
 
         geometry = self.image_settings
-        probe = probe_video(source, fetch=fetch)
-        file_options = {k: v for k, v in sampling.items() if k != "sample_fps"}
-        nframes = sample_frame_indices(probe.total_frames, probe.fps, source=probe.source, **file_options).nframes
-        h, w = video_resized_size(probe.height, probe.width, nframes, patch_size=geometry.patch_size,
-                                  merge_size=geometry.merge_size, source=probe.source, **bounds)
-        factor = geometry.patch_size * geometry.merge_size
-        tokens = nframes // geometry.temporal_patch_size * (h // factor) * (w // factor)
-        if before + tokens >= self.max_prompt_tokens:
-            raise RequestTooLongError(
-                f"video {index} ({probe.source}): {nframes} frames of {w}x{h} pixels are {tokens} visual tokens"
-                f"{f' after {before} of earlier media' if before else ''}; max_model_len is "
-                f"{self.max_prompt_tokens + 1}: lower fps / max_frames / max_pixels / total_pixels or raise "
-                "max_model_len")
+
+        def check(probe, sampling) -> None:
+            nframes = sampling.nframes
+            h, w = video_resized_size(probe.height, probe.width, nframes, patch_size=geometry.patch_size,
+                                      merge_size=geometry.merge_size, source=probe.source, **bounds)
+            factor = geometry.patch_size * geometry.merge_size
+            tokens = nframes // geometry.temporal_patch_size * (h // factor) * (w // factor)
+            if before + tokens >= self.max_prompt_tokens:
+                raise RequestTooLongError(
+                    f"video {index} ({probe.source}): {nframes} frames of {w}x{h} pixels are {tokens} visual "
+                    f"tokens{f' after {before} of earlier media' if before else ''}; max_model_len is "
+                    f"{self.max_prompt_tokens + 1}: lower fps / max_frames / max_pixels / total_pixels or raise "
+                    "max_model_len")
+        return check
 
     def placeholder_token_ids(self) -> dict[str, int]:
         cfg = self.hf_config

@@ -134,14 +134,14 @@ def test_preempted_video_request_recomputes_to_the_same_answer(family):
 def test_a_video_over_max_model_len_is_refused_naming_it_before_any_block(family, monkeypatch):
     """Refused with the video, its frames and tokens named, nothing allocated; on the Qwen
     families from the stream's facts alone, before a frame is decoded."""
-    import mm_token_pipeline
+    from mm_token_pipeline import video_io
 
     llm = LLM(str(family[1]), max_model_len=32, num_kvcache_blocks=64, **CPU_FP32)
     c = conv(video(family), text="Too long?")
     if family[0] in PIX:
         def no_decoding(*args, **kwargs):
             raise AssertionError("decoded a video that was refused by its probe")
-        monkeypatch.setattr(mm_token_pipeline, "load_video", no_decoding)
+        monkeypatch.setattr(video_io, "_decode_frames", no_decoding)
     with pytest.raises(ValueError, match=r"video 0 \(.*frames_30fps_90.mp4\): \d+ frames.* \d+ (visual )?tokens") as e:
         llm.chat(c, SamplingParams(max_tokens=4), use_tqdm=False)
     assert "max_model_len is 32" in str(e.value)
