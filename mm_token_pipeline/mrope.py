@@ -38,9 +38,10 @@ def _grids(value, name: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def _positions(ids: list[int], kinds: dict[int, str], grids: dict[str, list], intervals: list,
+def _positions(input_ids, kinds: dict[int, str], grids: dict[str, list], intervals: list,
                merge: int, vision_start_token_id: int) -> tuple[torch.Tensor, int]:
     """Positions ``[3, N]`` and rope_delta; ``intervals`` holds one float32 tensor (or 1) per video grid."""
+    ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else [int(x) for x in input_ids]
     n = len(ids)
     if n == 0:
         raise ValueError("input_ids is empty")
@@ -115,7 +116,6 @@ def get_rope_index(
             differs from its grid, a different number of runs and grids (per modality), video
             grids without ``video_token_id``, or a ``second_per_grid_ts`` count mismatch.
     """
-    ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else [int(x) for x in input_ids]
     videos = _grids(video_grid_thw, "video_grid_thw")
     if videos and video_token_id is None:
         raise ValueError("video_grid_thw given without video_token_id")
@@ -129,7 +129,7 @@ def get_rope_index(
     kinds = {image_token_id: "image"}
     if video_token_id is not None:
         kinds[video_token_id] = "video"
-    return _positions(ids, kinds, {"image": _grids(image_grid_thw, "image_grid_thw"), "video": videos}, intervals,
+    return _positions(input_ids, kinds, {"image": _grids(image_grid_thw, "image_grid_thw"), "video": videos}, intervals,
                       spatial_merge_size, vision_start_token_id)
 
 
@@ -153,8 +153,7 @@ def get_rope_index_qwen3_vl(
         ValueError: as :func:`get_rope_index`; grid counts are per frame for videos.
     """
     frames = [(1, h, w) for t, h, w in _grids(video_grid_thw, "video_grid_thw") for _ in range(t)]
-    ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else [int(x) for x in input_ids]
-    return _positions(ids, {image_token_id: "image", video_token_id: "video"},
+    return _positions(input_ids, {image_token_id: "image", video_token_id: "video"},
                       {"image": _grids(image_grid_thw, "image_grid_thw"), "video": frames}, [1] * len(frames),
                       spatial_merge_size, vision_start_token_id)
 
