@@ -179,7 +179,6 @@ class InputProcessor:
         self.tokenizer = tokenizer if isinstance(tokenizer, SerializedTokenizer) else SerializedTokenizer(tokenizer)
         self.hf_config = hf_config
         self.config = config
-        self.is_vlm = hasattr(hf_config, "vision_config")
         self.vocab_size = vocab_size  # rows of the model's embedding: the valid token ids
         self.max_model_len = max_model_len
         self.block_manager = block_manager
