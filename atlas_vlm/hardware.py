@@ -12,9 +12,10 @@ torch directly), so one place decides and a test fakes a CPU by monkeypatching
   path, which PyTorch allows only where ``mkldnn_bf16_device_check`` passes
   (``aten/src/ATen/native/mkldnn/Utils.h``): x86 with AVX512-BW + VL + DQ or AVX-NE-CONVERT,
   aarch64 with BF16 (``CpuFeatures.onednn_bf16``). Elsewhere ``nn.Linear`` stays, same bits.
-- the C decode kernel is compiled for ``-march=x86-64-v4`` (AVX-512 F/BW/CD/DQ/VL) or
-  ``x86-64-v3`` (AVX2 + FMA + F16C) where the CPU has them, else for the compiler's default
-  target (``CpuFeatures.kernel_march``).
+- the C kernels (decode attention, quantized matmul) are compiled for ``-march=x86-64-v4``
+  (AVX-512 F/BW/CD/DQ/VL) or ``x86-64-v3`` (AVX2 + FMA + F16C) where the CPU has them, else
+  for the compiler's default target (``CpuFeatures.kernel_march``); the quantized matmul adds
+  AVX512-VNNI / AVX-VNNI where present (``CpuFeatures.int8_dot_flags``).
 
 ``ATLAS_VLM_CPU_FLAGS`` (flags separated by spaces or commas, cpuinfo spelling, e.g.
 ``"avx avx2 fma f16c"``) replaces the detected flags for the whole process: a machine with
@@ -80,6 +81,18 @@ class CpuFeatures:
         if X86_64_V3 <= self.flags:
             return "x86-64-v3"
         return None
+
+    @property
+    def int8_dot_flags(self) -> list[str]:
+        """Compiler flags for the int8 dot-product instructions the quantized matmul kernel
+        uses beyond ``kernel_march``: ``-mavx512vnni`` (AVX512-VNNI, with ``x86-64-v4``),
+        ``-mavxvnni`` (AVX-VNNI, the VEX form on AVX2 CPUs such as Alder Lake); none elsewhere."""
+        march, out = self.kernel_march, []
+        if march == "x86-64-v4" and {"avx512_vnni", "avx512vnni"} & self.flags:
+            out.append("-mavx512vnni")
+        if march is not None and {"avx_vnni", "avxvnni"} & self.flags:
+            out.append("-mavxvnni")
+        return out
 
     def describe(self) -> str:
         """One line for logs: the machine and the paths taken, e.g.

@@ -7,87 +7,43 @@ the weighted sum in fp32, and writes the output once in the cache dtype (fp32 or
 chunks, CUDA) keeps PyTorch's SDPA. Tested against the reference backend
 (``tests/parity/test_decode_kernel.py``).
 
-The source is compiled on first use with the system C compiler (``$CC``, else ``cc``):
-``-O3 -fno-math-errno -fopenmp``, ``-march`` from ``hardware.cpu_features().kernel_march``
-(``x86-64-v4`` where the CPU has AVX-512 F/BW/CD/DQ/VL, ``x86-64-v3`` where it has AVX2 + FMA +
+The source is compiled on first use (``layers/cbuild.py``): ``-O3 -fno-math-errno -fopenmp``,
+``-march`` from ``hardware.cpu_features().kernel_march`` (``x86-64-v4`` where the CPU has AVX-512 F/BW/CD/DQ/VL, ``x86-64-v3`` where it has AVX2 + FMA +
 F16C, else the compiler's default target: plain C, it builds for any CPU), and glibc's vector
-``expf`` (libmvec) when it links, into
-``$ATLAS_VLM_CACHE/kernels/`` (default ``~/.cache/atlas_vlm``), named by a hash of source
-and flags, and loaded with ``ctypes`` after torch, so it shares torch's OpenMP runtime
-(``libgomp``). Without a compiler (or if the build fails) ``available()`` is False, the
-reason is logged once, and the engine uses SDPA.
+``expf`` (libmvec) when it links. Without a compiler (or if the build fails) ``available()`` is
+False, the reason is logged once, and the engine uses SDPA.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
 from atlas_vlm import hardware
-
-log = logging.getLogger(__name__)
+from atlas_vlm.layers import cbuild
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 MAX_HEAD_DIM, MAX_GROUP = 256, 16  # as the C source
 
 
 def _compile_flags() -> list[str]:
-    flags = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+    flags = list(cbuild.BASE_FLAGS)
     march = hardware.cpu_features().kernel_march
     if march is not None:
         flags.append(f"-march={march}")
     return flags
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("ATLAS_VLM_CACHE", Path.home() / ".cache" / "atlas_vlm")) / "kernels"
-
-
-def _build(compiler: str, opts: list[str], libs: list[str]) -> Path:
-    """The shared library for compiler options ``opts`` and link flags ``libs``, compiled
-    unless already in the cache.
-
-    Raises:
-        subprocess.SubprocessError: the compiler failed; OSError: the cache is not writable.
-    """
-    key = hashlib.sha1(SOURCE.read_bytes() + " ".join([compiler, *opts, *libs]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            subprocess.run([compiler, *opts, "-o", str(built), str(SOURCE), *libs], check=True,
-                           capture_output=True, text=True, timeout=120)
-            os.replace(built, target)  # atomic: concurrent builders each rename a whole file
-    return target
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """Build (once per source + flags) and load the kernel; None (logged) when impossible."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.info("no C compiler found ($CC, cc, gcc): decode attention uses SDPA")
-        return None
-    lib, errors, opts = None, [], _compile_flags()
     # glibc's vector expf (libmvec) first, plain libm if it is missing
-    for defines, libs in ((["-DATLAS_LIBMVEC"], ["-lmvec", "-lm"]), ([], ["-lm"])):
-        try:
-            lib = ctypes.CDLL(str(_build(compiler, [*opts, *defines], libs)))
-            break
-        except (OSError, subprocess.SubprocessError) as e:
-            errors.append((getattr(e, "stderr", "") or str(e)).strip()[:300])
+    lib = cbuild.load(SOURCE, _compile_flags(), [(["-DATLAS_LIBMVEC"], ["-lmvec", "-lm"]), ([], ["-lm"])],
+                      "decode attention uses SDPA")
     if lib is None:
-        log.warning("building the decode attention kernel failed, using SDPA: %s", " | ".join(errors))
         return None
     args = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + \
         [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]

@@ -1,6 +1,6 @@
 """AWQ and GPTQ safetensors checkpoints in their released layout, read as stored into
 ``Int4Linear`` (4 bits, groups along the inputs; ``W = (q - z) * s`` becomes
-``scale = s``, ``zero = (8 - z) * s``).
+``scale = s``, ``min = -z * s``, exact in fp32, so these modules keep fp32 scales and mins).
 
 AWQ (AutoAWQ ``version: "gemm"``, e.g. the Qwen2.5-VL AWQ releases): ``qweight`` int32
 ``[in, out / 8]`` and ``qzeros`` int32 ``[in / group, out / 8]``, eight 4-bit values per int32
@@ -147,9 +147,8 @@ def load_awq_gptq(model: nn.Module, files: list[Path], method: str, qc: dict, de
                     raise ValueError(f"gptq {names['g_idx']} is not k // group_size (act-order); not supported")
             if tuple(scales.shape) != tuple(z.shape):
                 raise ValueError(f"{method} {names['scales']} has shape {tuple(scales.shape)}, zeros {tuple(z.shape)}")
-            sz = torch.stack([scales, (8.0 - z.float()) * scales], dim=-1)  # [G, out, 2]
             row = 0 if shard is None else sum(sizes[:shard])
-            module.load_rows(row, q, sz)
+            module.load_rows(row, q, scales.t(), (-z.float() * scales).t())  # W = q s - z s, [out, G] each
             loaded.add(f"{path}.weight" + ("" if shard is None else f"#{shard}"))
     for hf_name, handle in where.items():
         if hf_name.rpartition(".")[2] in QUANT_SUFFIXES:

@@ -6,10 +6,10 @@ copy of a quantized tensor.
 GGUF type  block                                    module (``W`` as the GGUF defines it)
 =========  ======================================  ==============================================
 Q8_0       32 int8 ``q`` + fp16 ``d``               ``Int8Linear`` group 32: ``d * q``
-Q4_0       32 nibbles + fp16 ``d``                  ``Int4Linear`` group 32: scale ``d``, zero 0
-Q4_1       32 nibbles + fp16 ``d``, ``m``           ``Int4Linear`` group 32: ``d``, ``m + 8 d``
+Q4_0       32 nibbles + fp16 ``d``                  ``Int4Linear`` group 32: scale ``d``, min ``-8 d``
+Q4_1       32 nibbles + fp16 ``d``, ``m``           ``Int4Linear`` group 32: ``d``, ``m``
 Q4_K       256: 8 x 32 nibbles, 6-bit scales and    ``Int4Linear`` group 32: ``d sc``,
-           mins, fp16 ``d``, ``dmin``               ``8 d sc - dmin m``
+           mins, fp16 ``d``, ``dmin``               ``-dmin m``
 F32 / F16  dense                                    ``nn.Linear`` / parameter
 =========  ======================================  ==============================================
 
@@ -71,29 +71,29 @@ def _nibbles32(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 15, qs >> 4], axis=-1)
 
 
-def decode_q4_0(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_0 rows -> ``q`` uint8 ``[N, K]`` (0..15), ``scales_and_zeros`` fp32 ``[K / 32, N, 2]``
-    (``W = (q - 8) d``)."""
+def decode_q4_0(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 rows -> ``q`` uint8 ``[N, K]`` (0..15), ``scales``, ``mins`` fp32 ``[N, K / 32]``
+    (``W = (q - 8) d``: scale ``d``, min ``-8 d``)."""
     n = data.shape[0]
     blocks = data.reshape(n, -1, 18)
     d = _f16(blocks[..., :2]).view(n, -1)
     q = torch.from_numpy(_nibbles32(blocks[..., 2:])).reshape(n, -1)
-    return q, torch.stack([d.t(), torch.zeros_like(d.t())], -1).contiguous()
+    return q, d, -8.0 * d
 
 
-def decode_q4_1(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_1 rows -> ``q`` ``[N, K]``, ``scales_and_zeros`` ``[K / 32, N, 2]`` (``W = d q + m``)."""
+def decode_q4_1(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 rows -> ``q`` ``[N, K]``, ``scales``, ``mins`` ``[N, K / 32]`` (``W = d q + m``)."""
     n = data.shape[0]
     blocks = data.reshape(n, -1, 20)
     d = _f16(blocks[..., :2]).view(n, -1)
     m = _f16(blocks[..., 2:4]).view(n, -1)
     q = torch.from_numpy(_nibbles32(blocks[..., 4:])).reshape(n, -1)
-    return q, torch.stack([d.t(), (m + 8.0 * d).t()], -1).contiguous()
+    return q, d, m
 
 
-def decode_q4_k(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K rows (super-blocks of 256 = 8 groups of 32) -> ``q`` ``[N, K]``,
-    ``scales_and_zeros`` ``[K / 32, N, 2]`` (``W = d sc q - dmin m`` per group)."""
+def decode_q4_k(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K rows (super-blocks of 256 = 8 groups of 32) -> ``q`` ``[N, K]``, ``scales``,
+    ``mins`` ``[N, K / 32]`` (``W = d sc q - dmin m`` per group)."""
     n = data.shape[0]
     blocks = data.reshape(n, -1, 144)
     d = _f16(blocks[..., :2]).view(n, -1, 1)  # [N, S, 1]
@@ -107,9 +107,8 @@ def decode_q4_k(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     qs = blocks[..., 16:].reshape(n, -1, 4, 32)  # 4 chunks of 64 values: 32 low nibbles, then 32 high
     q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, -1)
     scale = d * torch.from_numpy(sc.astype(np.float32))  # [N, S, 8]
-    zero = 8.0 * scale - dmin * torch.from_numpy(mn.astype(np.float32))
-    scale, zero = scale.reshape(n, -1), zero.reshape(n, -1)
-    return torch.from_numpy(q), torch.stack([scale.t(), zero.t()], -1).contiguous()
+    mins = -dmin * torch.from_numpy(mn.astype(np.float32))
+    return torch.from_numpy(q), scale.reshape(n, -1), mins.reshape(n, -1)
 
 
 DECODERS = {"Q8_0": decode_q8_0, "Q4_0": decode_q4_0, "Q4_1": decode_q4_1, "Q4_K": decode_q4_k}
@@ -196,11 +195,10 @@ def _load_rows(module: nn.Module, row: int, t, perm: torch.Tensor | None) -> int
             w = w[perm]
         module.weight.data[row:row + w.shape[0]].copy_(w)
         return w.shape[0]
-    q, s = DECODERS[kind](_rows_of(t))
+    q, *scales = DECODERS[kind](_rows_of(t))  # int8: scales; int4: scales, mins ([N, groups] each)
     if perm is not None:
-        q = q[perm]
-        s = s[perm] if kind in INT8_TYPES else s[:, perm]
-    module.load_rows(row, q, s)
+        q, scales = q[perm], [s[perm] for s in scales]
+    module.load_rows(row, q, *scales)
     return q.shape[0]
 
 

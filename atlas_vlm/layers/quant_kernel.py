@@ -1,0 +1,146 @@
+"""The quantized matmul kernel (``csrc/quant_gemm.c``): int4 / int8 weights in tiles of 16
+output rows against activations quantized on the fly to int8 in blocks of 32, the way
+llama.cpp multiplies its GGUF blocks; and the tiles dequantized to a dense weight.
+
+Why a kernel of our own: measured on SmolLM2-135M's shapes at one decode row (one thread,
+``python -m benchmarks.quant_linear``), PyTorch's ``_weight_int4pack_mm_for_cpu`` reads
+its weights at a fraction of the memory bandwidth, ``_weight_int8pack_mm`` takes one call
+per group of columns for group-wise scales (GGUF Q8_0), both are unvectorised in fp32 and
+the int4 layout is AVX-512 only; fbgemm's dynamic int8 linear is fast but per-channel int8
+only. This kernel reads every weight byte once per call (per 4 activation rows), with exact
+int32 block sums, on AVX512-VNNI, AVX2 (with AVX-VNNI where present) and plain C, all with
+the same bits (the float steps are done in one order; see the C source).
+
+Built on first use by ``layers/cbuild.py`` with ``-march`` from
+``hardware.cpu_features().kernel_march`` plus ``int8_dot_flags`` and ``-ffp-contract=off``
+(the order of float steps is part of the answer). Without a compiler ``available()`` is
+False and quantized linears use their dequantized reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from atlas_vlm import hardware
+from atlas_vlm.layers import cbuild
+
+SOURCE = Path(__file__).with_name("csrc") / "quant_gemm.c"
+TILE = 16  # output rows per tile, as the C source
+QBLOCK = 32  # activation values per int8 block, as the C source
+
+
+def compile_flags(cpu: hardware.CpuFeatures | None = None) -> list[str]:
+    """Compiler flags for ``cpu`` (default: this machine's ``hardware.cpu_features()``)."""
+    cpu = cpu or hardware.cpu_features()
+    flags = [*cbuild.BASE_FLAGS, "-ffp-contract=off"]
+    if cpu.kernel_march is not None:
+        flags.append(f"-march={cpu.kernel_march}")
+    return flags + cpu.int8_dot_flags
+
+
+def load_variant(flags: list[str]) -> ctypes.CDLL | None:
+    """The kernel built with ``flags`` (cached), its functions typed; None when it cannot be
+    built (logged). Tests build every variant this CPU runs and compare their bits."""
+    lib = cbuild.load(SOURCE, flags, [([], ["-lm"])], "quantized linears use the dequantized reference")
+    if lib is None:
+        return None
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.quant_gemm_int4.argtypes = [p, i32, i64, i64, p, p, p, i32, i64, i64, p, p, i32, i32]
+    lib.quant_gemm_int8.argtypes = [p, i32, i64, i64, p, p, i32, i64, i64, p, p, i32, i32]
+    lib.quant_dequantize.argtypes = [p, p, p, i32, i64, i64, i64, i32, p, i32, i32]
+    for fn in (lib.quant_gemm_int4, lib.quant_gemm_int8, lib.quant_dequantize):
+        fn.restype = ctypes.c_int
+    lib.quant_gemm_isa.restype = ctypes.c_char_p
+    return lib
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    return load_variant(compile_flags())
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded for this machine (builds it on the first call)."""
+    return _library() is not None
+
+
+def isa(lib: ctypes.CDLL | None = None) -> str | None:
+    """The variant compiled: ``"avx512vnni"``, ``"avx2+avxvnni"``, ``"avx2"`` or ``"scalar"``; None
+    without a kernel."""
+    lib = lib or _library()
+    return None if lib is None else lib.quant_gemm_isa().decode()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                 out_features: int, group_size: int, bias: torch.Tensor | None = None,
+                 lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` with ``W`` stored in tiles.
+
+    Args:
+        x: ``[M, K]`` fp32 or bf16, contiguous, on CPU.
+        qweight: int4: uint8 ``[T, K / 8, 16, 4]``; int8: int8 ``[T, K / 4, 16, 4]``
+            (``T = ceil(out_features / 16)``; see ``quant_linear`` for the byte order).
+        scales, mins: ``[T, K / group_size, 16]`` fp16 or fp32, the same dtype; ``mins`` None
+            for int8 (``W = q * scale``), else ``W = q * scale + min``.
+        out_features: ``N`` (rows past ``N`` in the last tile are padding, not written).
+        group_size: inputs per scale (a multiple of 32 dividing ``K``).
+        bias: fp32 ``[N]`` or None.
+        lib: a kernel variant (tests); default this machine's.
+
+    Returns:
+        ``[M, N]`` in ``x``'s dtype.
+
+    Raises:
+        RuntimeError: no kernel, or it refused the sizes (named).
+    """
+    lib = lib or _library()
+    if lib is None:
+        raise RuntimeError("the quantized matmul kernel is not available (see the log)")
+    m, k = x.shape
+    out = torch.empty(m, out_features, dtype=x.dtype)
+    xb, f16, ob = int(x.dtype == torch.bfloat16), int(scales.dtype == torch.float16), int(x.dtype == torch.bfloat16)
+    threads = torch.get_num_threads()
+    if mins is not None:
+        status = lib.quant_gemm_int4(x.data_ptr(), xb, m, k, qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(),
+                                     f16, out_features, group_size, _ptr(bias), out.data_ptr(), ob, threads)
+    else:
+        status = lib.quant_gemm_int8(x.data_ptr(), xb, m, k, qweight.data_ptr(), scales.data_ptr(), f16,
+                                     out_features, group_size, _ptr(bias), out.data_ptr(), ob, threads)
+    if status != 0:
+        raise RuntimeError(f"quantized matmul kernel refused x {tuple(x.shape)} against a [{out_features}, {k}] "
+                           f"weight with group {group_size} (K and the group must be multiples of 32)")
+    return out
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, out_features: int,
+               in_features: int, group_size: int, dtype: torch.dtype, lib: ctypes.CDLL | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense ``[N, K]`` weight in ``dtype`` (fp32 or bf16): ``q * scale (+ min)`` in fp32
+    (a multiply, then an add), rounded once: the same bits as ``quant_linear``'s PyTorch
+    ``dequantize``. Arguments as :func:`quant_matmul`; ``out``: a contiguous ``[N, K]`` tensor
+    of ``dtype`` to write into (a reused workspace: no fresh pages to fault in).
+
+    Raises:
+        RuntimeError: no kernel, or it refused the sizes.
+    """
+    lib = lib or _library()
+    if lib is None:
+        raise RuntimeError("the quantized matmul kernel is not available (see the log)")
+    if out is None:
+        out = torch.empty(out_features, in_features, dtype=dtype)
+    status = lib.quant_dequantize(qweight.data_ptr(), scales.data_ptr(), _ptr(mins),
+                                  int(scales.dtype == torch.float16), out_features, in_features, group_size,
+                                  int(mins is not None), out.data_ptr(), int(dtype == torch.bfloat16),
+                                  torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"quantized dequantize refused a [{out_features}, {in_features}] weight with group "
+                           f"{group_size}")
+    return out
