@@ -137,7 +137,8 @@ def paged_attention(
 
     Args:
         q: ``[num_tokens, num_heads, head_dim]`` new queries (RoPE applied).
-        k, v: ``[num_tokens, num_kv_heads, head_dim]`` new keys / values (RoPE applied to k).
+        k, v: ``[num_tokens, num_kv_heads, head_dim]`` new keys / values (RoPE applied to k), or
+            None when they are already in ``kv_cache`` (``fused.rope_write_kv`` wrote them).
         kv_cache: a ``PagedKVCache`` / ``ContiguousKVCache``, or ``None`` for a cache-free
             full prefill (each request's context is exactly its new tokens).
         layer: decoder layer index into the cache.
@@ -152,8 +153,10 @@ def paged_attention(
     if not isinstance(meta, AttentionMetadata):  # a compiled decode step's static layout
         return meta.attend(q, k, v, kv_cache, layer, scale)  # worker.compiled_decode.DecodeMeta
     num_tokens, num_heads, head_dim = q.shape
+    if k is None and kv_cache is None:
+        raise ValueError("paged_attention needs k and v without a KV cache")
     if meta.bucketed is not None:
-        if kv_cache is not None:
+        if kv_cache is not None and k is not None:
             kv_cache.write(layer, meta.slot_mapping, k, v)
         return bucketed_paged_attention(q, k, v, kv_cache, layer, meta.bucketed, scale)
     if kv_cache is None:
@@ -161,7 +164,8 @@ def paged_attention(
             raise ValueError("without a KV cache every request must be a full prefill")
         k_ctx, v_ctx = k[meta.query_index], v[meta.query_index]  # [num_seqs, max_q, kv_heads, head_dim]
     else:
-        kv_cache.write(layer, meta.slot_mapping, k, v)
+        if k is not None:
+            kv_cache.write(layer, meta.slot_mapping, k, v)
         k_ctx, v_ctx = kv_cache.gather_kv_for_attention(layer, meta.block_tables, meta.attn_mask.shape[-1])
         k_ctx, v_ctx = k_ctx.to(q.dtype), v_ctx.to(q.dtype)
     q_pad = q[meta.query_index]  # [num_seqs, max_q, heads, head_dim]
@@ -171,7 +175,7 @@ def paged_attention(
         v_ctx.transpose(1, 2),
         attn_mask=meta.attn_mask,
         scale=scale,
-        enable_gqa=num_heads != k.shape[1],
+        enable_gqa=num_heads != k_ctx.shape[2],
     )
     out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [num_seqs * max_q, heads, head_dim]
     return out[meta.token_index]  # [num_tokens, heads, head_dim]

@@ -50,6 +50,7 @@ class DecodeBatch:
     token_index: torch.Tensor  # [D] int64: flat token (query row) of each request
     block_tables: torch.Tensor  # [D, max_blocks] int64, padded with block 0 (never read)
     context_lens: torch.Tensor  # [D] int64: tokens in cache per request, the new one included
+    all_tokens: bool = False  # the step is decode only: token_index is 0 .. D-1 (no gather / scatter)
 
 
 @dataclass
@@ -125,7 +126,8 @@ def build_bucketed_layout(query_lens: list[int], context_lens: list[int], block_
         batch = DecodeBatch(
             token_index=torch.tensor([starts[s] for s in decodes], device=device),
             block_tables=_rows(tables, decodes, width),
-            context_lens=torch.tensor([context_lens[s] for s in decodes], dtype=torch.long, device=device))
+            context_lens=torch.tensor([context_lens[s] for s in decodes], dtype=torch.long, device=device),
+            all_tokens=len(decodes) == sum(query_lens))
         decodes = []
     for group in decode_groups([context_lens[i] for i in decodes]):
         seqs = [decodes[g] for g in group]
@@ -154,19 +156,23 @@ def bucketed_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              layout: BucketedLayout, scale: float) -> torch.Tensor:
     """``attention.paged_attention`` over a ``BucketedLayout`` (same arguments and result:
     ``q`` ``[num_tokens, heads, head_dim]``, ``k``/``v`` ``[num_tokens, kv_heads, head_dim]``
-    -> ``[num_tokens, heads, head_dim]``); the new K/V are already written to ``kv_cache``.
+    (or None: read from the cache) -> ``[num_tokens, heads, head_dim]``); the new K/V are
+    already written to ``kv_cache``.
     ``kv_cache=None``: every request is a full prefill attending only its own new tokens.
 
     Raises:
         ValueError: ``kv_cache`` is None while a request decodes over cached context.
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
+    num_kv_heads = k.shape[1] if k is not None else kv_cache.k_cache.shape[-2]
     gqa = num_heads != num_kv_heads
     if kv_cache is None and (layout.decode_buckets or layout.decode_batch is not None):
         raise ValueError("without a KV cache every request must be a full prefill")
+    if (d := layout.decode_batch) is not None and d.all_tokens:  # decode only: one kernel call is the answer
+        return decode_kernel.paged_decode_attention(q, kv_cache.k_cache[layer], kv_cache.v_cache[layer],
+                                                    d.block_tables, d.context_lens, scale)
     out = q.new_empty(num_tokens, num_heads, head_dim)
-    if (d := layout.decode_batch) is not None:
+    if d is not None:
         o = decode_kernel.paged_decode_attention(q[d.token_index], kv_cache.k_cache[layer], kv_cache.v_cache[layer],
                                                  d.block_tables, d.context_lens, scale)  # [D, heads, head_dim]
         out.index_copy_(0, d.token_index, o)

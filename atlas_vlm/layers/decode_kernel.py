@@ -102,8 +102,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             raise ValueError(f"decode kernel: {name} must be a contiguous CPU tensor of q's dtype {q.dtype}, "
                              f"got {cache.dtype} on {cache.device} (contiguous: {cache.is_contiguous()})")
     q = q.contiguous()
-    tables = block_tables.to(torch.int64).contiguous()
-    lens = context_lens.to(torch.int64).contiguous()
+    tables = block_tables if block_tables.dtype == torch.int64 and block_tables.is_contiguous() else \
+        block_tables.to(torch.int64).contiguous()
+    lens = context_lens if context_lens.dtype == torch.int64 and context_lens.is_contiguous() else \
+        context_lens.to(torch.int64).contiguous()
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

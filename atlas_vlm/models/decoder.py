@@ -14,13 +14,15 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from atlas_vlm.layers import fused
 from atlas_vlm.layers.attention import AttentionMetadata, paged_attention
 from atlas_vlm.layers.rotary import RotaryEmbedding, apply_rotary
 from atlas_vlm.models.arch import ModelArch
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 and cast back, as HF ``LlamaRMSNorm`` / ``Qwen2RMSNorm``."""
+    """RMSNorm computed in fp32 and cast back, as HF ``LlamaRMSNorm`` / ``Qwen2RMSNorm``
+    (``fused.rms_norm``: one C call on CPU)."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -28,10 +30,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return fused.rms_norm(x, self.weight, self.eps)[0]
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``; ``residual`` may be updated in place."""
+        return fused.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -50,14 +53,20 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, heads, head_dim]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, kv_heads, head_dim]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)  # [num_tokens, (heads + 2 kv_heads) * head_dim]
+        if kv_cache is not None and isinstance(meta, AttentionMetadata):
+            # q/k norms, RoPE and the K/V write in one step (fused.rope_write_kv); attention reads K/V from the cache
+            q = fused.rope_write_kv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, kv_cache,
+                                    self.layer_idx, meta.slot_mapping, self.q_norm, self.k_norm)
+            k = v = None
+        else:  # cache-free prefill, or a compiled decode step (its attention op writes K/V)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, heads, head_dim]
+            k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, kv_heads, head_dim]
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache, self.layer_idx, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))  # [num_tokens, hidden]
 
@@ -68,10 +77,14 @@ class MLP(nn.Module):
         self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        self.silu = arch.hidden_act == "silu"  # SwiGLU: fused.silu_and_mul
         self.act = ACT2FN[arch.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        if self.silu:
+            return self.down_proj(fused.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -84,8 +97,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch)
 
     def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """``x`` ``[num_tokens, hidden]`` -> the layer's output; ``x`` itself may be updated in
+        place (the residual of the fused add + norm)."""
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        h, x = self.post_attention_layernorm.add_forward(attn, x)  # x + attn, and its norm
+        return x + self.mlp(h)
 
 
 class DecoderModel(nn.Module):

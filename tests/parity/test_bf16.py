@@ -22,8 +22,8 @@ from atlas_vlm.loader import gguf_to_folder
 pytestmark = pytest.mark.text
 
 MIN_TOP1_AGREEMENT = 0.9  # measured 160 / 160 = 1.00 (torch 2.14.1, AVX512-BF16 CPU, 2026-11-30)
-MIN_GREEDY_PREFIX = 8  # measured common greedy prefixes 24, 32, 32, 28, 32 of 32 tokens (2026-12-01,
-# packed bf16 linears; the same with the "bucketed" and the "decode_kernel" attention backends)
+TIE_MARGIN = 0.25  # bf16 logits: where greedy decodes part, HF's top-1 leads our token by at most this
+# (4 bf16 ulps at logits ~8; measured 0.094 at the one parting seen)
 
 
 @pytest.fixture(scope="module")
@@ -76,12 +76,26 @@ def test_teacher_forced_top1_agrees_with_hf_bf16(hf_bf16, llm_bf16):
 
 
 def test_greedy_tokens_follow_hf_bf16(hf_bf16, llm_bf16):
-    """The engine's own greedy decode (paged KV, batched) matches HF bf16 ``generate`` for at
-    least the first 8 tokens of every prompt (measured 24-32 of 32)."""
-    _, _, runs = hf_bf16
+    """The engine's own greedy decode (paged KV, batched) follows HF bf16 ``generate`` token for
+    token until the two part, and they part only at a near-tie: where HF's own logits (teacher
+    forced on the common prefix) put our token within ``TIE_MARGIN`` of its top-1 and in its
+    top 2. Measured: 4 of 5 prompts equal for all 32 tokens, one parting at token 5 where HF's
+    top two logits are 7.50 / 7.41 (Intel AMX CPU, 2026-12-02; on the AVX512-BF16 CPU common
+    prefixes were 24-32 of 32)."""
+    _, hf, runs = hf_bf16
     outs = llm_bf16.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
                              use_tqdm=False)
+    parted = 0
     for out, (prompt_ids, cont) in zip(outs, runs, strict=True):
         assert out.prompt_token_ids == prompt_ids
         assert len(out.token_ids) == NEW_TOKENS
-        assert out.token_ids[:MIN_GREEDY_PREFIX] == cont[:MIN_GREEDY_PREFIX], out.prompt
+        j = next((i for i, (a, b) in enumerate(zip(out.token_ids, cont)) if a != b), None)
+        if j is None:
+            continue
+        parted += 1
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt_ids + cont[:j]])).logits[0, -1].float()  # [vocab]
+        ours = out.token_ids[j]
+        assert ours in logits.topk(2).indices.tolist(), (out.prompt, j)
+        assert float(logits.max() - logits[ours]) <= TIE_MARGIN, (out.prompt, j, float(logits.max() - logits[ours]))
+    assert parted <= len(PROMPTS) // 2  # most prompts agree for all 32 tokens

@@ -43,12 +43,6 @@
 #endif
 
 #define TILE 16
-/* software prefetch of the weights PF_TILES tiles ahead (a core's own streams are bounded by
- * its outstanding misses; measured on one thread reading 97 MB of tiles a token) */
-#ifndef PF_TILES
-#define PF_TILES 0
-#endif
-#define PREFETCH(p) __builtin_prefetch((const void *)(p), 0, 1)
 #define QBLOCK 32
 
 const char *quant_gemm_isa(void) {
@@ -187,30 +181,34 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int64_t t,
     __m512 tg[MT];
     for (int i = 0; i < mt; i++) tg[i] = _mm512_setzero_ps();
     for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
-      __m512i is[MT];
-      for (int i = 0; i < mt; i++) is[i] = _mm512_setzero_si512();
+      __m512i is[MT], is2[MT]; /* two chains: dpbusd's latency, not its throughput, bounds one */
+      for (int i = 0; i < mt; i++) is[i] = is2[i] = _mm512_setzero_si512();
       if (a->int4) {
         const uint8_t *wb = (const uint8_t *)a->w + (t * (K / 8) + b * 4) * 64;
         for (int c = 0; c < 4; c++) {
-          PREFETCH(wb + c * 64 + PF_TILES * (K / 8) * 64);
           const __m512i v = _mm512_loadu_si512((const void *)(wb + c * 64));
           const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
           for (int i = 0; i < mt; i++) {
             const int8_t *xp = a->xq + (m0 + i) * K + b * QBLOCK + c * 8;
             is[i] = _mm512_dpbusd_epi32(is[i], lo, _mm512_set1_epi32(load_i32(xp)));
-            is[i] = _mm512_dpbusd_epi32(is[i], hi, _mm512_set1_epi32(load_i32(xp + 4)));
+            is2[i] = _mm512_dpbusd_epi32(is2[i], hi, _mm512_set1_epi32(load_i32(xp + 4)));
           }
         }
       } else { /* (q + 128) as u8 times x, less 128 * sum(x): exact */
         const int8_t *wb = (const int8_t *)a->w + (t * (K / 4) + b * 8) * 64;
         for (int c = 0; c < 8; c++) {
-          PREFETCH(wb + c * 64 + PF_TILES * (K / 4) * 64);
           const __m512i v = _mm512_xor_si512(_mm512_loadu_si512((const void *)(wb + c * 64)), flip);
-          for (int i = 0; i < mt; i++)
-            is[i] = _mm512_dpbusd_epi32(is[i], v, _mm512_set1_epi32(load_i32(a->xq + (m0 + i) * K + b * QBLOCK + c * 4)));
+          for (int i = 0; i < mt; i++) {
+            const __m512i xv = _mm512_set1_epi32(load_i32(a->xq + (m0 + i) * K + b * QBLOCK + c * 4));
+            if (c & 1)
+              is2[i] = _mm512_dpbusd_epi32(is2[i], v, xv);
+            else
+              is[i] = _mm512_dpbusd_epi32(is[i], v, xv);
+          }
         }
         for (int i = 0; i < mt; i++) is[i] = _mm512_sub_epi32(is[i], _mm512_set1_epi32(128 * a->xs[(m0 + i) * nb + b]));
       }
+      for (int i = 0; i < mt; i++) is[i] = _mm512_add_epi32(is[i], is2[i]);
       for (int i = 0; i < mt; i++)
         tg[i] = _mm512_fmadd_ps(_mm512_set1_ps(a->d[(m0 + i) * nb + b]), _mm512_cvtepi32_ps(is[i]), tg[i]);
     }
@@ -256,7 +254,6 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int64_t t,
         if (a->int4) {
           const uint8_t *wb = (const uint8_t *)a->w + (t * (K / 8) + b * 4) * 64 + h * 32;
           for (int c = 0; c < 4; c++) {
-            if (h == 0) PREFETCH(wb + c * 64 + PF_TILES * (K / 8) * 64);
             const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + c * 64));
             const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             for (int i = 0; i < mt; i++) {
@@ -268,7 +265,6 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int64_t t,
         } else { /* |q| times x with q's sign: no int16 saturation (2 * 128 * 127 < 32768) */
           const int8_t *wb = (const int8_t *)a->w + (t * (K / 4) + b * 8) * 64 + h * 32;
           for (int c = 0; c < 8; c++) {
-            if (h == 0) PREFETCH(wb + c * 64 + PF_TILES * (K / 4) * 64);
             const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + c * 64));
             const __m256i av = _mm256_sign_epi8(v, v);
             for (int i = 0; i < mt; i++) {
@@ -326,6 +322,20 @@ static inline void tile(const Args *a, int64_t t, int64_t m0, const int mt, floa
 
 #endif
 
+/* Tile t against every activation row: MT rows at a time, then one at a time. */
+static void tile_rows(const Args *a, int64_t t, int64_t M, int64_t N, const float *bias, void *out, int out_bf16) {
+  float acc[MT][TILE];
+  int64_t m = 0;
+  for (; m + MT <= M; m += MT) {
+    tile(a, t, m, MT, acc);
+    for (int i = 0; i < MT; i++) store_row(out, out_bf16, N, m + i, t * TILE, acc[i], bias);
+  }
+  for (; m < M; m++) {
+    tile(a, t, m, 1, acc);
+    store_row(out, out_bf16, N, m, t * TILE, acc[0], bias);
+  }
+}
+
 static int quant_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const void *w, const void *scale,
                       const void *min, int scale_f16, int64_t N, int64_t gs, const float *bias, void *out,
                       int out_bf16, int num_threads, int int4) {
@@ -341,18 +351,11 @@ static int quant_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const voi
   }
   quantize_rows(x, x_bf16, M, K, gs, xq, d, xs, xg);
   const Args a = {w, scale, min, scale_f16, int4, K, gs, xq, d, xg, xs};
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && T > 1)
-  for (int64_t t = 0; t < T; t++) {
-    float acc[MT][TILE];
-    int64_t m = 0;
-    for (; m + MT <= M; m += MT) {
-      tile(&a, t, m, MT, acc);
-      for (int i = 0; i < MT; i++) store_row(out, out_bf16, N, m + i, t * TILE, acc[i], bias);
-    }
-    for (; m < M; m++) {
-      tile(&a, t, m, 1, acc);
-      store_row(out, out_bf16, N, m, t * TILE, acc[0], bias);
-    }
+  if (num_threads > 1 && T > 1) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < T; t++) tile_rows(&a, t, M, N, bias, out, out_bf16);
+  } else { /* no parallel region at all for one thread */
+    for (int64_t t = 0; t < T; t++) tile_rows(&a, t, M, N, bias, out, out_bf16);
   }
   free(xq), free(d), free(xs), free(xg);
   return 0;
