@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from benchmarks import llamacpp
-from benchmarks.common import (compare_tokens, dtype_name, fmt, log, markdown_table, match_str, read_bandwidth, section,
-                               text_model_paths)
+from benchmarks.common import (best_of, compare_tokens, dtype_name, fmt, log, markdown_table, match_str, random_prompts,
+                               read_bandwidth, section, text_model_paths)
 from benchmarks.text import PROMPT, _best, _ours
 
 
@@ -83,6 +83,8 @@ def run(quick: bool = False, dtype: torch.dtype = torch.float32) -> dict:
         r = _best(lambda: llamacpp.stream(lcpp, ids, n), repeats)
         r["decode_tok_s"] = (n - 1) / r["decode_s"]
         results["llama.cpp (GGUF as stored)"] = r
+    prefill = _prefill(gguf, dname, quick)
+    plan = _plan_int4()
     base = results["dense fp32"]
     lc = results.get("llama.cpp (GGUF as stored)")
     rows = []
@@ -99,7 +101,47 @@ def run(quick: bool = False, dtype: torch.dtype = torch.float32) -> dict:
           f"per token\n")
     print(markdown_table(["system", "decode tok/s", "vs dense fp32", "vs llama.cpp", "MB read / token",
                           "of bandwidth limit", "greedy = dense fp32"], rows))
+    print(f"\nPrefill: one {prefill['tokens']}-token prompt of random ids, time to first token, best of "
+          f"{prefill['repeats']}, {dname}\n")
+    dense_s = prefill["systems"][f"dense {dname}"]
+    print(markdown_table(["system", "TTFT ms", "prefill tok/s", "dense TTFT / this"],
+                         [[name, fmt(1e3 * sec, 1), fmt(prefill["tokens"] / sec, 0), fmt(dense_s / sec)]
+                          for name, sec in prefill["systems"].items()]))
+    print(f"\nPlanner ({plan['model']}, int4, {plan['gpu_memory_gib']} GiB, L={plan['max_model_len']}, one image at "
+          f"{plan['max_pixels']} pixels): {plan['sequences']} sequences, {plan['weights_gib']:.2f} GiB of weights")
     for r in results.values():
         r.pop("tokens")
     return {"dtype": dname, "decode_new_tokens": n, "kernels": kernel, "read_bandwidth_bytes_s": bandwidth,
-            "decode": results, "llama_cpp": why_not or "ran"}
+            "decode": results, "llama_cpp": why_not or "ran", "prefill": prefill, "plan_int4": plan}
+
+
+def _prefill(gguf: str, dname: str, quick: bool) -> dict:
+    """TTFT (seconds, best of 3) of one ``T``-token random prompt (2,048; 512 quick) for the
+    dense model in the bench dtype, int4 at load and the GGUF as stored (one prefill chunk)."""
+    from atlas_vlm import LLM, SamplingParams
+
+    T, repeats = (512, 2) if quick else (2048, 3)
+    ids = random_prompts(1, T, T, (100, 49152), seed=7)[0]
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    out = {"tokens": T, "repeats": repeats, "systems": {}}
+    for name, quant in ((f"dense {dname}", None), ("int4 at load (group 64)", "int4"), ("GGUF Q4_1 as stored", "gguf")):
+        log(f"quantized prefill: {name}")
+        llm = LLM(gguf, dtype=dname, quantization=quant, max_model_len=T + 16, max_num_batched_tokens=T,
+                  num_kvcache_blocks=T // 16 + 8, enable_prefix_caching=False)
+        seconds, _ = best_of(lambda: llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False), repeats)
+        out["systems"][name] = seconds
+        del llm
+    return out
+
+
+def _plan_int4() -> dict:
+    """The issue's planner target: Qwen2.5-VL-3B in int4 on 8 GiB, sequences of 4,096 tokens
+    with one 1,280-token image (``atlas-vlm plan``'s arithmetic on the bundled config)."""
+    from atlas_vlm.entrypoints.plan import load_config
+    from atlas_vlm.memory_plan import GiB, plan
+
+    name, pixels = "Qwen/Qwen2.5-VL-3B-Instruct", 1280 * 28 * 28
+    cfg, _ = load_config(name.split("/")[-1])
+    p = plan(cfg, gpu_memory=8 * GiB, max_model_len=4096, max_pixels=pixels, quantization="int4")
+    return {"model": name, "gpu_memory_gib": 8, "max_model_len": 4096, "max_pixels": pixels,
+            "sequences": p.max_num_seqs, "weights_gib": p.weight_bytes / GiB}

@@ -57,6 +57,14 @@ def rows(results: dict) -> list[dict]:
             None if lcpp is None else q4["decode_tok_s"] / lcpp["decode_tok_s"], 1.0, "x")
         add("single-request decode, Q4_1 GGUF as stored: of the bandwidth limit of bytes read (issue 19)",
             q4["decode_tok_s"] / q4["limit_tok_s"], 0.6, "%")
+        if "prefill" in quant:
+            pre = quant["prefill"]
+            dense = next(sec for name, sec in pre["systems"].items() if name.startswith("dense"))
+            add(f"{pre['tokens']}-token prefill, int4 at load: dense TTFT / int4 TTFT (issue 19)",
+                dense / pre["systems"]["int4 at load (group 64)"], 1.0, "x")
+        if "plan_int4" in quant:
+            add("planner: Qwen2.5-VL-3B int4 on 8 GiB, sequences of 4,096 tokens + one image (issue 19)",
+                quant["plan_int4"]["sequences"], 8, "n")
     if vlm and "1024x28x28" in vlm:
         add("image TTFT at 1024*28*28 pixels: HF / ours", vlm["1024x28x28"]["speedup_hf_over_ours"], 1.3, "x")
     return out
@@ -72,6 +80,8 @@ def report(results: dict) -> list[dict]:
     def cell(value: float | None, unit: str) -> str:
         if value is None:
             return "not measured"
+        if unit == "n":
+            return f"{value:.0f}"
         return f"{100 * value:.0f}%" if unit == "%" else f"{value:.2f}x"
 
     print(markdown_table(["target", "measured", "goal", "met"],

@@ -33,12 +33,14 @@ def cache_dir() -> Path:
 
 def build(source: Path, cc: str, opts: list[str], libs: list[str]) -> Path:
     """The shared library of ``source`` for compiler options ``opts`` and link flags ``libs``,
-    compiled unless already in the cache (named ``<stem>-<hash of source, compiler, flags>.so``).
+    compiled unless already in the cache (named ``<stem>-<hash>.so``, the hash of every file in
+    the source's folder (a source may include the others), the compiler and the flags).
 
     Raises:
         subprocess.SubprocessError: the compiler failed; OSError: the cache is not writable.
     """
-    key = hashlib.sha1(source.read_bytes() + " ".join([cc, *opts, *libs]).encode()).hexdigest()[:16]
+    sources = b"".join(p.read_bytes() for p in sorted(source.parent.iterdir()) if p.suffix in (".c", ".h"))
+    key = hashlib.sha1(source.read_bytes() + sources + " ".join([cc, *opts, *libs]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -108,6 +108,11 @@ class ModelRunner:
         self.compiled_decode = CompiledDecode(
             self.model, self.kv_cache, self.block_size, max_model_len, config.max_num_seqs, self.mrope,
             use_kernel=self.attention_backend == "decode_kernel") if on else None  # None: eager decode
+        from atlas_vlm.layers.decode_step import DecodeStep
+
+        # quantized models on CPU: decode-only steps through every layer in one C call (None: op by op)
+        self.decode_step, self.decode_step_reason = DecodeStep.build(self.model, self.kv_cache, self.attention_backend) \
+            if self.device.type == "cpu" else (None, "CPU only")
         self.encoder_cache = EncoderCache(config.encoder_cache_tokens)  # content hash -> encoder rows
         self.num_encoder_runs = 0  # media items encoded (one per item not found in the cache)
         # Called after each forward as observer(chunks, inputs, logits, sampled), before any
@@ -165,7 +170,11 @@ class ModelRunner:
         # Qwen3-VL's DeepStack adds image rows inside the decoder
         mm = dict(mm_embeds=inp.mm_embeds, mm_token_index=inp.mm_token_index) \
             if getattr(self.model, "takes_mm_in_forward", False) else {}
-        hidden = self.model(x, inp.positions, self.kv_cache, inp.meta, **mm)
+        if self.decode_step is not None and self.decode_step.applies(inp.meta, x.shape[0], inp.mm_embeds is not None):
+            cos, sin = self.model.model.rotary(inp.positions, x.dtype)
+            hidden = self.decode_step(x, cos, sin, inp.meta)  # every layer in one call, the same bits
+        else:
+            hidden = self.model(x, inp.positions, self.kv_cache, inp.meta, **mm)
         logits = self.model.compute_logits(hidden[inp.logits_index])  # [num_sampled, vocab]
         for observe in self.observers:
             observe(chunks, inp, logits, inp.sampled)

@@ -23,29 +23,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #if defined(ATLAS_LIBMVEC)
 /* glibc's vector expf (libmvec); math.h declares it only under -ffast-math. */
 extern float expf(float) __attribute__((__simd__("notinbranch")));
 #endif
 
-#define MAX_DIM 16384
+#define MAX_ROW 16384
 #define MAX_HEAD_DIM 1024
-
-static inline float bf16_to_f32(uint16_t h) {
-  const uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static inline uint16_t f32_to_bf16(float x) { /* round to nearest even; a NaN stays a (quiet) NaN */
-  uint32_t u;
-  memcpy(&u, &x, 4);
-  const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) | 0x40u) : r);
-}
-
-static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
 /* Load n values of a row (fp32 or bf16) into fp32; store fp32 into a row of the dtype. */
 static inline void load_row(const void *p, int64_t off, int64_t n, int bf16, float *v) {
@@ -84,12 +70,12 @@ static inline void norm_row(float *v, const float *w, int64_t D, float eps, int 
 
 int rms_norm(const void *x, void *residual, const void *w, int64_t T, int64_t D, float eps, void *out, int bf16,
              int num_threads) {
-  if (T < 1 || D < 1 || D > MAX_DIM) return -1;
-  float wf[MAX_DIM];
+  if (T < 1 || D < 1 || D > MAX_ROW) return -1;
+  float wf[MAX_ROW];
   load_row(w, 0, D, bf16, wf);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && T > 4)
   for (int64_t t = 0; t < T; t++) {
-    float v[MAX_DIM], r[MAX_DIM];
+    float v[MAX_ROW], r[MAX_ROW];
     load_row(x, t * D, D, bf16, v);
     if (residual != NULL) {
       load_row(residual, t * D, D, bf16, r);
@@ -104,10 +90,10 @@ int rms_norm(const void *x, void *residual, const void *w, int64_t T, int64_t D,
 }
 
 int silu_mul(const void *gu, int64_t T, int64_t I, void *out, int bf16, int num_threads) {
-  if (T < 1 || I < 1 || I > MAX_DIM) return -1;
+  if (T < 1 || I < 1 || I > MAX_ROW) return -1;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && T > 4)
   for (int64_t t = 0; t < T; t++) {
-    float g[MAX_DIM], u[MAX_DIM];
+    float g[MAX_ROW], u[MAX_ROW];
     load_row(gu, t * 2 * I, I, bf16, g);
     load_row(gu, t * 2 * I + I, I, bf16, u);
 #pragma omp simd

@@ -30,6 +30,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define QK_AVX512 1
 #include <immintrin.h>
@@ -58,21 +60,6 @@ const char *quant_gemm_isa(void) {
 }
 
 /* ---- scalar helpers (shared by every variant) ------------------------------------------------ */
-
-static inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static inline uint16_t f32_to_bf16(float x) {
-  uint32_t u;
-  memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-  u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-  return (uint16_t)(u >> 16);
-}
 
 static inline float f16_to_f32(uint16_t h) { /* exact, IEEE half */
   const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -142,7 +129,7 @@ static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int64
   }
 }
 
-static inline void store_row(void *out, int out_bf16, int64_t N, int64_t m, int64_t n0, const float *acc,
+static inline void store_tile(void *out, int out_bf16, int64_t N, int64_t m, int64_t n0, const float *acc,
                              const float *bias) {
   for (int r = 0; r < TILE && n0 + r < N; r++) {
     const float v = bias != NULL ? acc[r] + bias[n0 + r] : acc[r];
@@ -328,11 +315,11 @@ static void tile_rows(const Args *a, int64_t t, int64_t M, int64_t N, const floa
   int64_t m = 0;
   for (; m + MT <= M; m += MT) {
     tile(a, t, m, MT, acc);
-    for (int i = 0; i < MT; i++) store_row(out, out_bf16, N, m + i, t * TILE, acc[i], bias);
+    for (int i = 0; i < MT; i++) store_tile(out, out_bf16, N, m + i, t * TILE, acc[i], bias);
   }
   for (; m < M; m++) {
     tile(a, t, m, 1, acc);
-    store_row(out, out_bf16, N, m, t * TILE, acc[0], bias);
+    store_tile(out, out_bf16, N, m, t * TILE, acc[0], bias);
   }
 }
 

@@ -1,0 +1,141 @@
+/* Every decoder layer of a quantized model for one decode-only step, in one call, for
+ * atlas_vlm/layers/decode_step.py.
+ *
+ * The same functions the per-op path calls (quant_gemm.c's activation quantization and tiles,
+ * fused_ops.c's norms / RoPE / SwiGLU, paged_decode.c's attention), in the same order with
+ * the same roundings, so the result has the same bits as running the layers op by op; what
+ * goes is the per-op cost around them: one OpenMP region for the whole step (barriers between
+ * phases instead of a fork and join per op) and no Python between ops.
+ *
+ * Per layer, for B rows of D values (activations in the model dtype):
+ *   h = norm_in(res [+= m])   qkv = h Wqkv   per (row, KV head): q, cache <- rope(qkv), a = attend(q)
+ *   o = a Wo   h = norm_post(res += o)   gu = h Wgu   s = silu_mul(gu)   m = s Wdown
+ * then res += m and the final norm into x. Returns 0, or -1 for an input out of range (a slot
+ * or context outside the cache / block table, a size the kernels refuse), checked before
+ * anything is written, or a failed allocation.
+ */
+#include "quant_gemm.c"
+#include "fused_ops.c"
+#include "paged_decode.c"
+
+typedef struct {
+  const void *w, *scale, *min; /* min NULL: int8 */
+  const float *bias;           /* fp32 [N] or NULL */
+  int64_t N, K, gs;
+  int32_t scale_f16, pad;
+} QLinear;
+
+typedef struct {
+  QLinear qkv, o, gate_up, down;
+  const void *in_norm, *post_norm, *q_norm, *k_norm; /* [D] / [Dh] in the dtype; q/k norm NULL but Qwen3 */
+  void *k_cache, *v_cache;                           /* this layer's [num_slots, KV, Dh] */
+} Layer;
+
+typedef struct { /* per-step scratch, shared by the team */
+  int8_t *xq;
+  float *d, *xg;
+  int32_t *xs;
+} Quant;
+
+/* Quantize a GEMM's input rows (one thread), then its tiles across the team (out[B, N] = in W). */
+static void quantize_in(const QLinear *l, const void *in, int64_t B, int bf16, Quant *qs) {
+  quantize_rows(in, bf16, B, l->K, l->gs, qs->xq, qs->d, qs->xs, l->min != NULL ? qs->xg : NULL);
+}
+
+static void tiles_team(const QLinear *l, int64_t B, void *out, int bf16, const Quant *qs) {
+  const Args a = {l->w, l->scale, l->min, l->scale_f16, l->min != NULL, l->K, l->gs, qs->xq, qs->d, qs->xg, qs->xs};
+#pragma omp for schedule(static)
+  for (int64_t t = 0; t < (l->N + TILE - 1) / TILE; t++) tile_rows(&a, t, B, l->N, l->bias, out, bf16);
+}
+
+/* Row s, KV head kh: its query heads and its key rotated (rope_kv's rope_head, the same bits),
+ * K and V written to slot slots[s]; then its attention. */
+static int rope_attend_pair(const void *qkv, const void *cs, const void *sn, const Layer *ly, float eps,
+                            const int64_t *slots, const int64_t *tables, int64_t stride, const int64_t *lens,
+                            int64_t H, int64_t KV, int64_t Dh, int64_t bs, float scale, void *q, void *att,
+                            int64_t s, int64_t kh, int bf16) {
+  const int64_t group = H / KV, row = (H + 2 * KV) * Dh, esz = bf16 ? 2 : 4;
+  float c[MAX_HEAD_DIM], sn_[MAX_HEAD_DIM], qn[MAX_HEAD_DIM], kn[MAX_HEAD_DIM];
+  load_row(cs, s * Dh, Dh, bf16, c);
+  load_row(sn, s * Dh, Dh, bf16, sn_);
+  if (ly->q_norm != NULL) {
+    load_row(ly->q_norm, 0, Dh, bf16, qn);
+    load_row(ly->k_norm, 0, Dh, bf16, kn);
+  }
+  for (int64_t g = 0; g < group; g++) {
+    const int64_t head = kh * group + g;
+    rope_head(qkv, s * row + head * Dh, ly->q_norm != NULL ? qn : NULL, eps, c, sn_, Dh, q, (s * H + head) * Dh, bf16);
+  }
+  rope_head(qkv, s * row + (H + kh) * Dh, ly->k_norm != NULL ? kn : NULL, eps, c, sn_, Dh, ly->k_cache,
+            (slots[s] * KV + kh) * Dh, bf16);
+  memcpy((char *)ly->v_cache + ((slots[s] * KV + kh) * Dh) * esz, (const char *)qkv + (s * row + (H + KV + kh) * Dh) * esz,
+         (size_t)(Dh * esz));
+  if (bf16)
+    return paged_decode_bf16_pair(q, ly->k_cache, ly->v_cache, tables, stride, lens, H, KV, Dh, bs, scale, att, s, kh);
+  return paged_decode_f32_pair(q, ly->k_cache, ly->v_cache, tables, stride, lens, H, KV, Dh, bs, scale, att, s, kh);
+}
+
+int decode_layers(const Layer *layers, int64_t L, const void *final_norm, float eps, void *x, int64_t B, int64_t D,
+                  int64_t H, int64_t KV, int64_t Dh, int64_t I, const void *cs, const void *sn, const int64_t *slots,
+                  int64_t num_slots, const int64_t *tables, int64_t stride, const int64_t *lens, int64_t bs,
+                  float scale, int bf16, int num_threads) {
+  const int64_t group = KV > 0 ? H / KV : 0, QKV = (H + 2 * KV) * Dh, esz = bf16 ? 2 : 4;
+  if (L < 1 || B < 1 || KV < 1 || group * KV != H || group > MAX_GROUP || Dh > MAX_DIM || D > MAX_ROW ||
+      2 * I > MAX_ROW || Dh % 2)
+    return -1;
+  for (int64_t s = 0; s < B; s++)
+    if (slots[s] < 0 || slots[s] >= num_slots || lens[s] < 1 || (lens[s] + bs - 1) / bs > stride) return -1;
+  int64_t kmax = D > I ? D : I;
+  kmax = kmax > H * Dh ? kmax : H * Dh;
+  Quant qs = {malloc((size_t)(B * kmax)), malloc(sizeof(float) * (size_t)(B * kmax / QBLOCK)),
+              malloc(sizeof(float) * (size_t)(B * kmax / QBLOCK)), malloc(sizeof(int32_t) * (size_t)(B * kmax / QBLOCK))};
+  char *buf = malloc((size_t)(esz * B * (3 * D + QKV + 2 * H * Dh + 3 * I)));
+  if (qs.xq == NULL || qs.d == NULL || qs.xg == NULL || qs.xs == NULL || buf == NULL) {
+    free(qs.xq), free(qs.d), free(qs.xg), free(qs.xs), free(buf);
+    return -1;
+  }
+  void *res = buf, *h = buf + esz * B * D, *m = buf + esz * B * 2 * D, *qkv = buf + esz * B * 3 * D;
+  void *q = (char *)qkv + esz * B * QKV, *att = (char *)q + esz * B * H * Dh, *gu = (char *)att + esz * B * H * Dh;
+  void *act = (char *)gu + esz * B * 2 * I;
+  memcpy(res, x, (size_t)(esz * B * D));
+  int status = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+  { /* 8 barriers a layer: the end of each single and each for */
+    for (int64_t l = 0; l < L; l++) {
+      const Layer *ly = layers + l;
+#pragma omp single
+      {
+        rms_norm(l == 0 ? res : m, l == 0 ? NULL : res, ly->in_norm, B, D, eps, h, bf16, 1);
+        quantize_in(&ly->qkv, h, B, bf16, &qs);
+      }
+      tiles_team(&ly->qkv, B, qkv, bf16, &qs);
+#pragma omp for collapse(2) schedule(dynamic, 1)
+      for (int64_t s = 0; s < B; s++)
+        for (int64_t kh = 0; kh < KV; kh++)
+          if (rope_attend_pair(qkv, cs, sn, ly, eps, slots, tables, stride, lens, H, KV, Dh, bs, scale, q, att, s, kh,
+                               bf16) != 0) {
+#pragma omp atomic write
+            status = -1;
+          }
+#pragma omp single
+      quantize_in(&ly->o, att, B, bf16, &qs);
+      tiles_team(&ly->o, B, m, bf16, &qs);
+#pragma omp single
+      {
+        rms_norm(m, res, ly->post_norm, B, D, eps, h, bf16, 1);
+        quantize_in(&ly->gate_up, h, B, bf16, &qs);
+      }
+      tiles_team(&ly->gate_up, B, gu, bf16, &qs);
+#pragma omp single
+      {
+        silu_mul(gu, B, I, act, bf16, 1);
+        quantize_in(&ly->down, act, B, bf16, &qs);
+      }
+      tiles_team(&ly->down, B, m, bf16, &qs);
+    }
+#pragma omp single
+    rms_norm(m, res, final_norm, B, D, eps, x, bf16, 1);
+  }
+  free(qs.xq), free(qs.d), free(qs.xg), free(qs.xs), free(buf);
+  return status;
+}

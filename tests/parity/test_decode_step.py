@@ -1,0 +1,108 @@
+"""The one-call decode step (``atlas_vlm.layers.decode_step``) against the op-by-op path it
+replaces: the same requests with the step on and off give the same bits (every step's
+logits, the tokens) for int8 / int4 tiny Llama, Qwen2, Qwen3 (q/k norms) in fp32 and bf16
+and for the real SmolLM2 GGUF; it runs only for decode-only steps, and where it cannot
+serve (a dense model, no quantized kernel) the engine says why and runs op by op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import greedy, require_quant_kernel
+from atlas_vlm import LLM, SamplingParams
+from atlas_vlm.default_models import default_text_model
+from atlas_vlm.layers import decode_step as decode_step_module
+from atlas_vlm.layers import quant_linear
+
+pytestmark = pytest.mark.text
+PROMPTS = [list(range(100, 140)), list(range(300, 311)), list(range(500, 517))]
+
+
+def _run(llm: LLM, on: bool, prompts=PROMPTS, params=None):
+    runner = llm.engine.runner
+    calls = []
+    if not on:
+        runner.decode_step = None
+    else:
+        step = runner.decode_step
+        runner.decode_step = type("Counting", (), {"applies": step.applies,
+                                                   "__call__": lambda self, *a: (calls.append(a[0].shape[0]),
+                                                                                 step(*a))[1]})()
+    logits = []
+    runner.observers.append(lambda chunks, inp, lg, sampled: logits.append(lg.clone()))
+    outs = llm.generate(prompts, params or greedy(10), use_tqdm=False)
+    return [o.token_ids for o in outs], logits, calls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+def test_same_bits_as_op_by_op(family, method, dtype, tiny_models):
+    require_quant_kernel("the decode step (it runs quantized kernels only)")
+    folder, _ = tiny_models[family]
+
+    def make():
+        return LLM(str(folder), quantization=method, dtype=dtype, max_model_len=128, num_kvcache_blocks=32)
+
+    fast = make()
+    assert fast.engine.runner.decode_step is not None, fast.engine.runner.decode_step_reason
+    tokens_on, logits_on, calls = _run(fast, True)
+    tokens_off, logits_off, _ = _run(make(), False)
+    assert tokens_on == tokens_off
+    assert len(logits_on) == len(logits_off) and all(torch.equal(a, b) for a, b in zip(logits_on, logits_off))
+    # decode-only steps ran in one call: 9 steps of 3 rows after the prefill step (10 tokens each)
+    assert calls == [3] * 9
+
+
+def test_real_smollm2_gguf_same_bits():
+    require_quant_kernel("the decode step on the real GGUF")
+
+    def make():
+        return LLM(default_text_model(), quantization="gguf", dtype="bfloat16", max_model_len=256,
+                   num_kvcache_blocks=32)
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 5646], [1, 504, 3575, 282]]
+    tokens_on, logits_on, calls = _run(make(), True, prompts, params)
+    tokens_off, logits_off, _ = _run(make(), False, prompts, params)
+    assert calls and tokens_on == tokens_off
+    assert all(torch.equal(a, b) for a, b in zip(logits_on, logits_off))
+
+
+def test_where_it_does_not_serve_the_engine_says_why(tiny_models, monkeypatch):
+    folder, _ = tiny_models["qwen2"]
+    dense = LLM(str(folder), dtype="float32", max_model_len=64, num_kvcache_blocks=8)
+    assert dense.engine.runner.decode_step is None
+    assert "quantized" in dense.engine.runner.decode_step_reason
+    monkeypatch.setattr(quant_linear, "quant_kernel_available", lambda *a, **k: False)
+    ref = LLM(str(folder), quantization="int4", dtype="float32", max_model_len=64, num_kvcache_blocks=8)
+    assert ref.engine.runner.decode_step is None and "kernel path" in ref.engine.runner.decode_step_reason
+    monkeypatch.undo()
+    monkeypatch.setattr(decode_step_module, "_library", lambda: None)
+    no_lib = LLM(str(folder), quantization="int4", dtype="float32", max_model_len=64, num_kvcache_blocks=8)
+    assert no_lib.engine.runner.decode_step is None and "build" in no_lib.engine.runner.decode_step_reason
+    assert no_lib.generate([PROMPTS[1]], greedy(4), use_tqdm=False)[0].finish_reason == "length"  # op by op
+
+
+def test_a_slot_outside_the_cache_is_refused_before_any_write(tiny_models):
+    require_quant_kernel("the decode step")
+    folder, _ = tiny_models["qwen2"]
+    llm = LLM(str(folder), quantization="int8", dtype="float32", max_model_len=64, num_kvcache_blocks=8)
+    runner = llm.engine.runner
+    seen = {}
+
+    def grab(chunks, inp, lg, sampled):
+        if runner.decode_step.applies(inp.meta, inp.input_ids.shape[0], False):
+            seen.setdefault("meta", inp.meta)
+
+    runner.observers.append(grab)
+    llm.generate([PROMPTS[1]], greedy(3), use_tqdm=False)
+    meta = seen["meta"]
+    meta.slot_mapping = torch.tensor([8 * 16])  # one past the last slot of 8 blocks of 16
+    before = runner.kv_cache.k_cache.clone(), runner.kv_cache.v_cache.clone()
+    x = torch.zeros(1, runner.model.arch.hidden_size)
+    cos, sin = runner.model.model.rotary(torch.tensor([5]), torch.float32)
+    with pytest.raises(RuntimeError, match="refused"):
+        runner.decode_step(x, cos, sin, meta)
+    assert torch.equal(runner.kv_cache.k_cache, before[0]) and torch.equal(runner.kv_cache.v_cache, before[1])
