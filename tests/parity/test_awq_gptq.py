@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (KERNEL_CALL_REL, KERNEL_DEFINITION_ATOL, QuantCalls, as_kernel_definition, require_quant_kernel,
-                     steps_before_rounding_tie)
+from helpers import require_quant_kernel
+from quant_checks import (KERNEL_CALL_REL, KERNEL_DEFINITION_ATOL, QuantCalls, as_kernel_definition,
+                          steps_before_rounding_tie)
 from safetensors.torch import save_file
 
 from atlas_vlm import LLM, SamplingParams

@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import (IMAGES, KERNEL_CALL_REL, KERNEL_DEFINITION_ATOL, SMALL, QuantCalls, as_kernel_definition, chat,
-                     conv, assert_matches_hf, require_quant_kernel, steps_before_rounding_tie)
+from helpers import IMAGES, SMALL, assert_matches_hf, chat, conv, require_quant_kernel
+from quant_checks import (KERNEL_CALL_REL, KERNEL_DEFINITION_ATOL, QuantCalls, as_kernel_definition,
+                          steps_before_rounding_tie)
 from atlas_vlm import LLM
 from atlas_vlm.layers import quant_linear
 from atlas_vlm.layers.quant_linear import quantized_modules
