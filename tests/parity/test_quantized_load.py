@@ -112,7 +112,7 @@ def test_quantized_at_load_equals_hf_on_dequantized_weights(family, method, tiny
     assert all(m.use_kernel for m in quantized_modules(ker.engine.runner.model))
     with QuantCalls(ker, check=True) as k_calls:
         k_tokens, k_logits = run(ker, ids)
-    assert k_calls.worst_rel <= KERNEL_CALL_REL, k_calls.worst_rel  # each call vs its definition (measured <= 5.1e-7)
+    assert k_calls.worst_rel <= KERNEL_CALL_REL, k_calls.worst_rel  # each call vs its definition (measured <= 6.6e-7)
     rel = ((k_logits[:1] - logits[:1]).abs().max() / logits.abs().max()).item()
     assert rel <= KERNEL_LOGITS_REL, rel
     as_kernel_definition(monkeypatch)
@@ -120,8 +120,9 @@ def test_quantized_at_load_equals_hf_on_dequantized_weights(family, method, tiny
     with QuantCalls(defn, check=False) as d_calls:
         d_tokens, d_logits = run(defn, ids)
     n = steps_before_rounding_tie(k_calls, d_calls)  # measured: all 8 steps in the six cases
-    # measured max |diff| 2.8e-7 .. 1.7e-6 (fp32 summation order only); kernel tokens equal the
-    # reference path's in 5 of the six cases (qwen2 int4: 1 of 8, a near-tie at the second token)
+    # measured max |diff| 2.4e-7 .. 2.2e-6 (fp32 summation order only; AVX-512 and AVX2 ATen).
+    # Kernel tokens equal the reference path's in 5 of the six cases (qwen2 int4: 1 of 8, a
+    # near-tie at the second token): why the check is against the kernel's definition
     torch.testing.assert_close(k_logits[:n], d_logits[:n], atol=KERNEL_DEFINITION_ATOL, rtol=0)
     assert k_tokens[:n] == d_tokens[:n]
 
