@@ -1,6 +1,7 @@
 """AWQ and GPTQ safetensors checkpoints in their released layout, read as stored into
 ``Int4Linear`` (4 bits, groups along the inputs; ``W = (q - z) * s`` becomes
-``scale = s``, ``min = -z * s``, exact in fp32, so these modules keep fp32 scales and mins).
+``scale = s``, ``min = -z * s``, exact in fp32; ``finalize`` keeps them fp32 unless every one
+is exact in fp16 too, as symmetric GPTQ's ``min = -8 s``: then fp16).
 
 AWQ (AutoAWQ ``version: "gemm"``, e.g. the Qwen2.5-VL AWQ releases): ``qweight`` int32
 ``[in, out / 8]`` and ``qzeros`` int32 ``[in / group, out / 8]``, eight 4-bit values per int32

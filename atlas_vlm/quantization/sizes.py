@@ -1,21 +1,26 @@
 """Weight bytes per quantization scheme, from a config alone (the planner's and the engine's
 shared arithmetic; tests compare it with the bytes the loaded modules hold).
 
-Per decoder projection of ``K`` inputs and ``N`` outputs, scales and zeros in the compute
-dtype of ``b`` bytes (bf16: 2):
+Quantized weights are stored in tiles of 16 output rows (``quant_linear``), so a projection
+of ``K`` inputs and ``N`` outputs holds ``N_pad = 16 * ceil(N / 16)`` rows. Scales (and mins)
+keep their own dtype whatever the model's: fp16 where every value is exact in fp16, else fp32.
+Per projection, the model's dtype taking ``b`` bytes (bf16: 2):
 
 - dense: ``N K b``
-- ``"int8"``: ``N K`` + one scale per output ``N b``
-- ``"int4"`` / ``"awq"`` / ``"gptq"`` / ``"gguf"`` (4-bit): ``N K / 2`` + a scale and a zero per
-  group of ``g`` inputs ``2 (K / g) N b``; ``g = int4_group_size(K)`` (128, else 64 / 32) for
-  int4, 128 for AWQ / GPTQ releases, 32 for GGUF Q4 blocks.
+- ``"int8"`` (round to nearest at load): ``N_pad K`` + one fp16 scale per row ``N_pad * 2``
+- ``"int4"`` (round to nearest at load): ``N_pad K / 2`` + an fp16 scale and min per group of
+  ``g`` inputs ``2 (K / g) N_pad * 2``; ``g = int4_group_size(K)`` (128, else 64 / 32)
+- ``"awq"`` / ``"gptq"``: ``N_pad K / 2`` + an fp32 scale and min (``-z s``) per group of 128
+  ``2 (K / 128) N_pad * 4`` (a symmetric GPTQ's ``-8 s`` is exact in fp16 and loads as fp16:
+  half these scale bytes; the plan is the larger figure)
 
 Embeddings, the LM head, norms, biases and the vision tower stay dense (``b`` bytes each).
+A GGUF file is not planned from a config (``entrypoints/plan.py``).
 """
 
 from __future__ import annotations
 
-from atlas_vlm.layers.quant_linear import int4_group_size
+from atlas_vlm.layers.quant_linear import TILE, int4_group_size, num_tiles
 from atlas_vlm.models.param_count import head_dim, num_kv_heads, text_config, text_params
 
 PLAN_QUANTIZATIONS = ("int8", "int4", "awq", "gptq")
@@ -31,19 +36,22 @@ def decoder_projections(hf_config) -> list[tuple[int, int]]:
 
 
 def projection_bytes(k: int, n: int, quantization: str | None, dtype_bytes: int) -> int:
-    """Bytes of one ``[n, k]`` projection's weight (no bias) under ``quantization``.
+    """Bytes of one ``[n, k]`` projection's weight (no bias) under ``quantization``; dense in
+    ``dtype_bytes`` a value; quantized as the module docstring states (their scales are fp16 or
+    fp32 whatever ``dtype_bytes``).
 
     Raises:
         ValueError: an unknown scheme (named).
     """
-    b = dtype_bytes
     if quantization is None:
-        return n * k * b
+        return n * k * dtype_bytes
+    n_pad = num_tiles(n) * TILE
     if quantization == "int8":
-        return n * k + n * b
-    if quantization in ("int4", "awq", "gptq"):
-        g = int4_group_size(k) if quantization == "int4" else 128
-        return n * k // 2 + 2 * (k // g) * n * b
+        return n_pad * k + n_pad * 2
+    if quantization == "int4":
+        return n_pad * k // 2 + 2 * (k // int4_group_size(k)) * n_pad * 2
+    if quantization in ("awq", "gptq"):
+        return n_pad * k // 2 + 2 * (k // 128) * n_pad * 4
     raise ValueError(f"quantization must be None or one of {PLAN_QUANTIZATIONS}, got {quantization!r}")
 
 

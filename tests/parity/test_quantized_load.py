@@ -1,9 +1,13 @@
 """``quantization="int8" | "int4"`` at load (round to nearest) on tiny random Qwen2 / Llama /
 Qwen3 models saved with ``save_pretrained``: the decoder's projections become quantized
 modules (no dense copy), and the engine equals HF ``transformers`` run on the same
-dequantized weights (reference path: logits within 1e-4, greedy tokens equal); the kernel
-path (faked capability) stays within a stated bound of the reference path. Unknown schemes
-and checkpoint quantization methods are refused by name."""
+dequantized weights (reference path: logits within 1e-4, greedy tokens equal). The kernel
+path equals its own definition: every call against ``kernel_reference`` on the same input,
+and the engine run again with ``kernel_reference`` as every quantized linear's forward
+(logits within 1e-4, tokens equal, up to an activation that rounds the other way at a tie:
+then the steps before it). It stays within a stated bound of the reference path (its int8
+activations differ from the reference's fp32 ones, so greedy tokens may part at a near-tie).
+Unknown schemes and checkpoint quantization methods are refused by name."""
 
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ import pytest
 import torch
 
 from helpers import require_quant_kernel
+from quant_checks import (KERNEL_CALL_REL, KERNEL_DEFINITION_ATOL, QuantCalls, as_kernel_definition,
+                          steps_before_rounding_tie)
 from torch import nn
 
 from atlas_vlm import LLM, SamplingParams
@@ -25,7 +31,9 @@ pytestmark = pytest.mark.text
 
 FAMILIES = ("qwen2", "llama", "qwen3")
 N_TOKENS = 8
-KERNEL_LOGITS_REL = 3e-2  # kernel vs reference path: max |diff| / max |logit| over every step (first step; measured 5.9e-3 .. 1.3e-2)
+# kernel vs reference path at the first step: max |diff| / max |logit| of the reference run
+# (measured 1.2e-2 .. 1.9e-2 over the six cases; later steps may follow other tokens)
+KERNEL_LOGITS_REL = 3e-2
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -101,11 +109,22 @@ def test_quantized_at_load_equals_hf_on_dequantized_weights(family, method, tiny
 
     require_quant_kernel("the kernel half (the reference half above passed)")
     ker = load(folder, method, True, monkeypatch)
-    assert all(m.use_kernel for m in quantized_modules(ker.engine.runner.model))  # rows are multiples of 64
-    k_tokens, k_logits = run(ker, ids)
+    assert all(m.use_kernel for m in quantized_modules(ker.engine.runner.model))
+    with QuantCalls(ker, check=True) as k_calls:
+        k_tokens, k_logits = run(ker, ids)
+    assert k_calls.worst_rel <= KERNEL_CALL_REL, k_calls.worst_rel  # each call vs its definition (measured <= 6.6e-7)
     rel = ((k_logits[:1] - logits[:1]).abs().max() / logits.abs().max()).item()
     assert rel <= KERNEL_LOGITS_REL, rel
-    assert k_tokens == tokens  # measured: 8/8 in all six cases (bf16 activations could part at a near-tie)
+    as_kernel_definition(monkeypatch)
+    defn = load(folder, method, True, monkeypatch)
+    with QuantCalls(defn, check=False) as d_calls:
+        d_tokens, d_logits = run(defn, ids)
+    n = steps_before_rounding_tie(k_calls, d_calls)  # measured: all 8 steps in the six cases
+    # measured max |diff| 2.4e-7 .. 2.2e-6 (fp32 summation order only; AVX-512 and AVX2 ATen).
+    # Kernel tokens equal the reference path's in 5 of the six cases (qwen2 int4: 1 of 8, a
+    # near-tie at the second token): why the check is against the kernel's definition
+    torch.testing.assert_close(k_logits[:n], d_logits[:n], atol=KERNEL_DEFINITION_ATOL, rtol=0)
+    assert k_tokens[:n] == d_tokens[:n]
 
 
 def test_unknown_scheme_is_refused_by_name(tiny_models):
