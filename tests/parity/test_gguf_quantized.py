@@ -27,7 +27,8 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Ex
 N_TOKENS = 24
 # teacher-forced top-1 agreement with the dense fp32 run over 5 prompts x 24 positions
 MIN_AGREEMENT_REFERENCE = 1.0  # dequantized reference path: the same weights (measured 120/120)
-MIN_AGREEMENT_KERNEL = 0.95  # the kernel's int8 activations, llama.cpp's (measured 115/120)
+MIN_AGREEMENT_KERNEL = 0.9  # the kernel's int8 activations, llama.cpp's (measured 115/120 = 0.958; llama.cpp itself
+# parts from the dense greedy text after 35 of 128 tokens on the bench prompt, ours after 123)
 
 
 def _blocks(kind: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
