@@ -10,11 +10,7 @@ Formats (one per module, whatever the source: quantized at load, GGUF, AWQ, GPTQ
   ``q`` in ``[0, 15]`` (GGUF Q4_1's ``d * q + m``; Q4_0 is ``min = -8 d``; an integer zero
   point ``z`` (AWQ / GPTQ) is ``min = -z * scale``).
 
-Storage: tiles of 16 output rows (``quant_kernel``'s layout; the last tile padded with zero
-rows): int4 ``qweight`` uint8 ``[T, K / 8, 16, 4]``, byte ``(t, c, r, j)`` holding
-``q[16 t + r, 8 c + j]`` in its low nibble and ``q[16 t + r, 8 c + 4 + j]`` in its high one;
-int8 ``qweight`` int8 ``[T, K / 4, 16, 4]`` holding ``q[16 t + r, 4 c + j]``; ``scales`` (and
-``mins``) ``[T, K / group_size, 16]``. Scales keep their own dtype whatever the model's:
+Storage: tiles of 16 output rows (``quant_format``, the layout ``quant_kernel`` reads). Scales keep their own dtype whatever the model's:
 fp16 where every value is exact in fp16 (GGUF, round to nearest at load), else fp32 (AWQ /
 GPTQ mins); ``model.to(dtype)`` moves them, never rounds them.
 
@@ -34,16 +30,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from atlas_vlm.layers import quant_kernel
+from atlas_vlm.layers.quant_format import (DEFAULT_INT4_GROUP_SIZE, TILE, fp16_exact, from_tiles,  # noqa: F401
+                                           int4_group_size, num_tiles, pack_int4_row, quantize_activations,
+                                           quantize_int4_rtn, quantize_int8_rtn, row_index, row_view, to_tiles,
+                                           unpack_int4_row)
 
-TILE = quant_kernel.TILE
-INT4_GROUP_SIZES = (128, 64, 32)  # default group first
-DEFAULT_INT4_GROUP_SIZE = 128
 # Rows per call through the int8 kernel, by activation dtype; more rows (prefill) go through the
 # dequantized weight and a dense GEMM. Measured (python -m benchmarks.quant_linear --sweep, one
 # thread, SmolLM2's shapes, Intel with AMX): in bf16 the kernel wins up to 32-48 rows; in fp32
 # it wins at every row count measured (1..1,024), so fp32 never leaves it.
 KERNEL_MAX_ROWS = {torch.bfloat16: 48, torch.float32: 1 << 62}
-FP16_NORMAL_MIN, FP16_MAX = 2.0**-14, 65504.0
 
 
 def quant_kernel_available(device: torch.device | str = "cpu") -> bool:
@@ -51,19 +47,6 @@ def quant_kernel_available(device: torch.device | str = "cpu") -> bool:
     ``quant_kernel`` builds (any x86-64 or aarch64 with a C compiler). Tests patch this to
     fake either answer."""
     return torch.device(device).type == "cpu" and quant_kernel.available()
-
-
-def int4_group_size(in_features: int, preferred: int = DEFAULT_INT4_GROUP_SIZE) -> int:
-    """The int4 group size for a layer of ``in_features`` inputs: ``preferred`` (128) when it
-    divides ``in_features``, else the largest of 64 and 32 that does (SmolLM2's 576 -> 64).
-
-    Raises:
-        ValueError: ``in_features`` is not a multiple of 32.
-    """
-    for g in (preferred,) + tuple(s for s in INT4_GROUP_SIZES if s < preferred):
-        if in_features % g == 0:
-            return g
-    raise ValueError(f"int4 needs in_features divisible by 32 (a group size), got {in_features}")
 
 
 _workspace = threading.local()
@@ -77,111 +60,6 @@ def dense_workspace(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
         _workspace.buf = {**getattr(_workspace, "buf", {}), dtype: torch.empty(n * k, dtype=dtype)}
         buf = _workspace.buf[dtype]
     return buf[: n * k].view(n, k)
-
-
-def num_tiles(rows: int) -> int:
-    """Tiles of 16 rows holding ``rows`` output rows."""
-    return -(-rows // TILE)
-
-
-# ---- tile layout (pure PyTorch; the kernel reads the same bytes) --------------------------------
-
-def _row_view(t: torch.Tensor) -> torch.Tensor:
-    """``[T, C, 16, ...]`` -> a ``[T, 16, C, ...]`` view: ``[tile, row in tile]`` picks a row."""
-    return t.transpose(1, 2)
-
-
-def _rows(row: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    r = torch.arange(row, row + n)
-    return r // TILE, r % TILE
-
-
-def pack_int4_row(q: torch.Tensor) -> torch.Tensor:
-    """``[n, K]`` values 0..15 -> ``[n, K / 8, 4]`` uint8: byte ``(c, j)`` = ``q[8c + j] | q[8c + 4 + j] << 4``."""
-    b = q.to(torch.uint8).reshape(q.shape[0], -1, 2, 4)
-    return b[:, :, 0] | (b[:, :, 1] << 4)
-
-
-def unpack_int4_row(b: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_int4_row`: ``[n, K / 8, 4]`` -> ``[n, K]`` uint8."""
-    return torch.stack([b & 15, b >> 4], dim=2).reshape(b.shape[0], -1)
-
-
-def to_tiles(values: torch.Tensor, per_row: tuple[int, ...]) -> torch.Tensor:
-    """Rows ``[N, *per_row]`` -> tiles ``[T, per_row[0], 16, *per_row[1:]]`` (zero padded)."""
-    n = values.shape[0]
-    out = values.new_zeros(num_tiles(n), per_row[0], TILE, *per_row[1:])
-    _row_view(out)[_rows(0, n)] = values
-    return out
-
-
-def from_tiles(tiles: torch.Tensor, n: int) -> torch.Tensor:
-    """Tiles ``[T, C, 16, ...]`` -> rows ``[n, C, ...]``."""
-    return _row_view(tiles)[_rows(0, n)]
-
-
-# ---- round-to-nearest quantizers ----------------------------------------------------------------
-
-def _fp16_exact(t: torch.Tensor) -> bool:
-    return bool(torch.isfinite(t).all()) and bool((t.abs() <= FP16_MAX).all()) and \
-        torch.equal(t.to(torch.float16).float(), t)
-
-
-def _round_scale(s: torch.Tensor) -> torch.Tensor:
-    """Scales rounded to fp16 (at least its smallest normal) when they fit, else as they are."""
-    if bool((s <= FP16_MAX).all()):
-        return s.clamp(min=FP16_NORMAL_MIN).to(torch.float16).float()
-    return s.clamp(min=1e-12)
-
-
-def quantize_int8_rtn(w: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric round-to-nearest int8 of ``w`` ``[N, K]``: ``scale = absmax / 127`` per row
-    (``group_size=None``) or per group of ``group_size`` columns, rounded to fp16 first (as
-    llama.cpp's Q8_0) when it fits, then ``q = round(w / scale)``.
-
-    Returns:
-        ``q`` int8 ``[N, K]``, ``scales`` fp32 ``[N, K // group_size]``.
-    """
-    w = w.float()
-    n, k = w.shape
-    g = group_size or k
-    wg = w.view(n, k // g, g)
-    scales = _round_scale(wg.abs().amax(-1) / 127.0)  # [N, G]
-    q = torch.round(wg / scales[..., None]).clamp(-127, 127).to(torch.int8).view(n, k)
-    return q, scales
-
-
-def quantize_int4_rtn(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric round-to-nearest int4 of ``w`` ``[N, K]`` in groups of ``group_size``
-    columns (gpt-fast's ``group_quantize_tensor``, llama.cpp's Q4_1): ``scale = (max - min) / 15``
-    and ``min``, rounded to fp16 when they fit, then ``q = round((w - min) / scale)`` in ``[0, 15]``.
-
-    Returns:
-        ``q`` uint8 ``[N, K]``, ``scales`` and ``mins`` fp32 ``[N, K // group_size]``.
-    """
-    w = w.float()
-    n, k = w.shape
-    wg = w.view(n, k // group_size, group_size)
-    lo, hi = wg.amin(-1), wg.amax(-1)
-    scales = _round_scale((hi - lo) / 15.0)
-    mins = lo.to(torch.float16).float() if bool((lo.abs() <= FP16_MAX).all()) else lo
-    q = torch.round((wg - mins[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8).view(n, k)
-    return q, scales, mins
-
-
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[M, K]`` fp32 (``K % 32 == 0``) as the kernel sees it: per block of 32 values
-    ``d = amax / 127``, ``q = round(x * (1 / d))`` (0 where ``d == 0``), returned as ``q * d``
-    (NaN for a block holding a NaN or an infinity). llama.cpp's Q8 activations."""
-    m, k = x.shape
-    xb = x.view(m, k // quant_kernel.QBLOCK, quant_kernel.QBLOCK)
-    amax = xb.abs().amax(-1, keepdim=True)
-    d = amax / 127.0
-    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.round(xb * inv)
-    out = q * d
-    bad = ~torch.isfinite(xb).all(-1, keepdim=True)
-    return torch.where(bad, torch.full_like(out, float("nan")), out).view(m, k)
 
 
 # ---- modules ------------------------------------------------------------------------------------
@@ -216,7 +94,7 @@ class _QuantLinear(nn.Module):
         for name, v in values.items():
             if tuple(v.shape) != (v.shape[0], g):
                 raise ValueError(f"{name} of shape {tuple(v.shape)} do not fit a layer with {g} groups a row")
-            _row_view(getattr(self, name))[_rows(row, v.shape[0])] = v.to(getattr(self, name).dtype)
+            row_view(getattr(self, name))[row_index(row, v.shape[0])] = v.to(getattr(self, name).dtype)
 
     def _check_rows(self, row: int, q: torch.Tensor) -> None:
         n = q.shape[0]
@@ -229,7 +107,7 @@ class _QuantLinear(nn.Module):
         kernel switched on when ``use_kernel`` and the sizes suit it (``in_features`` and the
         group multiples of 32)."""
         scales = [getattr(self, n) for n in self.SCALE_BUFFERS]
-        if all(s.dtype != torch.float16 for s in scales) and all(_fp16_exact(s) for s in scales):
+        if all(s.dtype != torch.float16 for s in scales) and all(fp16_exact(s) for s in scales):
             for name, s in zip(self.SCALE_BUFFERS, scales):
                 self._buffers[name] = s.to(torch.float16)
         self.use_kernel = bool(use_kernel) and self.in_features % 32 == 0 and self.group_size % 32 == 0
@@ -320,7 +198,7 @@ class Int8Linear(_QuantLinear):
             ValueError: shapes do not match this layer.
         """
         self._check_rows(row, q)
-        _row_view(self.qweight)[_rows(row, q.shape[0])] = q.to(torch.int8).reshape(q.shape[0], -1, 4)
+        row_view(self.qweight)[row_index(row, q.shape[0])] = q.to(torch.int8).reshape(q.shape[0], -1, 4)
         self._scale_rows(row, scales=scales)
 
     def load_dense_rows(self, row: int, w: torch.Tensor) -> None:
@@ -330,8 +208,8 @@ class Int8Linear(_QuantLinear):
     def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dense rows ``W[rows]`` ``[len(rows), K]``: an embedding lookup from this weight."""
         idx = (rows // TILE, rows % TILE)
-        q = _row_view(self.qweight)[idx].reshape(len(rows), -1, self.group_size)  # [n, G, group]
-        w = q.float() * _row_view(self.scales)[idx].float()[..., None]
+        q = row_view(self.qweight)[idx].reshape(len(rows), -1, self.group_size)  # [n, G, group]
+        w = q.float() * row_view(self.scales)[idx].float()[..., None]
         return w.reshape(len(rows), self.in_features).to(dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -379,7 +257,7 @@ class Int4Linear(_QuantLinear):
             ValueError: shapes do not match this layer.
         """
         self._check_rows(row, q)
-        _row_view(self.qweight)[_rows(row, q.shape[0])] = pack_int4_row(q)
+        row_view(self.qweight)[row_index(row, q.shape[0])] = pack_int4_row(q)
         self._scale_rows(row, scales=scales, mins=mins)
 
     def load_dense_rows(self, row: int, w: torch.Tensor) -> None:
