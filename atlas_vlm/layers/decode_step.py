@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from atlas_vlm import hardware
 from atlas_vlm.layers import cbuild, fused, quant_kernel
 from atlas_vlm.layers.attention import AttentionMetadata
 from atlas_vlm.layers.quant_linear import KERNEL_MAX_ROWS, Int4Linear, _QuantLinear
@@ -45,8 +46,11 @@ class _Layer(ctypes.Structure):
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = cbuild.load(SOURCE, quant_kernel.compile_flags(), [(["-DATLAS_LIBMVEC"], ["-lmvec", "-lm"]), ([], ["-lm"])],
-                      "decode steps run op by op")
+    # libmvec's vector expf where it links; the CPU's VNNI flags where the compiler knows them
+    attempts = [(["-DATLAS_LIBMVEC"], ["-lmvec", "-lm"]), ([], ["-lm"])]
+    lib = cbuild.load(SOURCE, quant_kernel.compile_flags(), attempts, "decode steps run op by op")
+    if lib is None and hardware.cpu_features().int8_dot_flags:
+        lib = cbuild.load(SOURCE, quant_kernel.compile_flags(int8_dot=False), attempts, "decode steps run op by op")
     if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64

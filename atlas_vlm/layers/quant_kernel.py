@@ -33,13 +33,14 @@ TILE = 16  # output rows per tile, as the C source
 QBLOCK = 32  # activation values per int8 block, as the C source
 
 
-def compile_flags(cpu: hardware.CpuFeatures | None = None) -> list[str]:
-    """Compiler flags for ``cpu`` (default: this machine's ``hardware.cpu_features()``)."""
+def compile_flags(cpu: hardware.CpuFeatures | None = None, int8_dot: bool = True) -> list[str]:
+    """Compiler flags for ``cpu`` (default: this machine's ``hardware.cpu_features()``);
+    ``int8_dot=False`` leaves out its VNNI flags (a compiler too old to know them)."""
     cpu = cpu or hardware.cpu_features()
     flags = [*cbuild.BASE_FLAGS, "-ffp-contract=off"]
     if cpu.kernel_march is not None:
         flags.append(f"-march={cpu.kernel_march}")
-    return flags + cpu.int8_dot_flags
+    return flags + (cpu.int8_dot_flags if int8_dot else [])
 
 
 def load_variant(flags: list[str]) -> ctypes.CDLL | None:
@@ -60,7 +61,10 @@ def load_variant(flags: list[str]) -> ctypes.CDLL | None:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    return load_variant(compile_flags())
+    lib = load_variant(compile_flags())
+    if lib is None and hardware.cpu_features().int8_dot_flags:  # the compiler may not know -mavx512vnni / -mavxvnni
+        lib = load_variant(compile_flags(int8_dot=False))
+    return lib
 
 
 def available() -> bool:
