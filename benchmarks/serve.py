@@ -83,22 +83,25 @@ def _hf_padded(model, prompts, outs, pad, batch: int = 16) -> tuple[float, list[
 
 
 def _hf_continuous(folder, prompts, outs, pad, timeout_s: float, dtype: torch.dtype) -> tuple[float, list[list[int]]]:
-    """(d). transformers 4.57.6 sizes its paged cache from CUDA memory and fails on CPU
-    (``total_memory`` is None); we report 8 GiB "device memory" for the cache sizing only and
-    pass ``num_blocks`` / ``max_batch_tokens`` explicitly."""
+    """(d). transformers 5's continuous batching (``init_continuous_batching`` with a
+    ``ContinuousBatchingConfig``, SDPA over its paged cache, no flash attention on CPU). It
+    sizes its cache from CUDA memory when ``num_blocks`` / ``max_batch_tokens`` are not given,
+    so both are given; on CPU we report 8 GiB "device memory" for the remaining sizing only."""
     import transformers.generation.continuous_batching.cache as cb_cache
     from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa_paged").eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
     blocks = sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, outs)) + 64
-    config = GenerationConfig(max_new_tokens=max(outs), do_sample=False, eos_token_id=-1, pad_token_id=pad,
-                              num_blocks=blocks, max_batch_tokens=2048, block_size=16)
+    config = GenerationConfig(max_new_tokens=max(outs), do_sample=False, eos_token_id=-1, pad_token_id=pad)
+    cb_config = ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=2048, page_size=16,
+                                         auto_switch_to_flash=False, use_cuda_graph=False)
     original = cb_cache.get_device_and_memory_breakdown
     if not torch.cuda.is_available():
         cb_cache.get_device_and_memory_breakdown = lambda: (torch.device("cpu"), 8 << 30, 0, 0)
     try:
         def once(ps, ns):
-            manager = model.init_continuous_batching(generation_config=config)
+            manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb_config)
             manager.start()
             results, t0 = {}, now()
             try:
