@@ -54,8 +54,8 @@ def _library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.decode_layers.argtypes = [p, i64, p, ctypes.c_float, p, i64, i64, i64, i64, i64, i64, p, p, p, i64, p, i64,
-                                  p, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.decode_layers.argtypes = [p, i64, p, p, p, ctypes.c_float, p, i64, i64, i64, i64, i64, i64, p, p, p, i64, p,
+                                  i64, p, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.decode_layers.restype = ctypes.c_int
     return lib
 
@@ -71,7 +71,8 @@ class DecodeStep:
     """Every decoder layer of a decode-only step in one C call (see the module docstring).
 
     Use :meth:`build`; ``__call__(x, cos, sin, meta)`` maps the embeddings ``x`` ``[B, hidden]``
-    to the final norm's output ``[B, hidden]`` and writes the step's K/V into the cache.
+    to the final norm's output ``[B, hidden]`` (and a quantized LM head's logits) and writes
+    the step's K/V into the cache.
     """
 
     def __init__(self, model, kv_cache, lib: ctypes.CDLL):
@@ -91,6 +92,9 @@ class DecodeStep:
         self.num_slots = kv_cache.k_cache[0].numel() // (arch.num_kv_heads * arch.head_dim)
         self.sizes = (arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size)
         self.eps, self.scale = model.model.norm.eps, arch.head_dim ** -0.5
+        head = model.lm_head  # a quantized head on the kernel path (GGUF's tied Q8_0) runs in the same call
+        self.head = _qlinear(head) if isinstance(head, _QuantLinear) and head.use_kernel else None
+        self.vocab = head.out_features if self.head is not None else 0
 
     @classmethod
     def build(cls, model, kv_cache, attention_backend: str) -> tuple[DecodeStep | None, str]:
@@ -124,8 +128,11 @@ class DecodeStep:
         return (batch is not None and batch.all_tokens and num_rows <= KERNEL_MAX_ROWS[self.dtype]
                 and not torch.compiler.is_compiling())
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Embeddings ``x`` ``[B, hidden]`` -> the final norm's output ``[B, hidden]``.
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Embeddings ``x`` ``[B, hidden]`` -> (the final norm's output ``[B, hidden]``, fp32
+        logits ``[B, vocab]`` when the LM head is quantized (what ``compute_logits`` gives,
+        the same bits), else None).
 
         Raises:
             RuntimeError: the kernel refused the step (a slot or context outside the cache).
@@ -136,12 +143,15 @@ class DecodeStep:
         slots = meta.slot_mapping if meta.slot_mapping.dtype == torch.int64 else meta.slot_mapping.long()
         tables, lens = batch.block_tables, batch.context_lens
         d, h, kv, hd, inter = self.sizes
+        logits = out.new_empty(out.shape[0], self.vocab) if self.head is not None else None  # [B, vocab], the dtype
         status = self.lib.decode_layers(
-            self.layers, len(self.layers), self.model.model.norm.weight.data_ptr(), self.eps, out.data_ptr(),
+            self.layers, len(self.layers), self.model.model.norm.weight.data_ptr(),
+            None if self.head is None else ctypes.byref(self.head), None if logits is None else logits.data_ptr(),
+            self.eps, out.data_ptr(),
             out.shape[0], d, h, kv, hd, inter, cos.data_ptr(), sin.data_ptr(),
             slots.data_ptr(), self.num_slots, tables.data_ptr(), tables.shape[1], lens.data_ptr(),
             self.kv_cache.k_cache.shape[2], self.scale, int(x.dtype == torch.bfloat16), torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"the decode step refused a batch of {out.shape[0]} (slots {slots.tolist()}, "
                                f"contexts {lens.tolist()}, block tables {tuple(tables.shape)})")
-        return out
+        return out, None if logits is None else logits.float()

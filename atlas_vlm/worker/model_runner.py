@@ -170,12 +170,14 @@ class ModelRunner:
         # Qwen3-VL's DeepStack adds image rows inside the decoder
         mm = dict(mm_embeds=inp.mm_embeds, mm_token_index=inp.mm_token_index) \
             if getattr(self.model, "takes_mm_in_forward", False) else {}
+        logits = None
         if self.decode_step is not None and self.decode_step.applies(inp.meta, x.shape[0], inp.mm_embeds is not None):
             cos, sin = self.model.model.rotary(inp.positions, x.dtype)
-            hidden = self.decode_step(x, cos, sin, inp.meta)  # every layer in one call, the same bits
+            hidden, logits = self.decode_step(x, cos, sin, inp.meta)  # every layer in one call, the same bits
         else:
             hidden = self.model(x, inp.positions, self.kv_cache, inp.meta, **mm)
-        logits = self.model.compute_logits(hidden[inp.logits_index])  # [num_sampled, vocab]
+        if logits is None:
+            logits = self.model.compute_logits(hidden[inp.logits_index])  # [num_sampled, vocab]
         for observe in self.observers:
             observe(chunks, inp, logits, inp.sampled)
         return logits, inp.sampled

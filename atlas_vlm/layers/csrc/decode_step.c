@@ -10,13 +10,18 @@
  * Per layer, for B rows of D values (activations in the model dtype):
  *   h = norm_in(res [+= m])   qkv = h Wqkv   per (row, KV head): q, cache <- rope(qkv), a = attend(q)
  *   o = a Wo   h = norm_post(res += o)   gu = h Wgu   s = silu_mul(gu)   m = s Wdown
- * then res += m and the final norm into x. Returns 0, or -1 for an input out of range (a slot
+ * then res += m and the final norm into x, and with a quantized LM head its logits (in the
+ * dtype, [B, V]). Returns 0, or -1 for an input out of range (a slot
  * or context outside the cache / block table, a size the kernels refuse), checked before
  * anything is written, or a failed allocation.
  */
+#include <omp.h>
+
 #include "quant_gemm.c"
 #include "fused_ops.c"
 #include "paged_decode.c"
+
+#define PREFETCH_CAP (512 << 10) /* bytes a thread prefetches ahead: well inside its L2 */
 
 typedef struct {
   const void *w, *scale, *min; /* min NULL: int8 */
@@ -41,6 +46,37 @@ typedef struct { /* per-step scratch, shared by the team */
 static void quantize_in(const QLinear *l, const void *in, int64_t B, int bf16, Quant *qs) {
   quantize_rows(in, bf16, B, l->K, l->gs, qs->xq, qs->d, qs->xs, l->min != NULL ? qs->xg : NULL);
 }
+
+/* Thread tid's tiles of the static schedule `omp for` gives a team of nt over T tiles. */
+static void static_share(int64_t T, int tid, int nt, int64_t *t0, int64_t *t1) {
+  const int64_t q = T / nt, r = T % nt;
+  *t0 = tid * q + (tid < r ? tid : r);
+  *t1 = *t0 + q + (tid < r);
+}
+
+/* While thread 0 does a step alone, the others pull the tiles they read next into their cache
+ * (the weights stream from memory during the serial steps instead of after them). */
+static void prefetch_share(const QLinear *l, int tid, int nt) {
+  if (nt < 2) return;
+  const int64_t T = (l->N + TILE - 1) / TILE, tile_bytes = TILE * (l->min != NULL ? l->K / 2 : l->K);
+  int64_t t0, t1;
+  static_share(T, tid, nt, &t0, &t1);
+  const char *w = (const char *)l->w + t0 * tile_bytes;
+  int64_t n = (t1 - t0) * tile_bytes;
+  n = n < PREFETCH_CAP ? n : PREFETCH_CAP;
+  for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(w + i, 0, 2);
+}
+
+/* A step for thread 0 alone, then a barrier; meanwhile the others prefetch `next`'s tiles. */
+#define SERIAL(WORK, NEXT)                                                  \
+  do {                                                                      \
+    if (omp_get_thread_num() == 0) {                                        \
+      WORK;                                                                 \
+    } else {                                                                \
+      prefetch_share((NEXT), omp_get_thread_num(), omp_get_num_threads()); \
+    }                                                                       \
+    _Pragma("omp barrier")                                                  \
+  } while (0)
 
 static void tiles_team(const QLinear *l, int64_t B, void *out, int bf16, const Quant *qs) {
   const Args a = {l->w, l->scale, l->min, l->scale_f16, l->min != NULL, l->K, l->gs, qs->xq, qs->d, qs->xg, qs->xs};
@@ -75,7 +111,8 @@ static int rope_attend_pair(const void *qkv, const void *cs, const void *sn, con
   return paged_decode_f32_pair(q, ly->k_cache, ly->v_cache, tables, stride, lens, H, KV, Dh, bs, scale, att, s, kh);
 }
 
-int decode_layers(const Layer *layers, int64_t L, const void *final_norm, float eps, void *x, int64_t B, int64_t D,
+int decode_layers(const Layer *layers, int64_t L, const void *final_norm, const QLinear *head, void *logits,
+                  float eps, void *x, int64_t B, int64_t D,
                   int64_t H, int64_t KV, int64_t Dh, int64_t I, const void *cs, const void *sn, const int64_t *slots,
                   int64_t num_slots, const int64_t *tables, int64_t stride, const int64_t *lens, int64_t bs,
                   float scale, int bf16, int num_threads) {
@@ -87,6 +124,7 @@ int decode_layers(const Layer *layers, int64_t L, const void *final_norm, float 
     if (slots[s] < 0 || slots[s] >= num_slots || lens[s] < 1 || (lens[s] + bs - 1) / bs > stride) return -1;
   int64_t kmax = D > I ? D : I;
   kmax = kmax > H * Dh ? kmax : H * Dh;
+  if (head != NULL && (head->K != D || head->K % QBLOCK)) return -1;
   Quant qs = {malloc((size_t)(B * kmax)), malloc(sizeof(float) * (size_t)(B * kmax / QBLOCK)),
               malloc(sizeof(float) * (size_t)(B * kmax / QBLOCK)), malloc(sizeof(int32_t) * (size_t)(B * kmax / QBLOCK))};
   char *buf = malloc((size_t)(esz * B * (3 * D + QKV + 2 * H * Dh + 3 * I)));
@@ -100,16 +138,13 @@ int decode_layers(const Layer *layers, int64_t L, const void *final_norm, float 
   memcpy(res, x, (size_t)(esz * B * D));
   int status = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
-  { /* 8 barriers a layer: the end of each single and each for */
+  { /* 8 barriers a layer: after each serial step, each for and the attention */
     for (int64_t l = 0; l < L; l++) {
       const Layer *ly = layers + l;
-#pragma omp single
-      {
-        rms_norm(l == 0 ? res : m, l == 0 ? NULL : res, ly->in_norm, B, D, eps, h, bf16, 1);
-        quantize_in(&ly->qkv, h, B, bf16, &qs);
-      }
+      SERIAL((rms_norm(l == 0 ? res : m, l == 0 ? NULL : res, ly->in_norm, B, D, eps, h, bf16, 1),
+              quantize_in(&ly->qkv, h, B, bf16, &qs)), &ly->qkv);
       tiles_team(&ly->qkv, B, qkv, bf16, &qs);
-#pragma omp for collapse(2) schedule(dynamic, 1)
+#pragma omp for collapse(2) schedule(dynamic, 1) nowait
       for (int64_t s = 0; s < B; s++)
         for (int64_t kh = 0; kh < KV; kh++)
           if (rope_attend_pair(qkv, cs, sn, ly, eps, slots, tables, stride, lens, H, KV, Dh, bs, scale, q, att, s, kh,
@@ -117,24 +152,23 @@ int decode_layers(const Layer *layers, int64_t L, const void *final_norm, float 
 #pragma omp atomic write
             status = -1;
           }
-#pragma omp single
-      quantize_in(&ly->o, att, B, bf16, &qs);
+      /* a thread done with its attention pulls in its share of o_proj's tiles */
+      prefetch_share(&ly->o, omp_get_thread_num(), omp_get_num_threads());
+#pragma omp barrier
+      SERIAL(quantize_in(&ly->o, att, B, bf16, &qs), &ly->o);
       tiles_team(&ly->o, B, m, bf16, &qs);
-#pragma omp single
-      {
-        rms_norm(m, res, ly->post_norm, B, D, eps, h, bf16, 1);
-        quantize_in(&ly->gate_up, h, B, bf16, &qs);
-      }
+      SERIAL((rms_norm(m, res, ly->post_norm, B, D, eps, h, bf16, 1), quantize_in(&ly->gate_up, h, B, bf16, &qs)),
+             &ly->gate_up);
       tiles_team(&ly->gate_up, B, gu, bf16, &qs);
-#pragma omp single
-      {
-        silu_mul(gu, B, I, act, bf16, 1);
-        quantize_in(&ly->down, act, B, bf16, &qs);
-      }
+      SERIAL((silu_mul(gu, B, I, act, bf16, 1), quantize_in(&ly->down, act, B, bf16, &qs)), &ly->down);
       tiles_team(&ly->down, B, m, bf16, &qs);
     }
-#pragma omp single
-    rms_norm(m, res, final_norm, B, D, eps, x, bf16, 1);
+    if (head != NULL) { /* the LM head on the final norm's output: logits [B, V] in the dtype */
+      SERIAL((rms_norm(m, res, final_norm, B, D, eps, x, bf16, 1), quantize_in(head, x, B, bf16, &qs)), head);
+      tiles_team(head, B, logits, bf16, &qs);
+    } else {
+      SERIAL(rms_norm(m, res, final_norm, B, D, eps, x, bf16, 1), &layers[0].qkv);
+    }
   }
   free(qs.xq), free(qs.d), free(qs.xg), free(qs.xs), free(buf);
   return status;
