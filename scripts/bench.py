@@ -72,6 +72,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ lives beside scripts/
     import logging
+    import os
 
     import torch
 
@@ -86,6 +87,9 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
+    # one thread count for every system and section: the engine's own choice (cores less the load
+    # average, made at its first LLM) would otherwise change it mid-run on a busy machine
+    os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
     dtype = EngineConfig(model="-", dtype=args.dtype, device="cpu").torch_dtype()
     results = {"quick": args.quick, "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                "dtype": str(dtype)}
