@@ -12,7 +12,7 @@ the kernel choice in ``atlas_vlm/layers/quant_kernel.py``:
   with the GB/s of weight bytes it reads.
 
 ``--sweep``: ours against the dequantized weight + dense ``F.linear`` (the prefill path) at
-1..64 rows, the measurement behind ``quant_linear.KERNEL_MAX_ROWS``.
+1..128 rows, the measurement behind ``quant_linear.KERNEL_MAX_ROWS``.
 """
 
 from __future__ import annotations

@@ -56,6 +56,10 @@ class QuantCalls:
         self.step_ends.append(len(self.codes))
 
     def __enter__(self) -> QuantCalls:
+        # The one-call decode step runs the kernel without the modules' forward (no hook sees it,
+        # and kernel_reference cannot stand in for it): these runs go op by op. That step has the
+        # op-by-op bits (tests/parity/test_decode_step.py).
+        self.decode_step, self.runner.decode_step = self.runner.decode_step, None
         self.handles = [m.register_forward_hook(self._hook) for m in self.modules]
         self.runner.observers.append(self._observe)
         return self
@@ -64,6 +68,7 @@ class QuantCalls:
         for h in self.handles:
             h.remove()
         self.runner.observers.remove(self._observe)
+        self.runner.decode_step = self.decode_step
 
 
 def steps_before_rounding_tie(a: QuantCalls, b: QuantCalls) -> int:
