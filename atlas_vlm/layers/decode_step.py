@@ -112,6 +112,8 @@ class DecodeStep:
             return None, f"hidden_act {arch.hidden_act} / dtype {dtype} (needs SwiGLU, fp32 or bf16)"
         if attention_backend != "decode_kernel" or kv_cache.k_cache.dtype != dtype:
             return None, f"attention backend {attention_backend} (needs the decode kernel, the cache in {dtype})"
+        if max(arch.hidden_size, arch.intermediate_size) > fused.MAX_NORM_DIM:
+            return None, f"hidden / intermediate size over {fused.MAX_NORM_DIM} (the C kernels' row bound)"
         if not fused.available():
             return None, "the fused ops do not build here"
         lib = _library()

@@ -34,7 +34,7 @@ from atlas_vlm.layers import cbuild
 from atlas_vlm.layers.rotary import apply_rotary
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_ops.c"
-MAX_NORM_DIM, MAX_HEAD_DIM = 16384, 1024  # as the C source
+MAX_NORM_DIM, MAX_HEAD_DIM = 16384, 1024  # as the C source (MAX_ROW: a norm's or SwiGLU's row)
 
 
 def compile_flags() -> list[str]:
@@ -121,7 +121,7 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """:func:`silu_and_mul_reference`, one C call on the fast path."""
-    if not _fast(gate_up):
+    if not _fast(gate_up) or gate_up.shape[-1] // 2 > MAX_NORM_DIM:
         return silu_and_mul_reference(gate_up)
     i = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], i)

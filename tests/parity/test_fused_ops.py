@@ -65,6 +65,13 @@ def test_silu_and_mul(dtype):
     _close(ours, ref)
 
 
+def test_rows_longer_than_the_c_bound_take_the_reference():
+    gu = torch.randn(2, 2 * (fused.MAX_NORM_DIM + 8))  # e.g. Qwen2.5-7B's 18,944-wide MLP
+    assert torch.equal(fused.silu_and_mul(gu), fused.silu_and_mul_reference(gu))
+    x, w = torch.randn(2, fused.MAX_NORM_DIM + 8), torch.randn(fused.MAX_NORM_DIM + 8)
+    assert torch.equal(fused.rms_norm(x, w, 1e-6)[0], fused.rms_norm_reference(x, w, 1e-6)[0])
+
+
 def _cache(dtype, kv_heads: int, head_dim: int) -> PagedKVCache:
     cache = PagedKVCache(KVCacheSpec(3, kv_heads, head_dim, dtype), num_blocks=8, block_size=4)
     g = torch.Generator().manual_seed(5)

@@ -118,7 +118,7 @@ int decode_layers(const Layer *layers, int64_t L, const void *final_norm, const 
                   float scale, int bf16, int num_threads) {
   const int64_t group = KV > 0 ? H / KV : 0, QKV = (H + 2 * KV) * Dh, esz = bf16 ? 2 : 4;
   if (L < 1 || B < 1 || KV < 1 || group * KV != H || group > MAX_GROUP || Dh > MAX_DIM || D > MAX_ROW ||
-      2 * I > MAX_ROW || Dh % 2)
+      I > MAX_ROW || Dh % 2)
     return -1;
   for (int64_t s = 0; s < B; s++)
     if (slots[s] < 0 || slots[s] >= num_slots || lens[s] < 1 || (lens[s] + bs - 1) / bs > stride) return -1;
