@@ -18,7 +18,18 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+from atlas_vlm import hardware
+
 BASE_FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+# (extra options, link flags) to try in turn: glibc's vector expf (libmvec) first, plain libm if it is missing
+LIBMVEC_ATTEMPTS = [(["-DATLAS_LIBMVEC"], ["-lmvec", "-lm"]), ([], ["-lm"])]
+
+
+def cpu_flags(*extra: str, cpu: hardware.CpuFeatures | None = None) -> list[str]:
+    """``BASE_FLAGS``, then ``extra``, then ``-march`` for ``cpu`` (default this machine's
+    ``hardware.cpu_features()``): ``kernel_march``, none where it is None (any CPU)."""
+    march = (cpu or hardware.cpu_features()).kernel_march
+    return [*BASE_FLAGS, *extra] + ([f"-march={march}"] if march is not None else [])
 
 
 def compiler() -> str | None:

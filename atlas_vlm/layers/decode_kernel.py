@@ -8,8 +8,8 @@ chunks, CUDA) keeps PyTorch's SDPA. Tested against the reference backend
 (``tests/parity/test_decode_kernel.py``).
 
 The source is compiled on first use (``layers/cbuild.py``): ``-O3 -fno-math-errno -fopenmp``,
-``-march`` from ``hardware.cpu_features().kernel_march`` (``x86-64-v4`` where the CPU has AVX-512 F/BW/CD/DQ/VL, ``x86-64-v3`` where it has AVX2 + FMA +
-F16C, else the compiler's default target: plain C, it builds for any CPU), and glibc's vector
+``-march`` from ``hardware.cpu_features().kernel_march`` (``x86-64-v4`` where the CPU has
+AVX-512 F/BW/CD/DQ/VL, ``x86-64-v3`` where it has AVX2 + FMA + F16C, else the compiler's default target: plain C, it builds for any CPU), and glibc's vector
 ``expf`` (libmvec) when it links. Without a compiler (or if the build fails) ``available()`` is
 False, the reason is logged once, and the engine uses SDPA.
 """
@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from atlas_vlm import hardware
 from atlas_vlm.layers import cbuild
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
@@ -30,19 +29,13 @@ MAX_HEAD_DIM, MAX_GROUP = 256, 16  # as the C source
 
 
 def _compile_flags() -> list[str]:
-    flags = list(cbuild.BASE_FLAGS)
-    march = hardware.cpu_features().kernel_march
-    if march is not None:
-        flags.append(f"-march={march}")
-    return flags
+    return cbuild.cpu_flags()
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """Build (once per source + flags) and load the kernel; None (logged) when impossible."""
-    # glibc's vector expf (libmvec) first, plain libm if it is missing
-    lib = cbuild.load(SOURCE, _compile_flags(), [(["-DATLAS_LIBMVEC"], ["-lmvec", "-lm"]), ([], ["-lm"])],
-                      "decode attention uses SDPA")
+    lib = cbuild.load(SOURCE, _compile_flags(), cbuild.LIBMVEC_ATTEMPTS, "decode attention uses SDPA")
     if lib is None:
         return None
     args = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + \

@@ -47,10 +47,10 @@ class _Layer(ctypes.Structure):
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     # libmvec's vector expf where it links; the CPU's VNNI flags where the compiler knows them
-    attempts = [(["-DATLAS_LIBMVEC"], ["-lmvec", "-lm"]), ([], ["-lm"])]
-    lib = cbuild.load(SOURCE, quant_kernel.compile_flags(), attempts, "decode steps run op by op")
+    lib = cbuild.load(SOURCE, quant_kernel.compile_flags(), cbuild.LIBMVEC_ATTEMPTS, "decode steps run op by op")
     if lib is None and hardware.cpu_features().int8_dot_flags:
-        lib = cbuild.load(SOURCE, quant_kernel.compile_flags(int8_dot=False), attempts, "decode steps run op by op")
+        lib = cbuild.load(SOURCE, quant_kernel.compile_flags(int8_dot=False), cbuild.LIBMVEC_ATTEMPTS,
+                          "decode steps run op by op")
     if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64

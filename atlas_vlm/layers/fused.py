@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from atlas_vlm import hardware
 from atlas_vlm.layers import cbuild
 from atlas_vlm.layers.rotary import apply_rotary
 
@@ -38,15 +37,12 @@ MAX_NORM_DIM, MAX_HEAD_DIM = 16384, 1024  # as the C source (MAX_ROW: a norm's o
 
 
 def compile_flags() -> list[str]:
-    march = hardware.cpu_features().kernel_march
-    return [*cbuild.BASE_FLAGS, "-ffp-contract=off"] + ([f"-march={march}"] if march else [])
+    return cbuild.cpu_flags("-ffp-contract=off")  # the roundings' order is part of the answer
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    # glibc's vector expf (libmvec) first, plain libm if it is missing
-    lib = cbuild.load(SOURCE, compile_flags(), [(["-DATLAS_LIBMVEC"], ["-lmvec", "-lm"]), ([], ["-lm"])],
-                      "the decoder's small ops run as PyTorch ops")
+    lib = cbuild.load(SOURCE, compile_flags(), cbuild.LIBMVEC_ATTEMPTS, "the decoder's small ops run as PyTorch ops")
     if lib is None:
         return None
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float

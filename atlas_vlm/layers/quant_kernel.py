@@ -37,10 +37,7 @@ def compile_flags(cpu: hardware.CpuFeatures | None = None, int8_dot: bool = True
     """Compiler flags for ``cpu`` (default: this machine's ``hardware.cpu_features()``);
     ``int8_dot=False`` leaves out its VNNI flags (a compiler too old to know them)."""
     cpu = cpu or hardware.cpu_features()
-    flags = [*cbuild.BASE_FLAGS, "-ffp-contract=off"]
-    if cpu.kernel_march is not None:
-        flags.append(f"-march={cpu.kernel_march}")
-    return flags + (cpu.int8_dot_flags if int8_dot else [])
+    return cbuild.cpu_flags("-ffp-contract=off", cpu=cpu) + (cpu.int8_dot_flags if int8_dot else [])
 
 
 def load_variant(flags: list[str]) -> ctypes.CDLL | None:

@@ -84,13 +84,11 @@ static void tiles_team(const QLinear *l, int64_t B, void *out, int bf16, const Q
   for (int64_t t = 0; t < (l->N + TILE - 1) / TILE; t++) tile_rows(&a, t, B, l->N, l->bias, out, bf16);
 }
 
-/* Row s, KV head kh: its query heads and its key rotated (rope_kv's rope_head, the same bits),
- * K and V written to slot slots[s]; then its attention. */
+/* Row s, KV head kh: fused_ops.c's rope_kv_pair (the op-by-op path's bits), then its attention. */
 static int rope_attend_pair(const void *qkv, const void *cs, const void *sn, const Layer *ly, float eps,
                             const int64_t *slots, const int64_t *tables, int64_t stride, const int64_t *lens,
                             int64_t H, int64_t KV, int64_t Dh, int64_t bs, float scale, void *q, void *att,
                             int64_t s, int64_t kh, int bf16) {
-  const int64_t group = H / KV, row = (H + 2 * KV) * Dh, esz = bf16 ? 2 : 4;
   float c[MAX_HEAD_DIM], sn_[MAX_HEAD_DIM], qn[MAX_HEAD_DIM], kn[MAX_HEAD_DIM];
   load_row(cs, s * Dh, Dh, bf16, c);
   load_row(sn, s * Dh, Dh, bf16, sn_);
@@ -98,14 +96,8 @@ static int rope_attend_pair(const void *qkv, const void *cs, const void *sn, con
     load_row(ly->q_norm, 0, Dh, bf16, qn);
     load_row(ly->k_norm, 0, Dh, bf16, kn);
   }
-  for (int64_t g = 0; g < group; g++) {
-    const int64_t head = kh * group + g;
-    rope_head(qkv, s * row + head * Dh, ly->q_norm != NULL ? qn : NULL, eps, c, sn_, Dh, q, (s * H + head) * Dh, bf16);
-  }
-  rope_head(qkv, s * row + (H + kh) * Dh, ly->k_norm != NULL ? kn : NULL, eps, c, sn_, Dh, ly->k_cache,
-            (slots[s] * KV + kh) * Dh, bf16);
-  memcpy((char *)ly->v_cache + ((slots[s] * KV + kh) * Dh) * esz, (const char *)qkv + (s * row + (H + KV + kh) * Dh) * esz,
-         (size_t)(Dh * esz));
+  rope_kv_pair(qkv, c, sn_, ly->q_norm != NULL ? qn : NULL, ly->k_norm != NULL ? kn : NULL, eps, s, kh, H, KV, Dh, q,
+               ly->k_cache, ly->v_cache, slots[s], bf16);
   if (bf16)
     return paged_decode_bf16_pair(q, ly->k_cache, ly->v_cache, tables, stride, lens, H, KV, Dh, bs, scale, att, s, kh);
   return paged_decode_f32_pair(q, ly->k_cache, ly->v_cache, tables, stride, lens, H, KV, Dh, bs, scale, att, s, kh);

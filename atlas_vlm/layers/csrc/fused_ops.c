@@ -125,13 +125,28 @@ static inline void rope_head(const void *src, int64_t s_off, const float *norm_w
   store_row(dst, d_off, Dh, bf16, v);
 }
 
+/* Row t, KV head kh: its query heads (kh * group ...) and its key rotated, with the q / k norms
+ * where qn / kn (fp32 weights) are given; q to q_out, K and V to cache slot `slot`. c, s: row t's
+ * cos / sin in fp32. Also the one-call decode step's (decode_step.c). */
+static void rope_kv_pair(const void *qkv, const float *c, const float *s, const float *qn, const float *kn, float eps,
+                         int64_t t, int64_t kh, int64_t H, int64_t KV, int64_t Dh, void *q_out, void *k_cache,
+                         void *v_cache, int64_t slot, int bf16) {
+  const int64_t group = H / KV, row = (H + 2 * KV) * Dh, esz = bf16 ? 2 : 4;
+  for (int64_t g = 0; g < group; g++) {
+    const int64_t head = kh * group + g;
+    rope_head(qkv, t * row + head * Dh, qn, eps, c, s, Dh, q_out, (t * H + head) * Dh, bf16);
+  }
+  rope_head(qkv, t * row + (H + kh) * Dh, kn, eps, c, s, Dh, k_cache, (slot * KV + kh) * Dh, bf16);
+  memcpy((char *)v_cache + ((slot * KV + kh) * Dh) * esz, (const char *)qkv + (t * row + (H + KV + kh) * Dh) * esz,
+         (size_t)(Dh * esz));
+}
+
 int rope_kv(const void *qkv, const void *cs, const void *sn, const void *q_norm, const void *k_norm, float eps,
             int64_t T, int64_t H, int64_t KV, int64_t Dh, void *q_out, void *k_cache, void *v_cache,
             const int64_t *slots, int64_t num_slots, int bf16, int num_threads) {
-  if (T < 1 || H < 1 || KV < 1 || Dh < 2 || Dh > MAX_HEAD_DIM || Dh % 2) return -1;
+  if (T < 1 || H < 1 || KV < 1 || H % KV || Dh < 2 || Dh > MAX_HEAD_DIM || Dh % 2) return -1;
   for (int64_t t = 0; t < T; t++)
     if (slots[t] < 0 || slots[t] >= num_slots) return -1; /* checked before anything is written */
-  const int64_t row = (H + 2 * KV) * Dh, esz = bf16 ? 2 : 4;
   float qn[MAX_HEAD_DIM], kn[MAX_HEAD_DIM];
   if (q_norm != NULL) {
     load_row(q_norm, 0, Dh, bf16, qn);
@@ -142,14 +157,9 @@ int rope_kv(const void *qkv, const void *cs, const void *sn, const void *q_norm,
     float c[MAX_HEAD_DIM], s[MAX_HEAD_DIM];
     load_row(cs, t * Dh, Dh, bf16, c);
     load_row(sn, t * Dh, Dh, bf16, s);
-    for (int64_t h = 0; h < H; h++)
-      rope_head(qkv, t * row + h * Dh, q_norm != NULL ? qn : NULL, eps, c, s, Dh, q_out, (t * H + h) * Dh, bf16);
-    for (int64_t h = 0; h < KV; h++) {
-      rope_head(qkv, t * row + (H + h) * Dh, k_norm != NULL ? kn : NULL, eps, c, s, Dh, k_cache,
-                (slots[t] * KV + h) * Dh, bf16);
-      memcpy((char *)v_cache + ((slots[t] * KV + h) * Dh) * esz, (const char *)qkv + (t * row + (H + KV + h) * Dh) * esz,
-             (size_t)(Dh * esz));
-    }
+    for (int64_t kh = 0; kh < KV; kh++)
+      rope_kv_pair(qkv, c, s, q_norm != NULL ? qn : NULL, k_norm != NULL ? kn : NULL, eps, t, kh, H, KV, Dh, q_out,
+                   k_cache, v_cache, slots[t], bf16);
   }
   return 0;
 }
