@@ -32,7 +32,12 @@ def free_port() -> int:
 
 
 def port_is_free(port: int) -> bool:
+    """No socket listens on 127.0.0.1:``port``: a new server could bind it. With SO_REUSEADDR,
+    as uvicorn binds: connections the old server closed and left in TIME_WAIT do not hold
+    the port (without it, whether the server or the client closed last decided the answer),
+    a listening socket still does."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
             return True
