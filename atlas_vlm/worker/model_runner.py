@@ -5,6 +5,7 @@ elsewhere."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -14,7 +15,9 @@ from atlas_vlm.config import EngineConfig
 from atlas_vlm.layers.attention import resolve_attention_backend
 from atlas_vlm.layers.linear import can_pack, pack_linears
 from atlas_vlm.worker.encoder_cache import EncoderCache
-from atlas_vlm.worker.input_prep import ModelInput, prepare_inputs
+from atlas_vlm.worker.input_prep import ModelInput
+from atlas_vlm.worker.step_executors import (CompiledDecodeExecutor, DecodeStepExecutor, EagerExecutor,
+                                             StepInputs)
 from atlas_vlm.loader import LoadedModel
 from atlas_vlm.worker.sampler import SamplerOutput, sample
 from atlas_vlm.memory_plan import kv_cache_spec, num_kv_blocks
@@ -105,14 +108,18 @@ class ModelRunner:
         from atlas_vlm.worker.compiled_decode import CompiledDecode, resolve_compile_decode
 
         on, self.compile_decode_reason = resolve_compile_decode(config.compile_decode, self.device)
-        self.compiled_decode = CompiledDecode(
+        compiled = CompiledDecode(
             self.model, self.kv_cache, self.block_size, max_model_len, config.max_num_seqs, self.mrope,
             use_kernel=self.attention_backend == "decode_kernel") if on else None  # None: eager decode
         from atlas_vlm.layers.decode_step import DecodeStep
 
         # quantized models on CPU: decode-only steps through every layer in one C call (None: op by op)
-        self.decode_step, self.decode_step_reason = DecodeStep.build(self.model, self.kv_cache, self.attention_backend) \
+        c_step, self.decode_step_reason = DecodeStep.build(self.model, self.kv_cache, self.attention_backend) \
             if self.device.type == "cpu" else (None, "CPU only")
+        # the step executors, asked in order; the first that serves a step runs it (eager serves all)
+        self.executors: list = []
+        self.compiled_decode, self.decode_step = compiled, c_step
+        self.executor_steps: Counter[str] = Counter()  # executor name -> steps it ran
         self.encoder_cache = EncoderCache(config.encoder_cache_tokens)  # content hash -> encoder rows
         self.num_encoder_runs = 0  # media items encoded (one per item not found in the cache)
         # Called after each forward as observer(chunks, inputs, logits, sampled), before any
@@ -150,34 +157,45 @@ class ModelRunner:
             embeds[i] = cache.get(req.mm_items[i].content_hash)
         req.mm_embeds = embeds
 
+    def _executor(self, name: str):
+        return next((e.impl for e in self.executors if e.name == name), None)
+
+    def _set_executors(self, compiled, c_step) -> None:
+        self.executors = [*([CompiledDecodeExecutor(compiled)] if compiled is not None else []),
+                          *([DecodeStepExecutor(c_step)] if c_step is not None else []), EagerExecutor()]
+
+    @property
+    def compiled_decode(self):
+        """The compiled decode (``worker.compiled_decode.CompiledDecode``), or None where decode
+        runs eager; setting None takes its executor out."""
+        return self._executor("compiled")
+
+    @compiled_decode.setter
+    def compiled_decode(self, impl) -> None:
+        self._set_executors(impl, self.decode_step)
+
+    @property
+    def decode_step(self):
+        """The one-call C decode step (``layers.decode_step.DecodeStep``), or None where decode
+        steps run op by op (``decode_step_reason`` says why); setting None takes it out."""
+        return self._executor("decode_step")
+
+    @decode_step.setter
+    def decode_step(self, impl) -> None:
+        self._set_executors(self.compiled_decode, impl)
+
     @torch.inference_mode()
     def forward_logits(self, chunks) -> tuple[torch.Tensor, list[int]]:
-        """One batched forward. Returns fp32 logits ``[num_sampled, vocab]`` of the chunks
-        that reach their request's end, and those chunks' indices."""
-        if self.compiled_decode is not None and self.compiled_decode.applies(
-                chunks, getattr(self.model, "takes_mm_in_forward", False)):
-            logits = self.compiled_decode.run(chunks)  # None: this step runs eager (below)
+        """One batched forward through the first executor that serves it. Returns fp32 logits
+        ``[num_sampled, vocab]`` of the chunks that reach their request's end, and those
+        chunks' indices."""
+        step = StepInputs(self, chunks)
+        for executor in self.executors:
+            logits = executor.run(step)
             if logits is not None:
-                inp = self.compiled_decode.model_input(chunks)
-                for observe in self.observers:
-                    observe(chunks, inp, logits, inp.sampled)
-                return logits, inp.sampled
-        for req, n in chunks:
-            self.encode_mm(req, req.num_computed_tokens, req.num_computed_tokens + n)
-        self.encoder_cache.unpin_all()  # the step's rows are in its requests now
-        inp = prepare_inputs(chunks, self.device, self.mrope, self.attention_backend)
-        x = self.model.embed(inp.input_ids, inp.mm_embeds, inp.mm_token_index)  # [num_tokens, hidden]
-        # Qwen3-VL's DeepStack adds image rows inside the decoder
-        mm = dict(mm_embeds=inp.mm_embeds, mm_token_index=inp.mm_token_index) \
-            if getattr(self.model, "takes_mm_in_forward", False) else {}
-        logits = None
-        if self.decode_step is not None and self.decode_step.applies(inp.meta, x.shape[0], inp.mm_embeds is not None):
-            cos, sin = self.model.model.rotary(inp.positions, x.dtype)
-            hidden, logits = self.decode_step(x, cos, sin, inp.meta)  # every layer in one call, the same bits
-        else:
-            hidden = self.model(x, inp.positions, self.kv_cache, inp.meta, **mm)
-        if logits is None:
-            logits = self.model.compute_logits(hidden[inp.logits_index])  # [num_sampled, vocab]
+                break
+        self.executor_steps[executor.name] += 1
+        inp = step.inp
         for observe in self.observers:
             observe(chunks, inp, logits, inp.sampled)
         return logits, inp.sampled

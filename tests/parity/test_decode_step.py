@@ -53,6 +53,8 @@ def test_same_bits_as_op_by_op(family, method, dtype, tiny_models):
     assert len(logits_on) == len(logits_off) and all(torch.equal(a, b) for a, b in zip(logits_on, logits_off))
     # decode-only steps ran in one call: 9 steps of 3 rows after the prefill step (10 tokens each)
     assert calls == [3] * 9
+    # the runner's executors: the prefill step eager, the 9 decode steps through the C step
+    assert dict(fast.engine.runner.executor_steps) == {"eager": 1, "decode_step": 9}
 
 
 def test_real_smollm2_gguf_same_bits():

@@ -1,0 +1,96 @@
+"""Step executors: the ways one engine step's forward can run, behind one interface.
+
+``ModelRunner.forward_logits`` asks its executors in order (the first that serves a step
+runs it) instead of branching on each fast path:
+
+- ``CompiledDecodeExecutor``: decode-only batches through a captured graph
+  (``worker.compiled_decode``; CUDA graphs / ``torch.compile`` where resolved on);
+- ``DecodeStepExecutor``: decode-only steps of quantized models on CPU through every decoder
+  layer in one C call (``layers.decode_step``; the op-by-op bits);
+- ``EagerExecutor``: any step, layer by layer (the reference every other one is tested against).
+
+An executor's ``run(step)`` returns fp32 logits ``[num_sampled, vocab]`` or ``None`` (this step
+is not one it serves). ``StepInputs`` prepares the eager inputs once, only when an executor
+asks for them.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import torch
+
+from atlas_vlm.worker.input_prep import ModelInput, prepare_inputs
+
+
+class StepInputs:
+    """One step's chunks (``[(request, num_tokens)]``) and, on first use, its prepared inputs.
+
+    ``inp`` is set by whichever executor ran the step (the compiled one builds its own), so
+    observers see the input that produced the logits."""
+
+    def __init__(self, runner, chunks):
+        self.runner, self.chunks = runner, chunks
+        self.inp: ModelInput | None = None
+
+    @cached_property
+    def prepared(self) -> tuple[ModelInput, torch.Tensor, dict]:
+        """``(inp, x, mm)``: media features encoded into the requests, the batch's
+        ``ModelInput``, input embeddings ``x`` ``[num_tokens, hidden]`` and the decoder's extra
+        keyword arguments (Qwen3-VL's DeepStack rows)."""
+        r = self.runner
+        for req, n in self.chunks:
+            r.encode_mm(req, req.num_computed_tokens, req.num_computed_tokens + n)
+        r.encoder_cache.unpin_all()  # the step's rows are in its requests now
+        inp = prepare_inputs(self.chunks, r.device, r.mrope, r.attention_backend)
+        x = r.model.embed(inp.input_ids, inp.mm_embeds, inp.mm_token_index)  # [num_tokens, hidden]
+        mm = dict(mm_embeds=inp.mm_embeds, mm_token_index=inp.mm_token_index) \
+            if getattr(r.model, "takes_mm_in_forward", False) else {}
+        self.inp = inp
+        return inp, x, mm
+
+
+class CompiledDecodeExecutor:
+    """Decode-only steps through ``worker.compiled_decode.CompiledDecode`` (``impl``)."""
+
+    name = "compiled"
+
+    def __init__(self, impl):
+        self.impl = impl
+
+    def run(self, step: StepInputs) -> torch.Tensor | None:
+        if not self.impl.applies(step.chunks, getattr(step.runner.model, "takes_mm_in_forward", False)):
+            return None
+        logits = self.impl.run(step.chunks)  # None: a shape it has no graph for
+        if logits is not None:
+            step.inp = self.impl.model_input(step.chunks)
+        return logits
+
+
+class DecodeStepExecutor:
+    """Decode-only steps of quantized CPU models in one C call (``layers.decode_step.DecodeStep``
+    or any object with its ``applies`` / ``__call__``, as ``impl``)."""
+
+    name = "decode_step"
+
+    def __init__(self, impl):
+        self.impl = impl
+
+    def run(self, step: StepInputs) -> torch.Tensor | None:
+        inp, x, _ = step.prepared
+        if not self.impl.applies(inp.meta, x.shape[0], inp.mm_embeds is not None):
+            return None
+        cos, sin = step.runner.model.model.rotary(inp.positions, x.dtype)
+        hidden, logits = self.impl(x, cos, sin, inp.meta)  # every layer in one call, the same bits
+        return logits if logits is not None else step.runner.model.compute_logits(hidden[inp.logits_index])
+
+
+class EagerExecutor:
+    """Any step, layer by layer through the model's modules."""
+
+    name = "eager"
+
+    def run(self, step: StepInputs) -> torch.Tensor:
+        inp, x, mm = step.prepared
+        hidden = step.runner.model(x, inp.positions, step.runner.kv_cache, inp.meta, **mm)
+        return step.runner.model.compute_logits(hidden[inp.logits_index])  # [num_sampled, vocab]
