@@ -282,7 +282,12 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
 
     method, quant_config = resolve_quantization(quantization, hf_config)
     if method is None:
-        model = model_class(family)(arch, text_config_of(hf_config, family))
+        from atlas_vlm.quantization import build_empty, materialize
+
+        # as quantized loads (gpt-fast): built on ``meta``, storage made once in the target
+        # dtype, the checkpoint copied in (copy_ rounds as .to(dtype) would): no init, no fp32 copy
+        model = build_empty(model_class(family), arch, text_config_of(hf_config, family))
+        materialize(model, device, dtype)
         visual = _load_weights(model, files)
     else:
         from atlas_vlm.quantization.build import load_quantized_weights

@@ -129,14 +129,15 @@ def build_empty(model_cls, arch, text_config) -> nn.Module:
         return model_cls(arch, text_config)
 
 
-def materialize(model: nn.Module, device: torch.device | str = "cpu") -> None:
-    """Give every parameter still on ``meta`` uninitialised storage on ``device`` (to be
-    loaded next) and re-tie ``lm_head`` to the embedding where the arch ties them."""
+def materialize(model: nn.Module, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> None:
+    """Give every parameter still on ``meta`` uninitialised storage on ``device`` (in ``dtype``,
+    or the parameter's own where None; to be loaded next) and re-tie ``lm_head`` to the
+    embedding where the arch ties them."""
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None and p.is_meta:
-                module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
-                                                        requires_grad=False)
+                module._parameters[name] = nn.Parameter(
+                    torch.empty(p.shape, dtype=dtype or p.dtype, device=device), requires_grad=False)
     arch = getattr(model, "arch", None)
     emb = getattr(getattr(model, "model", None), "embed_tokens", None)
     if arch is not None and arch.tie_word_embeddings and isinstance(emb, nn.Embedding) \
