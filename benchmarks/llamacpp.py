@@ -5,7 +5,7 @@ dtype in use), so its greedy tokens are compared with HF's and reported, not req
 Its Python binding runs one sequence at a time: many requests run one after another.
 
 Optional: ``pip install llama-cpp-python`` (it builds llama.cpp from source; on a CPU where a
-native build dies with an illegal instruction, see README "Performance" for the CMAKE_ARGS).
+native build dies with an illegal instruction, see ``scripts/setup.sh --bench`` for the CMAKE_ARGS).
 Every function here is called only when ``available()`` returns None.
 
 Times are seconds (``benchmarks.common.now``); decode tok/s = (N - 1) / (time of the last

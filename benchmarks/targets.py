@@ -1,4 +1,4 @@
-"""The speed targets (README "Performance"), read off one run's results: measured value, target, met.
+"""The speed targets (docs/performance.md "Targets"), read off one run's results: measured value, target, met.
 
 Each target is computed only from sections that ran (``--text``, ``--vlm``, ``--serve``);
 a peer that did not run (llama.cpp not installed, HF continuous batching failed) makes its

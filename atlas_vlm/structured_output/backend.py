@@ -5,8 +5,8 @@
 tokens into a row of an int32 token bitmask (bit ``i % 32`` of word ``i // 32`` is token
 ``i``, the layout llguidance and xgrammar share), ``accept_token`` advances it.
 
-The backend is llguidance (measured against xgrammar on this machine, see README
-"Structured output"): compiling a schema takes under 1 ms against 20-60 ms, and masks cost
+The backend is llguidance (measured against xgrammar on this machine, see
+docs/structured-output.md): compiling a schema takes under 1 ms against 20-60 ms, and masks cost
 tens of microseconds a token either way. Another library is one more subclass.
 """
 

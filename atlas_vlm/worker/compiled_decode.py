@@ -149,15 +149,15 @@ def resolve_compile_decode(requested, device: torch.device | str) -> tuple[bool,
 
     ``True`` / ``False``: as asked (``True`` where inductor cannot build runs eager, logged).
     ``"auto"``: on for CUDA where inductor works, off on CPU: measured on this project's
-    AVX512-BF16 CPU with SmolLM2-135M (``benchmarks/compiled_decode.py``, README
-    "Performance"), the compiled step did not pay (see the README figures), so CPU stays on
+    AVX512-BF16 CPU with SmolLM2-135M (``benchmarks/compiled_decode.py``,
+    docs/performance-quantized.md), the compiled step did not pay (see the figures there), so CPU stays on
     the eager path unless asked.
     """
     dev = torch.device(device)
     if requested is False:
         return False, "compile_decode=False"
     if requested == "auto" and dev.type == "cpu":
-        return False, "auto: off on CPU (the compiled step does not pay there, README 'Performance')"
+        return False, "auto: off on CPU (the compiled step does not pay there, docs/performance-quantized.md)"
     why_not = inductor_available()
     if why_not is not None:
         return False, f"torch.compile's inductor does not work here ({why_not}); decode runs eager"
