@@ -26,6 +26,17 @@ def available() -> str | None:
     return None
 
 
+def system_info() -> str:
+    """llama.cpp's own ``system_info`` line (the instruction sets its CPU backend was built
+    with, e.g. ``AVX512_VNNI = 1``), or why the peer is not available."""
+    why = available()
+    if why is not None:
+        return f"llama.cpp {why}"
+    import llama_cpp
+
+    return llama_cpp.llama_print_system_info().decode().strip()
+
+
 def load(gguf: str, n_ctx: int, threads: int):
     """A ``llama_cpp.Llama`` on ``gguf`` with room for ``n_ctx`` tokens, ``threads`` CPU threads
     (prefill and decode), 512-token prefill batches (llama.cpp's default)."""

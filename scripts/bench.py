@@ -94,6 +94,16 @@ def main(argv=None) -> int:
     results = {"quick": args.quick, "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                "dtype": str(dtype)}
     print(f"dtype {dtype} (--dtype {args.dtype}), torch {torch.__version__}, {torch.get_num_threads()} threads")
+    from atlas_vlm import hardware
+    from atlas_vlm.layers import quant_kernel
+    from benchmarks import llamacpp
+
+    # the two quantized paths side by side: our kernel variant and what llama.cpp was built with
+    results["cpu"] = hardware.cpu_features().describe()
+    results["our_kernel"] = quant_kernel.isa() or "none (PyTorch reference path)"
+    results["llama_cpp_system_info"] = llamacpp.system_info()
+    print(f"CPU: {results['cpu']}\nour quantized kernel: {results['our_kernel']}\n"
+          f"llama.cpp system_info: {results['llama_cpp_system_info']}")
     start = time.perf_counter()
     for name, module in (("text", text), ("quant", quant), ("vlm", vlm), ("video", video), ("serve", serve), ("detok", detokenize),
                          ("structured", structured), ("server", server), ("replicas", replicas)):

