@@ -106,3 +106,51 @@ def test_trailing_newline_then_end_and_parser_edge_cases(llm):
     assert len(extract_tool_calls(call + "\n<tool_call>\n{\"na")[1]) == 1
     assert extract_tool_calls(START + "oops" + END + call) == (START + "oops" + END + call, [])
     assert extract_tool_calls("<tool_call>\n{\"na") == (None, [])
+
+
+# ChatML without any tools support (as SmolLM2's template)
+NO_TOOLS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tools_fallback_system_prompt_for_a_template_without_tools(llm, caplog, monkeypatch):
+    from atlas_vlm.engine import tool_prompt
+
+    monkeypatch.setattr(tool_prompt, "_warned", False)
+    tok = llm.tokenizer
+    with caplog.at_level("WARNING", logger="atlas_vlm.engine.tool_prompt"):
+        p = llm.engine.process_prompt({"messages": ASK, "tools": TOOLS, "chat_template": NO_TOOLS_TEMPLATE})
+    assert "does not render tools" in caplog.text
+    text = tok.decode(p.prompt_token_ids)
+    lines = [json.dumps(t) for t in TOOLS]
+    assert text.startswith("<|im_start|>system\n# Tools\n") and "\n".join(lines) in text
+    assert "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>" in text
+    assert text.endswith("<|im_start|>user\nWeather in Paris for 3 days?<|im_end|>\n<|im_start|>assistant\n")
+    # a system message of the caller's keeps its text, the block after a blank line
+    sys_ask = [{"role": "system", "content": "Be brief."}] + ASK
+    p = llm.engine.process_prompt({"messages": sys_ask, "tools": TOOLS, "chat_template": NO_TOOLS_TEMPLATE})
+    assert tok.decode(p.prompt_token_ids).startswith(
+        "<|im_start|>system\nBe brief.\n\n" + tool_prompt.tools_system_text(TOOLS) + "<|im_end|>")
+    # a template that renders tools (Qwen's) is left alone
+    p = llm.engine.process_prompt({"messages": ASK, "tools": TOOLS})
+    assert tok.decode(p.prompt_token_ids) == tok.apply_chat_template(ASK, tools=TOOLS, tokenize=False,
+                                                                     add_generation_prompt=True)
+    # tool_choice="auto": what the model writes in the format comes back as tool_calls
+    call = '<tool_call>\n{"name": "zoom", "arguments": {"factor": 4}}\n</tool_call>'
+    forced = tok.encode(call, add_special_tokens=False) + [sorted(llm.engine.eos_token_ids)[0]]
+
+    def write_call(chunks, inp, logits, sampled):
+        for row, index in enumerate(sampled):
+            k = chunks[index][0].num_output_tokens
+            if k < len(forced):
+                logits[row, forced[k]] += 1e4
+
+    llm.engine.runner.observers.append(write_call)
+    try:
+        (out,) = llm.chat(ASK, SamplingParams(temperature=0, max_tokens=40), tools=TOOLS, tool_choice="auto",
+                          chat_template=NO_TOOLS_TEMPLATE, use_tqdm=False)
+    finally:
+        llm.engine.runner.observers.remove(write_call)
+    assert out.finish_reason == "tool_calls" and "<tools>" in tok.decode(out.prompt_token_ids)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in out.tool_calls] == \
+        [("zoom", {"factor": 4})]
