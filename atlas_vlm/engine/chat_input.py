@@ -8,7 +8,8 @@ The chat prompt dict (the one interface ``LLM.chat``, the server and ``LLM.gener
      "chat_template": None,                 # a Jinja template overriding the tokenizer's
      "chat_template_kwargs": None,          # extra variables for the template
      "mm_options": None,                    # MultiModalOptions | dict | None
-     "tools": None}                         # OpenAI tools, rendered by the template
+     "tools": None}                         # OpenAI tools, rendered by the template (else
+                                            # by engine/tool_prompt.py's system prompt)
 
 Rules (vLLM ``vllm/entrypoints/chat_utils.py`` and transformers ``apply_chat_template``):
 text-only templates get the "string" content format (text parts joined with ``"\\n"``,
@@ -19,6 +20,7 @@ refuses it too). Every key, role, content type and option is checked; none is ig
 
 from __future__ import annotations
 
+from atlas_vlm.engine.tool_prompt import render_with_tools
 from mm_token_pipeline import MultiModalOptions
 from mm_token_pipeline.messages import check_messages, content_type, to_string_content
 
@@ -140,12 +142,7 @@ class ChatInput:
         """
         p = parse_chat_prompt(prompt)
         if self.media is None:
-            template_kwargs = {**(p["chat_template_kwargs"] or {}), **({"tools": p["tools"]} if p["tools"] else {})}
-            ids = self.tokenizer.apply_chat_template(
-                to_string_content(p["messages"]), tokenize=True, return_dict=False,
-                add_generation_prompt=p["add_generation_prompt"], continue_final_message=p["continue_final_message"],
-                chat_template=p["chat_template"], **template_kwargs)
-            return list(ids), []
+            return render_with_tools(self._render_text, p), []
         for i, message in enumerate(p["messages"]):
             for item in message.get("content") if isinstance(message.get("content"), list) else ():
                 kind = content_type(item).removesuffix("_url")
@@ -153,3 +150,11 @@ class ChatInput:
                     raise ValueError(f"messages[{i}]: {self.family.name} does not take {kind} input "
                                      f"(it takes {', '.join(self.family.modalities)})")
         return self.media.prompt_ids(p)
+
+    def _render_text(self, p: dict) -> list[int]:
+        """A text model's prompt ids: the template over string contents."""
+        template_kwargs = {**(p["chat_template_kwargs"] or {}), **({"tools": p["tools"]} if p["tools"] else {})}
+        return list(self.tokenizer.apply_chat_template(
+            to_string_content(p["messages"]), tokenize=True, return_dict=False,
+            add_generation_prompt=p["add_generation_prompt"], continue_final_message=p["continue_final_message"],
+            chat_template=p["chat_template"], **template_kwargs))

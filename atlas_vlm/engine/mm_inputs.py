@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from atlas_vlm.engine.tool_prompt import render_with_tools
 from mm_token_pipeline import MultiModalOptions
 from mm_token_pipeline.messages import VIDEO_OPTIONS as VIDEO_ITEM_OPTIONS
 
@@ -154,14 +155,17 @@ class QwenVLInputs(MediaInputs):
                                           "(seconds per temporal group: M-RoPE / timestamps); give a file that "
                                           "states its frame rate, or a list of frames with sample_fps")
                 items.append(preprocess_video(frames, source=frames.source, **bounds, **geometry))
-        template_kwargs = {**(p["chat_template_kwargs"] or {}), **({"tools": p["tools"]} if p["tools"] else {})}
-        ids = build_prompt_ids(self.tokenizer, p["messages"], items,
-                               add_generation_prompt=p["add_generation_prompt"],
-                               continue_final_message=p["continue_final_message"],
-                               chat_template=p["chat_template"], chat_template_kwargs=template_kwargs,
-                               default_template=QWEN3_VL_CHAT_TEMPLATE if family == "qwen3_vl" else None,
-                               video_timestamps=family == "qwen3_vl")  # Qwen3-VL: '<t seconds>' per group
-        return list(ids), items
+
+        def render(q: dict) -> list[int]:
+            template_kwargs = {**(q["chat_template_kwargs"] or {}), **({"tools": q["tools"]} if q["tools"] else {})}
+            return list(build_prompt_ids(self.tokenizer, q["messages"], items,
+                                         add_generation_prompt=q["add_generation_prompt"],
+                                         continue_final_message=q["continue_final_message"],
+                                         chat_template=q["chat_template"], chat_template_kwargs=template_kwargs,
+                                         default_template=QWEN3_VL_CHAT_TEMPLATE if family == "qwen3_vl" else None,
+                                         video_timestamps=family == "qwen3_vl"))  # Qwen3-VL: '<t seconds>' per group
+
+        return render_with_tools(render, p), items  # a template without tools: the system-prompt fallback
 
     def _video_token_check(self, bounds: dict, index: int, before: int):
         """``load_video``'s ``before_decode`` hook: refuse a video whose tokens (with the

@@ -160,7 +160,9 @@ class LLM:
             chat_template_kwargs: extra variables for the template.
             mm_options: ``MultiModalOptions`` (or a dict of its fields) for the images.
             tools: OpenAI tool definitions (``{"type": "function", "function": {"name",
-                "description", "parameters"}}``), rendered by the model's chat template.
+                "description", "parameters"}}``), rendered by the model's chat template (one
+                that ignores them gets Qwen2.5's ``# Tools`` block in the system message:
+                ``atlas_vlm/engine/tool_prompt.py``).
             tool_choice: "auto" (the model decides), "none" (no parsing), "required" or
                 ``{"type": "function", "function": {"name": N}}``: the output is forced by a
                 grammar into ``<tool_call>`` blocks whose arguments follow the parameters schema.
@@ -170,7 +172,8 @@ class LLM:
         every finished output also has ``reasoning_content`` (the thinking, or None) and
         ``content`` (the rest; ``text`` stays whole); with ``tools`` (and ``tool_choice`` not "none") every
         finished output has ``tool_calls`` (OpenAI's shape: id, type, function name and
-        arguments JSON text; ``[]`` if none) and ``finish_reason="tool_calls"`` when it called.
+        arguments JSON text; ``[]`` if none; a call cut by ``max_tokens`` is dropped, the complete
+        ones kept) and ``finish_reason="tool_calls"`` when it called and stopped.
 
         Raises:
             ValueError, TypeError: a malformed conversation or option (the message names it).

@@ -16,7 +16,7 @@ import abc
 
 import torch
 
-from atlas_vlm.structured_output.params import StructuredOutputsParams, choice_regex
+from atlas_vlm.structured_output.params import StructuredOutputsParams, ascii_regex, choice_regex
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -65,14 +65,15 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
 
 
 def grammar_spec(params: StructuredOutputsParams) -> tuple[str, object]:
-    """``(library kind, spec)``: "json" with a schema, "regex" or "lark" with a string."""
+    """``(library kind, spec)``: "json" with a schema, "regex" or "lark" with a string (a
+    regex with ASCII ``\\d \\w \\s``: ``ascii_regex``)."""
     kind = params.kind
     if kind == "json":
         return "json", params.json
     if kind == "json_object":
         return "json", {"type": "object"}
     if kind == "regex":
-        return "regex", params.regex
+        return "regex", ascii_regex(params.regex)
     if kind == "choice":
         return "regex", choice_regex(params.choice)
     return "lark", params.grammar

@@ -37,6 +37,64 @@ def _schema_of(value, where: str) -> dict | bool:
     return value
 
 
+_ASCII_CLASSES = {"d": "[0-9]", "D": "[^0-9]", "w": "[0-9A-Za-z_]", "W": "[^0-9A-Za-z_]",
+                  "s": "[\\t\\n\\x0B\\x0C\\r ]", "S": "[^\\t\\n\\x0B\\x0C\\r ]"}
+
+
+def ascii_regex(regex: str) -> str:
+    """``regex`` with the Perl classes ``\\d \\w \\s`` (and ``\\D \\W \\S``) spelled as their
+    ASCII sets: ``[0-9]``, ``[0-9A-Za-z_]``, ``[\\t\\n\\v\\f\\r ]``.
+
+    The grammar library reads Rust regex syntax, where ``\\d`` is any Unicode digit (``'٣'``
+    too); Python's ``re.ASCII``, JSON schema's ECMA-262 ``pattern`` and xgrammar (vLLM's
+    default) mean ASCII, which is what a ``\\d{3}-\\d{4}`` phone pattern expects. Inside a
+    character class the set is nested (``[\\d-]`` -> ``[[0-9]-]``, Rust's nested-class
+    syntax). Other escapes, ``\\p{...}`` included, are kept; an escaped backslash is skipped.
+    """
+    out, i = [], 0
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            nxt = regex[i + 1]
+            out.append(_ASCII_CLASSES.get(nxt, c + nxt))
+            i += 2
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+# the string formats the grammar library enforces (llguidance's JSON schema docs; each one
+# checked against it in tests/engine/test_structured_output.py)
+SUPPORTED_FORMATS = ("date", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "time", "uri", "uuid")
+_NOT_SCHEMAS = ("const", "enum", "default", "examples")  # values here are data, not subschemas
+
+
+def check_formats(schema, path: str = "") -> None:
+    """Refuse a ``format`` the grammar library does not enforce, naming where it is.
+
+    Args:
+        schema: a JSON schema (dict / list / bool), walked recursively.
+        path: where ``schema`` sits, dotted (``properties.contact``).
+
+    Raises:
+        ValueError: ``"format 'idn-email' at properties.contact is not supported (supported: ...)"``.
+    """
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            check_formats(item, f"{path}[{i}]")
+        return
+    if not isinstance(schema, dict):
+        return
+    fmt = schema.get("format")
+    if isinstance(fmt, str) and fmt not in SUPPORTED_FORMATS:
+        raise ValueError(f"format {fmt!r} at {path or 'the schema root'} is not supported "
+                         f"(supported: {', '.join(SUPPORTED_FORMATS)})")
+    for key, value in schema.items():
+        if key not in _NOT_SCHEMAS and isinstance(value, (dict, list)):
+            check_formats(value, f"{path}.{key}" if path else key)
+
+
 def choice_regex(choices: list[str]) -> str:
     """A regex matching exactly one of ``choices`` (each escaped literally)."""
     import re
@@ -49,9 +107,12 @@ class StructuredOutputsParams:
     """Exactly one constraint on a request's output.
 
     Args:
-        json: JSON schema: dict, JSON string, or a pydantic ``BaseModel`` subclass.
+        json: JSON schema: dict, JSON string, or a pydantic ``BaseModel`` subclass; string
+            ``format`` is enforced for ``SUPPORTED_FORMATS`` (date, date-time, duration, email,
+            hostname, ipv4, ipv6, time, uri, uuid) and any other is refused.
         json_object: True: any JSON object (``response_format={"type": "json_object"}``).
-        regex: the whole output must ``re.fullmatch`` it (Rust regex syntax, no lookaround).
+        regex: the whole output must ``re.fullmatch`` it (Rust regex syntax, no lookaround;
+            ``\\d``, ``\\w``, ``\\s`` are ASCII as in xgrammar / vLLM: see ``ascii_regex``).
         choice: the output is exactly one of these non-empty strings.
         grammar: a Lark grammar (llguidance's dialect; ``%json {...}`` embeds a schema).
 
@@ -75,6 +136,10 @@ class StructuredOutputsParams:
         kind = given[0]
         if kind == "json":
             object.__setattr__(self, "json", _schema_of(self.json, "structured_outputs.json"))
+            try:
+                check_formats(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json: {e}") from None
         elif kind == "json_object" and self.json_object is not True:
             raise ValueError(f"structured_outputs.json_object must be True, got {self.json_object!r}")
         elif kind in ("regex", "grammar") and (not isinstance(getattr(self, kind), str) or not getattr(self, kind)):

@@ -110,7 +110,7 @@ class TestTextServer:
 
     def test_tool_calls_required_named_streamed(self, text_server):
         client = text_server.client()
-        r = client.chat.completions.create(model="smollm2", messages=USER, max_tokens=300, temperature=1.0, seed=1,
+        r = client.chat.completions.create(model="smollm2", messages=USER, max_tokens=200, temperature=1.0, seed=1,
                                            n=2, tools=TOOLS, tool_choice="required")
         for ch in r.choices:
             assert ch.finish_reason == "tool_calls"
@@ -120,7 +120,7 @@ class TestTextServer:
         (call,) = r.choices[0].message.tool_calls
         assert call.function.name == "zoom" and r.choices[0].finish_reason == "tool_calls"
         _valid_calls([call])
-        stream = client.chat.completions.create(model="smollm2", messages=USER, max_tokens=300, temperature=1.0,
+        stream = client.chat.completions.create(model="smollm2", messages=USER, max_tokens=200, temperature=1.0,
                                                 seed=1, tools=TOOLS, tool_choice="required", stream=True)
         content, calls, finish = _collect_stream(stream)
         assert finish == "tool_calls" and content == ""
@@ -128,7 +128,7 @@ class TestTextServer:
             assert c["id"] and c["name"] in PARAMS
             jsonschema.validate(json.loads(c["arguments"]), PARAMS[c["name"]])
         # the same seed non-streamed gives the same calls
-        again = client.chat.completions.create(model="smollm2", messages=USER, max_tokens=300, temperature=1.0,
+        again = client.chat.completions.create(model="smollm2", messages=USER, max_tokens=200, temperature=1.0,
                                                seed=1, tools=TOOLS, tool_choice="required")
         assert [(c.function.name, c.function.arguments) for c in again.choices[0].message.tool_calls] == \
             [(c["name"], c["arguments"]) for c in calls]

@@ -33,9 +33,7 @@ class ChatChoiceOutput:
             reasoning, content = self.reasoning_parser.extract_reasoning(out.text, self._state(out))
         calls = []
         if self.parse_tools:
-            before, calls = extract_tool_calls(content)
-            if calls:
-                content = before
+            content, calls = extract_tool_calls(content)
         msg = {"role": "assistant", "content": content}
         if reasoning is not None:
             msg["reasoning_content"] = reasoning

@@ -5,9 +5,9 @@
   Lark grammar (the structured-output backend's dialect) that forces one or more calls in this format whose ``name`` is a
   given tool and whose ``arguments`` follow that tool's ``parameters`` JSON schema;
 - ``extract_tool_calls``: whole output -> ``(content, tool_calls)`` in OpenAI's shape;
-- ``ToolCallStreamer``: the same split for a growing output as OpenAI ``tool_calls`` deltas
-  (``index``, ``id``, ``type`` and ``name`` once, then ``arguments`` fragments whose
-  concatenation is the call's ``arguments`` string).
+- ``ToolCallStreamer``: the same split for a growing output as OpenAI ``tool_calls`` deltas,
+  one whole call per delta once it is complete (a call cut by ``max_tokens`` is dropped by
+  both, so streamed and whole outputs give the same calls).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def tool_call_structured_outputs(tools: list[dict], tool_choice, parallel_tool_c
     Args:
         tools: OpenAI tools ``[{"type": "function", "function": {"name", "parameters", ...}}]``.
         tool_choice: "none", "auto", "required", or ``{"type": "function", "function": {"name": N}}``.
-        parallel_tool_calls: "required" may produce several calls (else exactly one).
+        parallel_tool_calls: "required" may produce several calls (else exactly one); the
+            model may end its turn after any complete call (EOS is allowed there).
         marker_is_token: ``<tool_call>`` is one token of the tokenizer (Qwen): the grammar
             names the token instead of spelling the text.
 
@@ -64,7 +65,9 @@ def tool_call_structured_outputs(tools: list[dict], tool_choice, parallel_tool_c
     schema = {**schema, "x-guidance": _JSON_STYLE}
     start, end = ("<tool_call>", "</tool_call>") if marker_is_token else ('"<tool_call>"', '"</tool_call>"')
     repeat = ' ("\\n" call)*' if many else ""
-    lark = (f"start: call{repeat}\n"
+    # EOS (end of turn) is allowed after every complete call, and after one newline too
+    # (where a model not trained on the format ends its line first); never inside a call
+    lark = (f'start: call{repeat} "\\n"?\n'
             f'call: {start} "\\n" body "\\n" {end}\n'
             f"body: %json {json.dumps(schema)}\n")
     try:
@@ -116,14 +119,19 @@ def _blocks(text: str) -> list[tuple[str, bool]]:
 
 def extract_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     """``(content, tool_calls)`` of a whole output: content is the text before the first
-    ``<tool_call>`` (None if empty); if any block does not parse as a call, there are no
-    calls and the whole text is content (as vLLM's hermes parser)."""
+    ``<tool_call>`` (None if empty). A last block left open that does not parse was cut
+    (``max_tokens``, a stop string) and is dropped, the complete calls before it kept (the
+    same calls ``ToolCallStreamer`` streams); if a closed block does not parse, there are
+    no calls and the whole text is content (as vLLM's hermes parser)."""
     k = text.find(START)
     if k == -1:
         return text, []
     calls = []
-    for body, _closed in _blocks(text):
+    blocks = _blocks(text)
+    for n, (body, closed) in enumerate(blocks):
         split = _split_call(body.strip())
+        if split is None and not closed and n == len(blocks) - 1:
+            break
         if split is None:
             return text, []
         calls.append({"id": new_tool_call_id(), "type": "function",
@@ -141,18 +149,25 @@ def _partial_suffix(text: str, marker: str) -> int:
 
 
 class ToolCallStreamer:
-    """Turns a growing output into content deltas and OpenAI ``tool_calls`` deltas."""
+    """Turns a growing output into content deltas and OpenAI ``tool_calls`` deltas.
+
+    A call is sent whole (``index``, ``id``, ``type``, ``function.name`` and
+    ``function.arguments`` in one delta) once its ``</tool_call>`` arrives, or at the end
+    if the open block parses: a call cut by ``max_tokens`` is never sent, so the streamed
+    calls are exactly those ``extract_tool_calls`` finds in the whole output."""
 
     def __init__(self):
         self.content_sent = 0
-        self.calls: list[dict] = []  # per call: id, name (once sent), args_sent
+        self.blocks_done = 0  # <tool_call> blocks sent or dropped
+        self.calls: list[dict] = []  # per sent call: id, name
 
     @property
     def called(self) -> bool:
         return bool(self.calls)
 
     def feed(self, text: str, finished: bool) -> tuple[str, list[dict]]:
-        """``(content delta, tool_call deltas)`` for the output ``text`` so far."""
+        """``(content delta, tool_call deltas)`` for the output ``text`` so far (``finished``:
+        it is the whole output)."""
         k = text.find(START)
         content_end = len(text) if k == -1 else k
         if k == -1 and not finished:
@@ -163,28 +178,16 @@ class ToolCallStreamer:
         if k == -1:
             return content, deltas
         for i, (body, closed) in enumerate(_blocks(text)):
-            if i == len(self.calls):
-                self.calls.append({"id": new_tool_call_id(), "name": None, "args_sent": ""})
-            call = self.calls[i]
-            if closed or finished:
-                split = _split_call(body.strip())
-                if split is None:
-                    continue
-                name, args = split
-            else:
-                m = _HEADER.match(body)
-                if not m:
-                    continue
-                name = json.loads(f'"{m.group(1)}"')
-                args = body[m.end():]
-                args = args[:len(args) - _partial_suffix(args, END)].rstrip().rstrip("}").rstrip()
-                # the last '}' closes the call object; the ones before it may close the arguments:
-                # hold back every trailing '}' until the block closes
-            if call["name"] is None:
-                call["name"] = name
-                deltas.append({"index": i, "id": call["id"], "type": "function",
-                               "function": {"name": name, "arguments": ""}})
-            if args.startswith(call["args_sent"]) and len(args) > len(call["args_sent"]):
-                deltas.append({"index": i, "function": {"arguments": args[len(call["args_sent"]):]}})
-                call["args_sent"] = args
+            if i < self.blocks_done:
+                continue
+            if not closed and not finished:
+                break
+            self.blocks_done = i + 1
+            split = _split_call(body.strip())
+            if split is None:
+                continue
+            call = {"id": new_tool_call_id(), "name": split[0]}
+            deltas.append({"index": len(self.calls), "id": call["id"], "type": "function",
+                           "function": {"name": split[0], "arguments": split[1]}})
+            self.calls.append(call)
         return content, deltas
