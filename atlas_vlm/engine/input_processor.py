@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from atlas_vlm.engine.chat_input import ChatInput
+from atlas_vlm.engine.token_ids import as_token_ids, is_token_id_sequence
 from atlas_vlm.request import Request
 from atlas_vlm.sampling_params import SamplingParams
 from mm_kv_cache_management import PlaceholderRange
@@ -201,7 +202,7 @@ class InputProcessor:
             return prompt
         if isinstance(prompt, str):
             return self.from_text(prompt)
-        if isinstance(prompt, list):
+        if isinstance(prompt, list) or is_token_id_sequence(prompt):
             return self.from_token_ids(prompt)
         if isinstance(prompt, dict):
             if prompt.get("mm_options") is not None and "messages" not in prompt:
@@ -224,12 +225,10 @@ class InputProcessor:
         ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         return self._finish(ProcessedPrompt(list(ids), prompt=prompt))
 
-    def from_token_ids(self, ids: list[int]) -> ProcessedPrompt:
-        vocab = self.vocab_size
-        if not isinstance(ids, list) or not ids or any(
-                isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt_token_ids must be a non-empty list of ids in [0, {vocab})")
-        return self._finish(ProcessedPrompt(list(ids)))
+    def from_token_ids(self, ids) -> ProcessedPrompt:
+        """A token-id prompt: any 1-D integer sequence (list, numpy array, torch tensor;
+        ``token_ids.as_token_ids``). Raises ValueError naming ``prompt_token_ids``."""
+        return self._finish(ProcessedPrompt(as_token_ids(ids, self.vocab_size)))
 
     def _finish(self, p: ProcessedPrompt) -> ProcessedPrompt:
         """Placeholder runs and positions of a prompt for a multimodal model (the family's
