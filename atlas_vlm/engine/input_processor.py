@@ -253,15 +253,7 @@ class InputProcessor:
             TypeError: not a prompt form, or ``params`` not a ``SamplingParams``.
         """
         params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        p = self.process_prompt(prompt)
-        try:
-            max_tokens = self._check_length(len(p.prompt_token_ids), params.max_tokens)
-        except RequestTooLongError as e:
-            if p.mm_items:
-                raise RequestTooLongError(f"{e}; its media: {media_summary(p.mm_items)}") from None
-            raise
+        p, max_tokens = self._checked(prompt, params)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(params.seed if params.seed is not None else self.config.seed + next(self._seeds))
         return Request(
@@ -270,6 +262,22 @@ class InputProcessor:
             sampling_params=params, prompt=p.prompt, max_tokens=max_tokens, mm_items=p.mm_items,
             mrope_positions=p.mrope_positions, generator=generator,
         )
+
+    def validate(self, prompt, params: SamplingParams | None = None) -> ProcessedPrompt:
+        """Every check of :meth:`process` without making a ``Request`` (no request id or seed
+        is used up): the ``ProcessedPrompt`` to pass to ``process`` later. Raises as ``process``."""
+        return self._checked(prompt, SamplingParams() if params is None else params)[0]
+
+    def _checked(self, prompt, params: SamplingParams) -> tuple[ProcessedPrompt, int]:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        p = self.process_prompt(prompt)
+        try:
+            return p, self._check_length(len(p.prompt_token_ids), params.max_tokens)
+        except RequestTooLongError as e:
+            if p.mm_items:
+                raise RequestTooLongError(f"{e}; its media: {media_summary(p.mm_items)}") from None
+            raise
 
     def _check_length(self, num_prompt: int, max_tokens: int | None) -> int:
         """Resolved ``max_tokens``; raises if the request can never run."""
