@@ -190,7 +190,8 @@ class InputProcessor:
 
     # ---- prompt forms -----------------------------------------------------------------
     def process_prompt(self, prompt) -> ProcessedPrompt:
-        """str | list[int] | prompt dict -> ``ProcessedPrompt`` (ids, images, positions).
+        """str | token ids (list, 1-D integer numpy array / torch tensor) | prompt dict ->
+        ``ProcessedPrompt`` (ids, images, positions).
 
         Raises:
             TypeError: not a prompt form.
