@@ -30,7 +30,9 @@ GiB = 1 << 30
 ACTIVATION_RESERVE_BYTES = 512 << 20  # decoder activations of one engine step (the engine's reserve)
 RUNTIME_OVERHEAD_BYTES = 512 << 20  # CUDA context + allocator slack: an estimate (the engine measures it)
 VISION_PEAK_FACTOR = 2  # measured peak / live-tensor sum of a ViT forward, rounded up (vision_activation_peak)
-DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
+# the engine's --dtype names (and short aliases); "auto" is bf16 on a GPU (fp16 where it lacks bf16): 2 bytes
+DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4, "bf16": 2, "fp16": 2, "fp32": 4}
+IMAGE_SHARE_OF_L = 0.75  # the largest usable image leaves a quarter of L for the prompt's text and the reply
 TORCH_DTYPES = {2: torch.bfloat16, 4: torch.float32}
 
 
@@ -66,6 +68,26 @@ def visual_tokens_per_image(hf_config, max_pixels: int) -> int:
     return max_pixels // (v.patch_size * v.spatial_merge_size) ** 2
 
 
+def largest_image_pixels(hf_config, max_tokens: int) -> int:
+    """The largest ``max_pixels`` whose image takes at most ``max_tokens`` visual tokens
+    (0 if not even the smallest does): Qwen families ``max_tokens * (patch_size *
+    spatial_merge_size)**2`` (a multiple of that patch area, e.g. 28x28 = 784 pixels for
+    Qwen2.5-VL); SmolVLM the largest ``(n * tile)**2`` square of ``n x n`` tiles (plus the
+    global view) that fits (``visual_tokens_per_image``'s rules inverted)."""
+    v = hf_config.vision_config
+    if v.model_type in ("smolvlm_vision", "idefics3_vision"):
+        tile = _smolvlm_tiles(hf_config, 1)[2]
+        best, last = 0, 0
+        for n in range(1, 64):  # stops at the processor's longest edge, where tokens stop growing
+            pixels = (n * tile) ** 2
+            tokens = visual_tokens_per_image(hf_config, pixels)
+            if tokens > max_tokens or tokens == last:
+                break
+            best, last = pixels, tokens
+        return best
+    return max(0, max_tokens) * (v.patch_size * v.spatial_merge_size) ** 2
+
+
 def _smolvlm_tiles(hf_config, max_pixels: int) -> tuple[int, int, int]:
     """(tiles incl. the global view, patches per tile, tile side in pixels)."""
     v = hf_config.vision_config
@@ -76,9 +98,13 @@ def _smolvlm_tiles(hf_config, max_pixels: int) -> tuple[int, int, int]:
     return n * n + (1 if n > 1 else 0), (v.image_size // v.patch_size) ** 2, tile
 
 
-def video_tokens_per_clip(hf_config, seconds: float, video_sampling: dict | None = None) -> tuple[int, int, int]:
+def video_tokens_per_clip(hf_config, seconds: float, video_sampling: dict | None = None, *,
+                          fps: float | None = None, max_frames: int | None = None,
+                          nframes: int | None = None) -> tuple[int, int, int]:
     """``(frames, pixels per frame, visual tokens)`` of the largest clip of ``seconds``
     seconds, with each family's default sampling; ``(0, 0, 0)`` where none is stated.
+    ``fps`` / ``max_frames`` / ``nframes``: a video item's own options (as the engine takes
+    them in a chat message), over the family's defaults; ``nframes`` wins over ``fps``.
 
     Qwen2-VL / 2.5-VL / 3-VL (qwen-vl-utils 0.0.14, as the engine samples): frames by
     ``smart_nframes`` at fps 2 (a 30 fps source assumed; at least 4, an even count), each
@@ -91,14 +117,21 @@ def video_tokens_per_clip(hf_config, seconds: float, video_sampling: dict | None
     """
     v = hf_config.vision_config
     if v.model_type in ("smolvlm_vision", "idefics3_vision"):
-        if not video_sampling:
+        sampling = {**(video_sampling or {}), **({"fps": fps} if fps else {}),
+                    **({"max_frames": max_frames} if max_frames else {})}
+        if nframes:
+            frames = int(nframes)
+        elif "fps" not in sampling:
             return 0, 0, 0
-        frames = max(1, min(int(round(video_sampling["fps"] * seconds)), int(video_sampling["max_frames"])))
+        else:
+            frames = int(round(sampling["fps"] * seconds))
+            frames = max(1, min(frames, int(sampling["max_frames"])) if "max_frames" in sampling else frames)
         _, per_tile, tile = _smolvlm_tiles(hf_config, 1)
         return frames, tile * tile, frames * per_tile // hf_config.scale_factor**2
     from mm_token_pipeline import sample_frame_indices, video_frame_bounds
 
-    frames = sample_frame_indices(max(1, int(round(seconds * 30))), 30.0).nframes
+    frames = sample_frame_indices(max(1, int(round(seconds * 30))), 30.0, fps=fps, nframes=nframes,
+                                  max_frames=max_frames).nframes
     bounds = video_frame_bounds(frames, patch_size=v.patch_size, merge_size=v.spatial_merge_size)
     per_group = int(bounds.max_pixels) // (v.patch_size * v.spatial_merge_size) ** 2
     return frames, int(bounds.max_pixels), frames // v.temporal_patch_size * per_group
@@ -184,11 +217,15 @@ class MemoryPlan:
                     "(a larger GPU, a smaller dtype or a smaller model)")
         if self.max_model_len < self.image_tokens:
             return (f"does not fit: one image at max_pixels={self.max_pixels:,} is {self.image_tokens:,} visual "
-                    f"tokens, more than L={self.max_model_len:,} (raise --max-model-len or lower --max-pixels)")
+                    f"tokens, more than L={self.max_model_len:,} (raise --max-model-len or lower --max-pixels; "
+                    f"the largest usable image is max_pixels={self.usable_max_pixels:,})")
         if self.max_num_seqs == 0:
             return f"does not fit: {self.num_blocks} blocks hold less than one sequence of L={self.max_model_len:,}"
         return None
     quantization: str | None = None  # the decoder projections' scheme (None: dense)
+    usable_max_pixels: int = 0  # largest image <= max_pixels within IMAGE_SHARE_OF_L of L (0: text-only / none)
+    note: str = ""  # what the caller changed (plan_model: planned at usable_max_pixels), for the user
+    bound_image_tokens: int = 0  # then: visual tokens of one image at the checkpoint's own bound (over L)
 
     @property
     def blocks_per_seq(self) -> int:
@@ -205,7 +242,8 @@ class MemoryPlan:
 def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_utilization: float = 0.9,
          max_model_len: int | None = None, max_pixels: int | None = None, dtype: str = "bf16",
          block_size: int = 16, image_settings=None, quantization: str | None = None,
-         video_seconds: float = 10.0, video_sampling: dict | None = None) -> MemoryPlan:
+         video_seconds: float = 10.0, video_sampling: dict | None = None, video_fps: float | None = None,
+         video_max_frames: int | None = None, video_frames: int | None = None) -> MemoryPlan:
     """Plan one model on one GPU (see the module docstring for every formula).
 
     Args:
@@ -217,7 +255,8 @@ def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_u
         quantization: None (dense) or "int8" / "int4" / "awq" / "gptq": the decoder's
             projections at that scheme's bytes (``quantization.sizes``); the rest dense.
         video_seconds: the planned clip (``video_tokens_per_clip``); ``video_sampling``: a
-            SmolVLM2 checkpoint's ``video_sampling`` (its processor config), if any.
+            SmolVLM2 checkpoint's ``video_sampling`` (its processor config), if any;
+            ``video_fps`` / ``video_max_frames`` / ``video_frames``: the clip's own options.
 
     Raises:
         ValueError: unknown ``dtype`` or ``quantization``, or a vision tower without a formula.
@@ -245,8 +284,11 @@ def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_u
     length = max_model_len or min(text.max_position_embeddings, 4096)
     image_tokens = visual_tokens_per_image(hf_config, max_pixels) if vis else 0
     seqs = blocks // -(-length // block_size) if length >= image_tokens else 0
-    frames, frame_pixels, video_tokens = video_tokens_per_clip(hf_config, video_seconds, video_sampling) \
-        if vis else (0, 0, 0)
+    frames, frame_pixels, video_tokens = video_tokens_per_clip(
+        hf_config, video_seconds, video_sampling, fps=video_fps, max_frames=video_max_frames,
+        nframes=video_frames) if vis else (0, 0, 0)
+    usable = min(largest_image_pixels(hf_config, int(length * IMAGE_SHARE_OF_L)), max_pixels) if vis else 0
     return MemoryPlan(model, b, weights, vis, peak, spec.bytes_per_token, spec.bytes_per_token * block_size,
                       block_size, gpu_memory, gpu_memory_utilization, budget, blocks, length, max_pixels,
-                      image_tokens, seqs, source, video_seconds, frames, frame_pixels, video_tokens, quantization)
+                      image_tokens, seqs, source, video_seconds, frames, frame_pixels, video_tokens, quantization,
+                      usable)

@@ -23,21 +23,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
-from atlas_vlm.engine.request_stream import (EngineDeadError, EngineStats, EngineStepError, QueueFullError,
-                                             RequestStream, RequestStreamState, settle)
+from atlas_vlm.engine.request_stream import (SHUTDOWN, EngineDeadError, EngineStats, EngineStepError, QueueFullError,
+                                             RequestStream, RequestStreamState, iterate, settle)
 from atlas_vlm.outputs import RequestOutput
 from atlas_vlm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_SHUTDOWN = object()  # put in a stream's queue by ``shutdown``: end it now with "abort"
 
 
 class AsyncLLM:
@@ -128,13 +125,7 @@ class AsyncLLM:
         self._pending_adds += 1
         posted = False
         try:
-            try:
-                prepared = loop.run_in_executor(self._inputs, self.engine.process_request, prompt, sampling_params,
-                                                request_id)
-            except RuntimeError:  # the input pool was shut down meanwhile
-                self._check_admitting()
-                raise
-            req = await prepared
+            req = await self._in_worker(self.engine.process_request, prompt, sampling_params, request_id)
             self._check_admitting()
             done = loop.create_future()
             stream = RequestStreamState(asyncio.Queue(), loop, arrival_time or time.monotonic())
@@ -153,28 +144,42 @@ class AsyncLLM:
         finally:
             self._pending_adds -= 1
         self._live[request_id] = stream
-        return RequestStream(request_id, stream, self._iterate(request_id, stream), self.abort)
+        return RequestStream(request_id, stream, iterate(request_id, stream, self._release), self._release)
 
-    async def _iterate(self, request_id: str, stream: RequestStreamState) -> AsyncIterator[RequestOutput]:
-        last: RequestOutput | None = None
+    async def validate_prompts(self, prompts: list, sampling_params: SamplingParams) -> list:
+        """Check every prompt (``LLMEngine.validate_prompt``, in the input workers) before
+        any is admitted, so that a request with one bad prompt starts none.
+
+        Returns:
+            one ``ProcessedPrompt`` per prompt, to pass to :meth:`add_request`.
+
+        Raises:
+            the first failing prompt's error (as ``add_request``), with ``prompt_index`` set
+            on it; EngineDeadError: shut down.
+        """
+        self._check_admitting()
+        jobs = [self._in_worker(self.engine.validate_prompt, p, sampling_params) for p in prompts]
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        for i, r in enumerate(results):
+            if isinstance(r, BaseException):
+                r.prompt_index = i
+                raise r
+        return results
+
+    def _in_worker(self, fn, *args) -> asyncio.Future:
         try:
-            while True:
-                out = await stream.queue.get()
-                if out is _SHUTDOWN:  # end now, whatever the engine thread is doing
-                    stream.finished = True
-                    base = last or RequestOutput(request_id, None, [])
-                    yield dataclasses.replace(base, finish_reason="abort", new_token_ids=[], new_text="")
-                    return
-                if isinstance(out, BaseException):
-                    raise out
-                last = out
-                yield out
-                if out.finished:
-                    return
-        finally:
-            self._live.pop(request_id, None)
-            if not stream.finished:  # the caller went away (disconnect, cancel): free its blocks now
-                self.abort(request_id)
+            return asyncio.get_running_loop().run_in_executor(self._inputs, fn, *args)
+        except RuntimeError:  # the input pool was shut down meanwhile
+            self._check_admitting()
+            raise
+
+    def _release(self, request_id: str, stream: RequestStreamState) -> None:
+        """A caller is done with a stream (read to the end, closed, or dropped unread): it is
+        no longer live, and an unfinished request is aborted (its KV blocks freed)."""
+        if self._live.get(request_id) is stream:
+            del self._live[request_id]
+        if not stream.finished:
+            self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if unknown or finished); its stream ends with
@@ -187,7 +192,10 @@ class AsyncLLM:
         its current step. Safe to call from a signal handler or another thread, and twice."""
         self._accepting = False
         for stream in list(self._live.values()):
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, _SHUTDOWN)
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, SHUTDOWN)
+            except RuntimeError:  # its event loop is closed (after the server stopped): nobody reads it
+                pass
         self._inputs.shutdown(wait=False, cancel_futures=True)
         self._post(("shutdown",))
 

@@ -117,6 +117,16 @@ class LLMEngine:
         check_for_model(req.sampling_params, self.vocab_size)
         return req
 
+    def validate_prompt(self, prompt, sampling_params: SamplingParams | None = None):
+        """The checks of ``process_request`` (prompt form, ids, length, sampling params for
+        this model) without making a request: the ``ProcessedPrompt``, which ``add_request``
+        / ``process_request`` take as a prompt without processing it again. Thread-safe as
+        ``process_request``. Raises: as ``add_request`` (nothing is queued or allocated)."""
+        p = self.input_processor.validate(prompt, sampling_params)
+        if sampling_params is not None:
+            check_for_model(sampling_params, self.vocab_size)
+        return p
+
     @_locked
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:

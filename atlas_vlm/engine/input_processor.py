@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from atlas_vlm.engine.chat_input import ChatInput
+from atlas_vlm.engine.token_ids import as_token_ids, is_token_id_sequence
 from atlas_vlm.request import Request
 from atlas_vlm.sampling_params import SamplingParams
 from mm_kv_cache_management import PlaceholderRange
@@ -189,7 +190,8 @@ class InputProcessor:
 
     # ---- prompt forms -----------------------------------------------------------------
     def process_prompt(self, prompt) -> ProcessedPrompt:
-        """str | list[int] | prompt dict -> ``ProcessedPrompt`` (ids, images, positions).
+        """str | token ids (list, 1-D integer numpy array / torch tensor) | prompt dict ->
+        ``ProcessedPrompt`` (ids, images, positions).
 
         Raises:
             TypeError: not a prompt form.
@@ -201,7 +203,7 @@ class InputProcessor:
             return prompt
         if isinstance(prompt, str):
             return self.from_text(prompt)
-        if isinstance(prompt, list):
+        if isinstance(prompt, list) or is_token_id_sequence(prompt):
             return self.from_token_ids(prompt)
         if isinstance(prompt, dict):
             if prompt.get("mm_options") is not None and "messages" not in prompt:
@@ -224,12 +226,10 @@ class InputProcessor:
         ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         return self._finish(ProcessedPrompt(list(ids), prompt=prompt))
 
-    def from_token_ids(self, ids: list[int]) -> ProcessedPrompt:
-        vocab = self.vocab_size
-        if not isinstance(ids, list) or not ids or any(
-                isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt_token_ids must be a non-empty list of ids in [0, {vocab})")
-        return self._finish(ProcessedPrompt(list(ids)))
+    def from_token_ids(self, ids) -> ProcessedPrompt:
+        """A token-id prompt: any 1-D integer sequence (list, numpy array, torch tensor;
+        ``token_ids.as_token_ids``). Raises ValueError naming ``prompt_token_ids``."""
+        return self._finish(ProcessedPrompt(as_token_ids(ids, self.vocab_size)))
 
     def _finish(self, p: ProcessedPrompt) -> ProcessedPrompt:
         """Placeholder runs and positions of a prompt for a multimodal model (the family's
@@ -254,15 +254,7 @@ class InputProcessor:
             TypeError: not a prompt form, or ``params`` not a ``SamplingParams``.
         """
         params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        p = self.process_prompt(prompt)
-        try:
-            max_tokens = self._check_length(len(p.prompt_token_ids), params.max_tokens)
-        except RequestTooLongError as e:
-            if p.mm_items:
-                raise RequestTooLongError(f"{e}; its media: {media_summary(p.mm_items)}") from None
-            raise
+        p, max_tokens = self._checked(prompt, params)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(params.seed if params.seed is not None else self.config.seed + next(self._seeds))
         return Request(
@@ -271,6 +263,22 @@ class InputProcessor:
             sampling_params=params, prompt=p.prompt, max_tokens=max_tokens, mm_items=p.mm_items,
             mrope_positions=p.mrope_positions, generator=generator,
         )
+
+    def validate(self, prompt, params: SamplingParams | None = None) -> ProcessedPrompt:
+        """Every check of :meth:`process` without making a ``Request`` (no request id or seed
+        is used up): the ``ProcessedPrompt`` to pass to ``process`` later. Raises as ``process``."""
+        return self._checked(prompt, SamplingParams() if params is None else params)[0]
+
+    def _checked(self, prompt, params: SamplingParams) -> tuple[ProcessedPrompt, int]:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        p = self.process_prompt(prompt)
+        try:
+            return p, self._check_length(len(p.prompt_token_ids), params.max_tokens)
+        except RequestTooLongError as e:
+            if p.mm_items:
+                raise RequestTooLongError(f"{e}; its media: {media_summary(p.mm_items)}") from None
+            raise
 
     def _check_length(self, num_prompt: int, max_tokens: int | None) -> int:
         """Resolved ``max_tokens``; raises if the request can never run."""

@@ -5,10 +5,13 @@ iterator ``AsyncLLM.add_request`` returns)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import dataclasses
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from atlas_vlm.outputs import RequestOutput
+
+SHUTDOWN = object()  # put in a stream's queue by ``AsyncLLM.shutdown``: end it now with "abort"
 
 
 class EngineDeadError(RuntimeError):
@@ -51,13 +54,16 @@ class RequestStreamState:
 
 class RequestStream:
     """What ``AsyncLLM.add_request`` returns: an async iterator of ``RequestOutput``
-    (``async for out in stream``) that aborts its request if left before the end."""
+    (``async for out in stream``). However the caller is done with it (read to the end,
+    left early, closed, or dropped without ever reading), ``release`` runs: the stream is
+    no longer live and an unfinished request is aborted, its KV blocks freed."""
 
-    def __init__(self, request_id: str, stream: RequestStreamState, iterator: AsyncIterator[RequestOutput], abort):
+    def __init__(self, request_id: str, stream: RequestStreamState, iterator: AsyncIterator[RequestOutput],
+                 release: Callable[[str, RequestStreamState], None]):
         self.request_id = request_id
         self._stream = stream
         self._iterator = iterator
-        self._abort = abort
+        self._release = release
 
     def __aiter__(self):
         return self._iterator
@@ -69,16 +75,39 @@ class RequestStream:
 
     def __del__(self):  # never iterated nor closed: do not let the request run for nobody
         try:
-            if not self._stream.finished:
-                self._abort(self.request_id)
+            self._release(self.request_id, self._stream)
         except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to free
             pass
 
     async def aclose(self) -> None:
-        """Stop reading; an unfinished request is aborted (also when never iterated)."""
+        """Stop reading; an unfinished request is aborted (also when never iterated: closing
+        an async generator that never started does not run its ``finally``)."""
         await self._iterator.aclose()
-        if not self._stream.finished:
-            self._abort(self.request_id)
+        self._release(self.request_id, self._stream)
+
+
+async def iterate(request_id: str, stream: RequestStreamState,
+                  release: Callable[[str, RequestStreamState], None]) -> AsyncIterator[RequestOutput]:
+    """The outputs the engine thread puts in ``stream.queue`` until the finished one; an
+    error put there is raised; ``SHUTDOWN`` ends it at once with ``finish_reason="abort"``.
+    ``release`` runs however the iteration ends."""
+    last: RequestOutput | None = None
+    try:
+        while True:
+            out = await stream.queue.get()
+            if out is SHUTDOWN:  # end now, whatever the engine thread is doing
+                stream.finished = True
+                base = last or RequestOutput(request_id, None, [])
+                yield dataclasses.replace(base, finish_reason="abort", new_token_ids=[], new_text="")
+                return
+            if isinstance(out, BaseException):
+                raise out
+            last = out
+            yield out
+            if out.finished:
+                return
+    finally:
+        release(request_id, stream)
 
 
 def settle(future: asyncio.Future, error: BaseException | None) -> None:

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from atlas_vlm.config import EngineConfig
 from atlas_vlm.default_models import default_text_model
 from atlas_vlm.engine import LLMEngine
+from atlas_vlm.engine.token_ids import is_token_id_sequence
 from atlas_vlm.entrypoints.router import OutputRouter
 from atlas_vlm.outputs import RequestOutput
 from atlas_vlm.sampling_params import SamplingParams
@@ -73,7 +74,7 @@ class LLM:
                  stream: bool = False, use_tqdm: bool = True) -> list[RequestOutput] | Iterator[RequestOutput]:
         """Generate for one prompt or a list of prompts, all batched together.
 
-        A prompt is a str, a list of token ids, ``{"prompt": str}``,
+        A prompt is a str, token ids (a list, or a 1-D integer numpy array / torch tensor), ``{"prompt": str}``,
         ``{"prompt_token_ids": [int]}``, or a chat prompt ``{"messages": [...],
         "add_generation_prompt", "continue_final_message", "chat_template",
         "chat_template_kwargs", "mm_options"}`` (see :meth:`chat`); an unknown key is refused.
@@ -90,7 +91,7 @@ class LLM:
         Thread-safe: calls from several threads (and several live streams) share the engine;
         each gets exactly its own requests' outputs.
         """
-        single = not isinstance(prompts, list) or (bool(prompts) and isinstance(prompts[0], int))
+        single = not isinstance(prompts, list) or is_token_id_sequence(prompts)
         prompts = [prompts] if single else prompts
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):

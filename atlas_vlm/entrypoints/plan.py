@@ -1,36 +1,46 @@
 """``atlas-vlm plan``: print a ``memory_plan.plan`` for one model, or the ``--matrix`` of the
 four models of the fallback chain (Qwen3-VL-4B, Qwen2.5-VL-3B, SmolVLM2-2.2B,
-Qwen2.5-0.5B) over 8-80 GiB GPUs. Configs come from a local folder, the bundled copies
-of those models' public configs (``atlas_vlm/data/configs``), or the Hub (config.json
-only, through huggingface_hub's cache; ``HF_HUB_OFFLINE`` honoured)."""
+Qwen2.5-0.5B) over 8-80 GiB GPUs. Configs come from a local folder, a ``.gguf`` file
+(the embedded SmolLM2-135M-Instruct without --model, as serve and generate), the bundled
+copies of those models' public configs (``atlas_vlm/data/configs``), or the Hub
+(config.json only, through huggingface_hub's cache; ``HF_HUB_OFFLINE`` honoured)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
+from atlas_vlm.default_models import default_text_model
 from atlas_vlm.entrypoints.cli import bytes_arg
-from atlas_vlm.memory_plan import GiB, MemoryPlan, plan
+from atlas_vlm.memory_plan import DTYPE_BYTES, IMAGE_SHARE_OF_L, GiB, MemoryPlan, plan
 
 BUNDLED_CONFIGS = Path(__file__).resolve().parent.parent / "data" / "configs"
 CHAIN = ("Qwen/Qwen3-VL-4B-Instruct", "Qwen/Qwen2.5-VL-3B-Instruct", "HuggingFaceTB/SmolVLM2-2.2B-Instruct",
          "Qwen/Qwen2.5-0.5B-Instruct")  # the brief's fallback chain, largest first
 MATRIX_GIB = (8, 12, 16, 24, 48, 80)
+DEFAULT_TEXT_NAME = "SmolLM2-135M-Instruct"  # the embedded default model (default_models.default_text_model)
 def load_config(model: str, revision: str | None = None):
-    """``(transformers config, folder)`` for ``model``: a local folder, a bundled chain config
-    (by Hub id or name; with the released ``preprocessor_config.json``), or the Hub's
-    ``config.json`` (and ``preprocessor_config.json`` where the cache has it).
+    """``(transformers config, folder)`` for ``model``: a local folder, a ``.gguf`` file (its
+    header, through transformers' GGUF support), the embedded SmolLM2-135M-Instruct GGUF (by
+    that name or its Hub id; offline), a bundled chain config (by Hub id or name; with the
+    released ``preprocessor_config.json``), or the Hub's ``config.json`` (and
+    ``preprocessor_config.json`` where the cache has it).
 
     Raises:
         atlas_vlm.loader.ModelNotFoundError: none of those has it.
-        ValueError: ``model`` is a file (a ``.gguf`` holds no ``config.json`` to plan from).
+        ValueError: ``model`` is a file other than a ``.gguf``.
     """
     from transformers import AutoConfig
 
     path = Path(model).expanduser()
+    if not path.exists() and model.split("/")[-1] == DEFAULT_TEXT_NAME and revision is None:
+        path = Path(default_text_model())  # the embedded GGUF: the same config, no Hub round trip
+    if path.is_file() and path.suffix == ".gguf":  # its header holds the config (read offline)
+        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name), path.parent
     if path.is_file():
-        raise ValueError(f"{model} is a file; plan reads a config.json: pass a model folder, a Hub id "
-                         "(ORG/NAME) or one of the bundled models (see --matrix)")
+        raise ValueError(f"{model} is a file; plan reads a config.json or a .gguf: pass a model folder, a .gguf, "
+                         "a Hub id (ORG/NAME) or one of the bundled models (see --matrix)")
     if path.is_dir():
         return AutoConfig.from_pretrained(path), path
     bundled = BUNDLED_CONFIGS / model.split("/")[-1]
@@ -44,7 +54,9 @@ def load_config(model: str, revision: str | None = None):
 
 def plan_model(model: str, args, **overrides) -> MemoryPlan:
     """``memory_plan.plan`` of ``model`` with the CLI's options, its image bound from the
-    folder's processor settings unless ``--max-pixels`` is given (as the engine)."""
+    folder's processor settings unless ``--max-pixels`` is given (as the engine). Where that
+    checkpoint bound is more visual tokens than L, the plan is made at the largest usable
+    image (``MemoryPlan.usable_max_pixels``) and ``note`` says so (no ``--max-pixels`` given)."""
     from mm_token_pipeline import image_processor_settings
 
     cfg, folder = load_config(model, getattr(args, "revision", None))
@@ -52,8 +64,21 @@ def plan_model(model: str, args, **overrides) -> MemoryPlan:
                   max_model_len=args.max_model_len, max_pixels=args.max_pixels, dtype=args.dtype,
                   block_size=args.block_size, image_settings=image_processor_settings(folder, cfg),
                   quantization=getattr(args, "quantization", None),
-                  video_seconds=getattr(args, "video_seconds", 10.0), video_sampling=_video_sampling(folder))
-    return plan(cfg, **{**kwargs, **overrides})
+                  video_seconds=getattr(args, "video_seconds", 10.0), video_sampling=_video_sampling(folder),
+                  video_fps=getattr(args, "fps", None), video_max_frames=getattr(args, "max_frames", None),
+                  video_frames=getattr(args, "frames", None))
+    kwargs.update(overrides)
+    p = plan(cfg, **kwargs)
+    if p.image_tokens > p.max_model_len and kwargs["max_pixels"] is None and p.usable_max_pixels:
+        # the checkpoint's own bound is longer than L: plan the largest image that is usable
+        note = (f"note: the checkpoint's max_pixels={p.max_pixels:,} (from {p.pixels_source}) is "
+                f"{p.image_tokens:,} visual tokens per image, more than L={p.max_model_len:,}; planned at the "
+                f"largest usable image, max_pixels={p.usable_max_pixels:,} ({IMAGE_SHARE_OF_L:.0%} of L at most): "
+                f"run the engine with --max-pixels {p.usable_max_pixels} (or raise --max-model-len)")
+        p = dataclasses.replace(plan(cfg, **{**kwargs, "max_pixels": p.usable_max_pixels}), note=note,
+                                pixels_source="the largest usable image under L (see the note)",
+                                bound_image_tokens=p.image_tokens)
+    return p
 
 
 def _video_sampling(folder) -> dict | None:
@@ -107,9 +132,18 @@ def format_plan(p: MemoryPlan) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    if p.note:
+        lines.append(p.note)
     if p.why_not():
         lines.append(p.why_not())
     return "\n".join(lines)
+
+
+def _image_tokens(p: MemoryPlan) -> str:
+    """The matrix's ``image tok``: the checkpoint's (or --max-pixels') image, before any re-plan."""
+    if not p.image_tokens:
+        return "-"
+    return str(p.bound_image_tokens or p.image_tokens)
 
 
 def format_matrix(args) -> str:
@@ -118,11 +152,13 @@ def format_matrix(args) -> str:
     length = args.max_model_len or 4096
     bound = f"max_pixels={args.max_pixels:,}" if args.max_pixels else "each model's own max_pixels"
     head = (f"{'model':<45} {'weights':>10} {'KV/token':>9} {'image tok':>9} "
-            + " ".join(f"{f'{g} GiB':>14}" for g in MATRIX_GIB) + f" {'video tok':>9}")
+            + " ".join(f"{f'{g} GiB':>14}" for g in MATRIX_GIB) + f" {'usable px':>10} {'video tok':>9}")
     lines = [f"sequences of L={length} tokens (one image at {bound}) held at once (KV blocks of "
              f"{args.block_size}), {args.dtype}, gpu_memory_utilization={args.gpu_memory_utilization}; "
              "'-': no KV block fits beside the weights and the activation reserve, "
-             f"'img>L': one image is longer than L; video tok: a {args.video_seconds:g} s clip at each family's "
+             f"'N*': one image at the checkpoint's bound is longer than L, so planned at the largest usable "
+             f"image (usable px: max_pixels of at most {IMAGE_SHARE_OF_L:.0%} of L in visual tokens); 'img>L': the "
+             f"--max-pixels image is longer than L; video tok: a {args.video_seconds:g} s clip at each family's "
              "default sampling ('-': no video, or none stated)", head]
     quants = [getattr(args, "quantization", None)]
     if quants[0] is None:
@@ -133,11 +169,13 @@ def format_matrix(args) -> str:
             for g in MATRIX_GIB:
                 p = plan_model(model, args, gpu_memory=g * GiB, max_model_len=length, quantization=quant)
                 first = first or p
-                seqs = "-" if not p.num_blocks else "img>L" if p.image_tokens > length else f"{p.max_num_seqs}"
+                seqs = "-" if not p.num_blocks else "img>L" if p.image_tokens > length else \
+                    f"{p.max_num_seqs}*" if p.note else f"{p.max_num_seqs}"
                 cells.append(f"{seqs:>5} {f'({p.num_blocks})':>8}")
             name = model if quant is None else f"{model} {quant}"
+            usable = f"{first.usable_max_pixels:,}" if first.note or first.image_tokens > length else "-"
             lines.append(f"{name:<45} {_gib(first.weight_bytes):>10} {first.kv_bytes_per_token:>9,} "
-                         f"{first.image_tokens or '-':>9} " + " ".join(cells) + f" {first.video_tokens or '-':>9}")
+                         f"{_image_tokens(first):>9} " + " ".join(cells) + f" {usable:>10} {first.video_tokens or '-':>9}")
     return "\n".join(lines)
 
 
@@ -145,7 +183,9 @@ def add_parser(subparsers) -> None:
     """Register the ``plan`` subcommand."""
     p = subparsers.add_parser("plan", help="KV memory plan of a model from its config.json (no weights)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="model folder, Hub id ORG/NAME, or a bundled model's name (Qwen3-VL-4B-Instruct, Qwen2.5-VL-3B-Instruct, SmolVLM2-2.2B-Instruct, Qwen2.5-0.5B-Instruct)")
+    p.add_argument("--model", help="model folder, .gguf file, Hub id ORG/NAME, or a bundled model's name (Qwen3-VL-4B-Instruct, "
+                                    "Qwen2.5-VL-3B-Instruct, SmolVLM2-2.2B-Instruct, Qwen2.5-0.5B-Instruct); default: the "
+                                    "embedded SmolLM2-135M-Instruct, as serve and generate")
     p.add_argument("--revision", default=None, help="Hub branch / tag / commit")
     p.add_argument("--gpu-memory", type=bytes_arg(bare_unit=GiB), default=24 * GiB, help="device memory (default 24GiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -156,7 +196,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--video-seconds", type=float, default=10.0,
                    help="length of the planned video clip in seconds (default 10): frames x pixels by each "
                         "family's default sampling (qwen-vl-utils fps 2; SmolVLM2's video_sampling)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPE_BYTES),
+                   help="as the engine's --dtype (auto: bf16 on a GPU); bf16 / fp16 / fp32 are aliases")
+    p.add_argument("--fps", type=float, default=None,
+                   help="the planned clip's sampling rate, as a video item's fps (default: the family's: "
+                        "qwen-vl-utils 2; SmolVLM2's video_sampling)")
+    p.add_argument("--max-frames", type=int, default=None, help="at most this many frames (a video item's max_frames)")
+    p.add_argument("--frames", type=int, default=None,
+                   help="exactly this many frames (a video item's nframes; wins over --fps)")
     p.add_argument("--block-size", type=int, default=16, help="kvcache_block_size")
     p.add_argument("--matrix", action="store_true",
                    help="Qwen3-VL-4B, Qwen2.5-VL-3B, SmolVLM2-2.2B and Qwen2.5-0.5B on 8/12/16/24/48/80 GiB GPUs "
@@ -170,11 +217,12 @@ def run(args) -> int:
     seconds = getattr(args, "video_seconds", 10.0)
     if not seconds > 0:
         raise ValueError(f"--video-seconds must be > 0 (seconds), got {seconds:g}")
+    for flag, value in (("--fps", args.fps), ("--max-frames", args.max_frames), ("--frames", args.frames)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag} must be > 0, got {value:g}")
     if args.matrix:
         print(format_matrix(args))
         return 0
-    if not args.model:
-        raise ValueError("plan needs --model M (or --matrix)")
-    p = plan_model(args.model, args)
+    p = plan_model(args.model or default_text_model(), args)
     print(format_plan(p))
     return 0 if p.fits else 1

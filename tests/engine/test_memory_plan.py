@@ -161,3 +161,46 @@ def test_smolvlm_video_tokens_need_its_video_sampling():
     per_frame = (384 // 14) ** 2 // c.scale_factor**2  # one 384 px square of 14 px patches, 4x4 pixel shuffle
     assert video_tokens_per_clip(c, 10, {"fps": 1, "max_frames": 64}) == (10, 384 * 384, 10 * per_frame)
     assert video_tokens_per_clip(c, 600, {"fps": 1, "max_frames": 64})[0] == 64
+
+
+@pytest.mark.parametrize(("name", "tokens", "expected"), [
+    ("Qwen2.5-VL-3B-Instruct", 1280, 1280 * 28 * 28),  # 1,003,520: a multiple of the 28x28 merged patch
+    ("Qwen2.5-VL-3B-Instruct", 3072, 3072 * 28 * 28),
+    ("Qwen3-VL-4B-Instruct", 3072, 3072 * 32 * 32),  # patch 16, merge 2
+    # SmolVLM2: n x n tiles of 384 px (81 tokens each: 27**2 patches / 3**2) plus the global view past one
+    ("SmolVLM2-2.2B-Instruct", 80, 0),  # not even one tile
+    ("SmolVLM2-2.2B-Instruct", 81, 384**2),
+    ("SmolVLM2-2.2B-Instruct", 5 * 81 - 1, 384**2),  # 2x2 tiles + global = 405 tokens: one short
+    ("SmolVLM2-2.2B-Instruct", 5 * 81, 768**2),
+    ("SmolVLM2-2.2B-Instruct", 10**6, 1536**2),  # capped at the processor's longest edge, 1536 px
+])
+def test_largest_image_pixels(name, tokens, expected):
+    from atlas_vlm.memory_plan import largest_image_pixels
+
+    c = config(name)
+    assert largest_image_pixels(c, tokens) == expected
+    if expected:
+        assert visual_tokens_per_image(c, expected) <= tokens
+
+
+def test_usable_image_is_three_quarters_of_l_at_most():
+    p = plan(config("Qwen2.5-VL-3B-Instruct"), max_model_len=4096)  # the checkpoint's 16,384-token bound
+    assert p.max_num_seqs == 0 and p.usable_max_pixels == 3072 * 28 * 28
+    assert "the largest usable image is max_pixels=2,408,448" in p.why_not()
+    small = plan(config("Qwen2.5-VL-3B-Instruct"), max_model_len=4096, max_pixels=P)  # fits: capped at the bound
+    assert small.usable_max_pixels == P and small.fits
+
+
+@pytest.mark.parametrize(("options", "expected"), [
+    (dict(nframes=8), (8, 768 * 28 * 28, 4 * 768)),  # exactly 8 frames: 4 temporal groups
+    (dict(fps=1.0), (10, 768 * 28 * 28, 5 * 768)),  # 10 s at 1 fps
+    (dict(max_frames=6), (6, 768 * 28 * 28, 3 * 768)),  # fps 2 would give 20
+])
+def test_video_options_of_one_clip(options, expected):
+    from atlas_vlm.memory_plan import video_tokens_per_clip
+
+    assert video_tokens_per_clip(config("Qwen2.5-VL-3B-Instruct"), 10, **options) == expected
+    c = config("SmolVLM2-2.2B-Instruct")  # no video_sampling in its config: the options state one
+    per_frame = (384 // 14) ** 2 // c.scale_factor**2
+    assert video_tokens_per_clip(c, 10, fps=2.0, max_frames=12) == (12, 384 * 384, 12 * per_frame)
+    assert video_tokens_per_clip(c, 10, nframes=3) == (3, 384 * 384, 3 * per_frame)

@@ -30,7 +30,11 @@ ROWS = [  # (route, body, status, param, words in the message)
      400, "response_format", "strin"),
     (CHAT, chat(response_format={"type": "json_object"}, guided_regex="a+"), 400, "guided_regex", "at most one"),
     (CHAT, chat(guided_regex="[a-z"), 400, "guided_regex", "unclosed character class"),
-    (COMPL, {"model": "smollm2", "prompt": "Hi", "guided_choice": []}, 400, "guided_choice", "non-empty list"),
+    # issue 24: the schema says minItems 1 / minLength 1 (it once allowed what the server refused)
+    (COMPL, {"model": "smollm2", "prompt": "Hi", "guided_choice": []}, 400, "guided_choice", "at least 1 item"),
+    (COMPL, {"model": "smollm2", "prompt": "Hi", "guided_choice": [""]}, 400, "guided_choice.0",
+     "at least 1 character"),
+    (CHAT, chat(structured_outputs={"choice": []}), 400, "structured_outputs.choice", "at least 1 item"),
     (CHAT, chat(functions=[{"name": "f"}]), 400, "functions", "'functions' is not supported"),
     (CHAT, chat(logit_bias={"1": 5}), 400, "logit_bias", "'logit_bias' is not supported"),
     (CHAT, chat(frequency_penalty=0.5), 400, "frequency_penalty", "frequency_penalty is not supported"),
@@ -92,3 +96,17 @@ def test_models_health_and_no_leak_after_errors(text_server):
     assert m["atlas:num_requests_running"] == 0 and m["atlas:num_requests_waiting"] == 0
     r = text_server.client().chat.completions.create(model="smollm2", messages=USER, max_tokens=2, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_schema_valid_bodies_are_answered_as_the_schema_says(text_server):
+    """issue 24: ``top_logprobs: 0`` with ``logprobs: false`` asks for no logprobs (accepted,
+    none returned); the published schema refuses an empty ``guided_choice`` as the server does."""
+    body = chat(top_logprobs=0, logprobs=False, temperature=0, max_tokens=3, ignore_eos=True)
+    r = httpx.post(text_server.url + CHAT, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["logprobs"] is None and r.json()["usage"]["completion_tokens"] == 3
+    schema = httpx.get(text_server.url + "/openapi.json", timeout=30).json()
+    fields = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    array = next(a for a in fields["guided_choice"]["anyOf"] if a.get("type") == "array")
+    assert array["minItems"] == 1 and array["items"]["minLength"] == 1

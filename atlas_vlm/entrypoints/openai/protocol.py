@@ -160,14 +160,20 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
+# what the structured-output backend accepts, stated in the schema (a choice of no strings, or an
+# empty regex / grammar, is refused: structured_output.params)
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+Choices = Annotated[list[NonEmptyStr], Field(min_length=1)]
+
+
 class StructuredOutputsField(_Strict):
     """vLLM's ``structured_outputs`` extra (one of these)."""
 
     json_: dict | str | bool | None = Field(default=None, alias="json")
     json_object: bool | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+    regex: NonEmptyStr | None = None
+    choice: Choices | None = None
+    grammar: NonEmptyStr | None = None
 
 
 class StreamOptions(_Strict):
@@ -216,9 +222,9 @@ class _SamplingFields(_Strict):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None  # vLLM extra
     guided_json: dict | str | None = None  # vLLM extra (older form of structured_outputs)
-    guided_regex: str | None = None  # vLLM extra
-    guided_choice: list[str] | None = None  # vLLM extra
-    guided_grammar: str | None = None  # vLLM extra
+    guided_regex: NonEmptyStr | None = None  # vLLM extra
+    guided_choice: Choices | None = None  # vLLM extra
+    guided_grammar: NonEmptyStr | None = None  # vLLM extra
 
     @field_validator("min_p", "presence_penalty", "frequency_penalty")
     @classmethod

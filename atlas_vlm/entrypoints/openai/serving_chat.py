@@ -70,7 +70,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest)
         APIError: 400 bad input, 404 unknown model, 500 engine step failed, 503 queue full.
     """
     model = ctx.check_model(req.model)
-    if req.top_logprobs is not None and not req.logprobs:
+    if req.top_logprobs and not req.logprobs:  # 0 asks for no alternatives: fine without logprobs
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs", "invalid_value")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options needs stream=true", "stream_options", "invalid_value")

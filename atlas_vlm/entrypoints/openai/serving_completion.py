@@ -9,8 +9,8 @@ import time
 from collections.abc import AsyncIterator
 
 from atlas_vlm.entrypoints.openai.protocol import APIError, CompletionRequest
-from atlas_vlm.entrypoints.openai.serving_common import (ServerContext, close_all, completion_logprobs, error_event,
-                                                         error_field, merge, new_id, sampling_params, sse,
+from atlas_vlm.entrypoints.openai.serving_common import (ServerContext, close_all, completion_logprobs, engine_error,
+                                                         error_event, error_field, merge, new_id, sampling_params, sse,
                                                          start_choices, until_error, usage)
 from atlas_vlm.entrypoints.openai.structured import structured_outputs_from_request
 
@@ -30,6 +30,26 @@ def split_prompts(prompt) -> list:
     return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
 
 
+async def _validated(ctx: ServerContext, prompts: list, params) -> list:
+    """Every prompt checked (``AsyncLLM.validate_prompts``) before any is admitted; the
+    returned ``ProcessedPrompt``s are not tokenized again.
+
+    Raises:
+        APIError: the first bad prompt's error (``engine_error``), naming its index when
+            the request has several prompts.
+    """
+    validate = getattr(ctx.engine, "validate_prompts", None)
+    if validate is None:  # RemoteEngine (--replicas): each replica checks its own; a failure closes the others
+        return prompts
+    try:
+        return await validate(prompts, params)
+    except (ValueError, TypeError, RuntimeError, OSError) as e:
+        err = engine_error(e)
+        if len(prompts) > 1 and getattr(e, "prompt_index", None) is not None:
+            err = APIError(err.status, f"prompt {e.prompt_index}: {err.message}", f"prompt.{e.prompt_index}", err.code)
+        raise err from e
+
+
 async def create_completion(ctx: ServerContext, req: CompletionRequest):
     """Returns a response dict, or (``stream=True``) an async iterator of SSE strings (a
     failure midway ends it with an error event, then ``[DONE]``).
@@ -47,7 +67,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest):
     constraint = structured_outputs_from_request(req)
     params = [sampling_params(req, req.max_tokens, req.logprobs, j, constraint) for j in range(req.n)]
     rid = new_id("cmpl")
-    # every prompt is prepared and queued at once (they batch together), not one after another
+    prompts = await _validated(ctx, prompts, params[0])  # one bad prompt: 400, and none of them is started
+    # every prompt is queued at once (they batch together), not one after another
     started = await asyncio.gather(*(start_choices(ctx, prompt, params, f"{rid}-{p_idx}")
                                      for p_idx, prompt in enumerate(prompts)), return_exceptions=True)
     iters = [it for r in started if not isinstance(r, BaseException) for it in r[0]]
