@@ -10,6 +10,7 @@ block table are what the step saw.
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import inspect
 import math
@@ -391,3 +392,18 @@ def require_quant_kernel(what: str = "this check") -> None:
                     f"$CC, cc or gcc; or the build failed, see the log); the engine then uses the reference")
 
 
+
+
+def run_async(coro, limit_s: float = 120):
+    """Run ``coro`` to completion in a fresh event loop on its own thread, bounded by
+    ``limit_s`` seconds (a hang, not slowness, fails): the coroutine's value."""
+    result = {}
+
+    def target():
+        result["value"] = asyncio.run(asyncio.wait_for(coro, limit_s))
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join(limit_s + 10)
+    assert not t.is_alive(), "hung"
+    return result["value"]

@@ -12,6 +12,7 @@ import asyncio
 import threading
 import time
 
+import helpers
 import pytest
 import torch
 
@@ -118,16 +119,7 @@ def test_engine_request_with_a_broken_top_p_ends_alone(llm):
 
 # ---- AsyncLLM: step faults, death, input workers, shutdown --------------------------------
 def run_async(coro):
-    result = {}
-
-    def target():
-        result["value"] = asyncio.run(asyncio.wait_for(coro, LIMIT_S))
-
-    t = threading.Thread(target=target)
-    t.start()
-    t.join(LIMIT_S + 10)
-    assert not t.is_alive(), "hung"
-    return result["value"]
+    return helpers.run_async(coro, LIMIT_S)
 
 
 class _StepFault:

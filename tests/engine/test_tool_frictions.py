@@ -14,18 +14,12 @@ from atlas_vlm import LLM, SamplingParams
 from atlas_vlm.entrypoints.openai.chat_output import ChatChoiceOutput
 from atlas_vlm.entrypoints.openai.tool_parsers import END, START, extract_tool_calls
 
+from test_tools_reasoning import ASK, KW, SCHEMAS, WEATHER, ZOOM  # the same tools and question
+
 pytestmark = pytest.mark.text
 
-KW = dict(dtype="float32", max_model_len=1024, kv_cache_memory=32 << 20)
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"], "additionalProperties": False}
-ZOOM = {"type": "object", "properties": {"factor": {"enum": [1, 2, 4]}}, "required": ["factor"],
-        "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "zoom", "parameters": ZOOM}}]
-SCHEMAS = {"get_weather": WEATHER, "zoom": ZOOM}
-ASK = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import signal
-import threading
 
 import httpx
+import helpers
 import pytest
 
 from server_process import ServerProcess
@@ -22,16 +22,7 @@ LIMIT_S = 120  # a hang, not slowness, fails
 
 
 def run_async(coro):
-    result = {}
-
-    def target():
-        result["value"] = asyncio.run(asyncio.wait_for(coro, LIMIT_S))
-
-    t = threading.Thread(target=target)
-    t.start()
-    t.join(LIMIT_S + 10)
-    assert not t.is_alive(), "hung"
-    return result["value"]
+    return helpers.run_async(coro, LIMIT_S)
 
 
 @pytest.fixture(scope="module")
