@@ -63,7 +63,7 @@ def render_with_tools(render, p: dict) -> list[int]:
     if not _warned:
         _warned = True
         logger.warning("the chat template does not render tools: they go into the system message in the Hermes "
-                       "<tool_call> format instead (README, 'Structured output, tool calls and reasoning')")
+                       "<tool_call> format instead (docs/structured-output.md, 'Tool calls')")
     return render({**plain, "messages": with_tools_system_prompt(p["messages"], p["tools"])})
 
 
