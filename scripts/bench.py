@@ -8,6 +8,7 @@
     python scripts/bench.py --replicas --quick  # 1 vs 2 replicas (Ray Serve), cache-aware vs least-loaded
     python scripts/bench.py --structured --quick  # JSON-schema grammars: compile, mask, tok/s vs unconstrained
     python scripts/bench.py --video --quick  # video only: 3 s / 60 s clip TTFT, tok/s vs HF; load_video peak RSS
+    python scripts/bench.py --chain --quick  # chain-size Q4_K_M / Q8_0 files vs llama.cpp (setup.sh --bench first)
 
 Sections: --text (decode tok/s paged/contiguous vs HF generate and llama.cpp, against the
 bandwidth limit; a 2,048-token prefill vs the GEMM peak; KV waste), --quant (decode tok/s of
@@ -52,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="HTTP load (Poisson arrivals) on atlas-vlm serve vs transformers serve")
     p.add_argument("--replicas", action="store_true",
                    help="1 vs 2 replicas (Ray Serve), cache-aware vs least-loaded routing; needs the ray extra")
+    p.add_argument("--chain", action="store_true",
+                   help="chain-size GGUF files (0.5B / 3B / 4B shapes, Q4_K_M and Q8_0 by llama.cpp's tools): ours vs "
+                        "llama.cpp on the same file; part of the default run")
     p.add_argument("--quick", action="store_true", help="smaller sizes for a smoke run")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="dtype of ours and the HF peers in --text/--vlm/--serve (auto: as LLM(dtype='auto') on "
@@ -62,8 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "with other work, 1 avoids OpenMP waits that slow small ops 10-100x")
     args = p.parse_args(argv)
     if not (args.text or args.vlm or args.video or args.serve or args.detok or args.server or args.replicas or args.quant
-            or args.structured):
-        args.text = args.vlm = args.serve = args.detok = args.quant = args.structured = True
+            or args.structured or args.chain):
+        args.text = args.vlm = args.serve = args.detok = args.quant = args.structured = args.chain = True
     args.video = args.video or args.vlm
     return args
 
@@ -77,7 +81,7 @@ def main(argv=None) -> int:
     import torch
 
     from atlas_vlm import EngineConfig
-    from benchmarks import detokenize, quant, serve, server, structured, targets, text, video, vlm
+    from benchmarks import chain, detokenize, quant, serve, server, structured, targets, text, video, vlm
 
     replicas = None
     if args.replicas:
@@ -106,7 +110,7 @@ def main(argv=None) -> int:
           f"llama.cpp system_info: {results['llama_cpp_system_info']}")
     start = time.perf_counter()
     for name, module in (("text", text), ("quant", quant), ("vlm", vlm), ("video", video), ("serve", serve), ("detok", detokenize),
-                         ("structured", structured), ("server", server), ("replicas", replicas)):
+                         ("structured", structured), ("chain", chain), ("server", server), ("replicas", replicas)):
         if getattr(args, name):
             kwargs = {"dtype": dtype} if name in ("text", "quant", "vlm", "video", "serve", "structured") else {}
             results[name] = module.run(quick=args.quick, **kwargs)

@@ -37,4 +37,21 @@ if [ "${1:-}" = "--bench" ]; then
     .venv/bin/python -m pip install -q "llama-cpp-python==0.3.36"  # its pure-Python dependencies
     echo "$args" > "$stamp"
   fi
+  # llama.cpp's own tools from the same source: convert_hf_to_gguf.py (with its gguf-py) and
+  # llama-quantize (static, same flags), in .venv/llama.cpp: what makes the chain-size bench files
+  tools=.venv/llama.cpp
+  if [ "$(cat $tools/flags 2>/dev/null)" != "$args" ] || [ ! -x $tools/bin/llama-quantize ]; then
+    tmp=$(mktemp -d)
+    .venv/bin/python -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==0.3.36" -d "$tmp"
+    tar xzf "$tmp"/llama_cpp_python-0.3.36.tar.gz -C "$tmp"
+    src=$tmp/llama_cpp_python-0.3.36/vendor/llama.cpp
+    cmake -S "$src" -B "$tmp/build" $args -DBUILD_SHARED_LIBS=OFF -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF > "$tmp/cmake.log"
+    cmake --build "$tmp/build" --target llama-quantize -j "$(nproc)" > "$tmp/build.log"
+    rm -rf $tools && mkdir -p $tools/bin
+    cp "$tmp/build/bin/llama-quantize" $tools/bin/
+    cp -r "$src/convert_hf_to_gguf.py" "$src/gguf-py" $tools/
+    echo "$args" > $tools/flags
+    rm -rf "$tmp"
+  fi
 fi

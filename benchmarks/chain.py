@@ -1,0 +1,99 @@
+"""Chain-size GGUF bench: ours against llama.cpp on the same file, at the model chain's sizes
+(``benchmarks.chain_files``: Qwen2.5-0.5B and the language models of Qwen2.5-VL-3B and
+Qwen3-VL-4B with random weights, made and quantized to Q4_K_M / Q8_0 by llama.cpp's tools).
+
+Each system runs in its own process (``benchmarks.chain_worker``) so its peak RSS is its own.
+The bandwidth limit of a decode token is the read bandwidth (``sum`` over a buffer of at least
+4x the L3 cache, printed) over the bytes one token reads (every tensor of the file but a
+separate input embedding); it is stated only for files larger than the L3, where a token's
+reads really come from DRAM. ``--quick``: the 0.5B model only, short runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks import llamacpp
+from benchmarks.chain_files import CHAIN, QUANT_TYPES, chain_files, tools_missing
+from benchmarks.common import fmt, log, markdown_table, read_bandwidth, section
+
+
+def l3_bytes() -> int:
+    """This CPU's L3 cache size in bytes (sysfs, cpu0), 0 where not stated."""
+    size = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
+    if not size.exists():
+        return 0
+    text = size.read_text().strip()
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1], 1)
+    return int(text.rstrip("KM")) * scale
+
+
+def bytes_per_token(path: Path) -> int:
+    """Bytes one decode token reads from the GGUF at ``path``: every tensor, less the input
+    embedding where a separate ``output.weight`` is the LM head (one embedding row is read)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    total = sum(tensors.values())
+    return total - tensors["token_embd.weight"] if "output.weight" in tensors else total
+
+
+def _worker(system: str, path: Path, quick: bool) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.chain_worker", system, str(path)] + (["--quick"] if quick else [])
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ},
+                          cwd=Path(__file__).resolve().parent.parent)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run(quick: bool = False, dtype: torch.dtype | None = None) -> dict:
+    """Run the section, print its tables, return the results (seconds, bytes, tok/s).
+    ``dtype`` is unused: both systems compute on the file's types as stored."""
+    why = tools_missing() or llamacpp.available()
+    section("Chain-size GGUF files: ours vs llama.cpp on the same file")
+    if why:
+        print(f"skipped: {why}")
+        return {"skipped": why}
+    l3 = l3_bytes()
+    bandwidth = read_bandwidth(max(1 << 30, 4 * l3))
+    print(f"L3 {l3 / 2**20:.0f} MiB; read bandwidth {bandwidth / 1e9:.1f} GB/s over a {max(1 << 30, 4 * l3) / 2**30:.1f} "
+          f"GiB buffer; {torch.get_num_threads()} threads\n")
+    results, rows = {}, []
+    for name in list(CHAIN)[:1] if quick else CHAIN:
+        for qtype, path in chain_files(name, QUANT_TYPES, log=log).items():
+            size, read = path.stat().st_size, bytes_per_token(path)
+            r = {"file_bytes": size, "read_bytes": read}
+            for system in ("ours", "llama.cpp"):
+                log(f"chain bench: {name} {qtype}: {system}")
+                r[system] = _worker(system, path, quick)
+            results[f"{name} {qtype}"] = r
+            rows.append(_row(name, qtype, r, bandwidth if size > l3 else None))
+    keys = ["decode tok/s", "TTFT 512", "TTFT 2048", "mixed 16", "mixed 64"]
+    print(markdown_table(["file", "MB", "ours / llama.cpp: " + ", ".join(keys), "ours of bandwidth limit",
+                          "peak RSS ours / llama.cpp (GB)", "greedy = llama.cpp"], rows))
+    print("\n(ratios > 1: ours faster; TTFT ratios are llama.cpp's time / ours)")
+    return {"l3_bytes": l3, "read_bandwidth_bytes_s": bandwidth, "files": results}
+
+
+def _row(name: str, qtype: str, r: dict, bandwidth: float | None) -> list:
+    ours, lc = r["ours"], r["llama.cpp"]
+    if "error" in ours or "error" in lc:
+        return [f"{name} {qtype}", f"{r['file_bytes'] / 1e6:.0f}", f"ours: {ours.get('error', 'ok')}; "
+                f"llama.cpp: {lc.get('error', 'ok')}", "-", "-", "-"]
+    ratios = [ours["decode_tok_s"] / lc["decode_tok_s"]]
+    for key in ("ttft_512_s", "ttft_2048_s"):
+        ratios.append(lc[key] / ours[key] if key in ours else None)
+    for key in ("mixed_16_tok_s", "mixed_64_tok_s"):
+        ratios.append(ours[key] / lc[key] if key in ours else None)
+    limit = f"{100 * ours['decode_tok_s'] * r['read_bytes'] / bandwidth:.0f}%" if bandwidth else "- (file in L3)"
+    same = sum(a == b for a, b in zip(ours["tokens"], lc["tokens"]))
+    return [f"{name} {qtype}", f"{r['file_bytes'] / 1e6:.0f}", " / ".join(fmt(x) for x in ratios), limit,
+            f"{ours['peak_rss_bytes'] / 1e9:.2f} / {lc['peak_rss_bytes'] / 1e9:.2f}",
+            f"{same}/{len(lc['tokens'])} tokens"]
