@@ -53,8 +53,8 @@ def forced_tool_calls(parser_cls: type[ToolParser], tools: list[dict], tool_choi
     function, or None ("none", "auto", None).
 
     Args:
-        parser_cls: the request's tool parser; only one with ``supports_forced_calls``
-            (``hermes``) can force calls.
+        parser_cls: the request's tool parser; one with a ``forced_call_style`` (``hermes``,
+            ``llama3_json``, ``mistral``; not ``qwen3_coder``) can force calls.
         tools: OpenAI tool definitions.
         tool_choice: "none", "auto", "required" or ``{"type": "function", "function": {"name": N}}``.
         parallel_tool_calls: "required" may produce several calls.
@@ -71,14 +71,17 @@ def forced_tool_calls(parser_cls: type[ToolParser], tools: list[dict], tool_choi
         known = [t["function"]["name"] for t in tools]
         if name not in known:
             raise ValueError(f"tool_choice names function {name!r}, which is not in tools ({known})")
-    if not parser_cls.supports_forced_calls:
-        able = [n for n in ToolParserManager.names() if ToolParserManager.tool_parsers[n].supports_forced_calls]
+    style = parser_cls.forced_call_style
+    if style is None:
+        able = [n for n in ToolParserManager.names() if ToolParserManager.tool_parsers[n].forced_call_style]
         what = "'required'" if tool_choice == "required" else "a named function"
-        raise ValueError(f"tool_choice {what} is supported by the {', '.join(able)} tool parser only; this model "
-                         f"uses {parser_cls.name!r} (--tool-call-parser / tool_call_parser); use tool_choice "
+        raise ValueError(f"tool_choice {what} is supported by the {', '.join(able)} tool parsers only; this "
+                         f"model uses {parser_cls.name!r} (--tool-call-parser / tool_call_parser); use tool_choice "
                          "'auto' or 'none'")
-    from atlas_vlm.structured_output.tool_calls import tool_call_structured_outputs
+    from atlas_vlm.structured_output.tool_calls import json_tool_call_structured_outputs, tool_call_structured_outputs
 
+    if style != "hermes":
+        return json_tool_call_structured_outputs(tools, tool_choice, parallel_tool_calls, style)
     marker = tokenizer.convert_tokens_to_ids(hermes.START)
     marker_is_token = tokenizer.encode(hermes.START, add_special_tokens=False) == [marker]
     return tool_call_structured_outputs(tools, tool_choice, parallel_tool_calls, marker_is_token)

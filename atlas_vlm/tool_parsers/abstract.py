@@ -69,8 +69,9 @@ class ToolParser:
 
     name = ""
     start = ""  # the text that opens the calls
-    #: tool_choice "required" / a named function can be enforced (structured_output.tool_calls)
-    supports_forced_calls = False
+    #: how tool_choice "required" / a named function is enforced (structured_output.tool_calls):
+    #: "hermes", "llama3_json" or "mistral"; None: it is refused
+    forced_call_style: str | None = None
 
     def __init__(self, tools: list[dict] | None = None):
         self.tools = tools or []

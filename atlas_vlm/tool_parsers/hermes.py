@@ -1,7 +1,6 @@
 """Hermes / Qwen tool calls: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``
-(Qwen2.5, Qwen3, Qwen2.5-VL, Qwen3-VL templates; vLLM's ``hermes`` tool parser). The one
-format whose calls ``tool_choice`` "required" / a named function can force
-(``atlas_vlm.structured_output.tool_calls``)."""
+(Qwen2.5, Qwen3, Qwen2.5-VL, Qwen3-VL templates; vLLM's ``hermes`` tool parser); ``tool_choice``
+"required" / a named function force these blocks (``atlas_vlm.structured_output.tool_calls``)."""
 
 from __future__ import annotations
 
@@ -46,7 +45,7 @@ class HermesToolParser(ToolParser):
     """``<tool_call>`` blocks holding one JSON object each."""
 
     start = START
-    supports_forced_calls = True
+    forced_call_style = "hermes"
 
     def blocks(self, text: str, k: int) -> list[tuple[str, bool]]:
         return marker_blocks(text, k, START, END)

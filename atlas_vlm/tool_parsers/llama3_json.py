@@ -2,7 +2,8 @@
 ``{"name": ..., "parameters": {...}}`` (``"arguments"`` accepted too), optionally after
 ``<|python_tag|>``; several calls are separated by ``;`` or whitespace. Without the tag the
 reply must begin with ``{`` to be read as calls (``<|python_tag|>`` is a special token, which
-the detokenizer drops: the ``{`` rule is what reads such a reply)."""
+the detokenizer drops: the ``{`` rule is what reads such a reply, and the forced calls of
+``tool_choice`` "required" / named, which are written without the tag)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class Llama3JsonToolParser(ToolParser):
     """JSON call objects after ``<|python_tag|>`` or at the start of the reply."""
 
     start = TAG
+    forced_call_style = "llama3_json"  # forced calls: the objects without the tag
 
     def find_start(self, text: str) -> int:
         k = text.find(TAG)

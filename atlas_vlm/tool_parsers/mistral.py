@@ -2,7 +2,8 @@
 followed by a JSON list of ``{"name": ..., "arguments": {...}}``. Each list item is one
 block, so the complete calls of a list cut by ``max_tokens`` are kept. ``[TOOL_CALLS]`` is
 a special token of Mistral's tokenizers, which the detokenizer drops: a reply that begins
-with a JSON list (``[`` then ``{``) is read as calls too."""
+with a JSON list (``[`` then ``{``) is read as calls too (so are the forced calls of
+``tool_choice`` "required" / named, written as that bare list)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class MistralToolParser(ToolParser):
     """JSON lists of call objects after ``[TOOL_CALLS]`` (or opening the reply)."""
 
     start = TAG
+    forced_call_style = "mistral"  # forced calls: the list without the tag
 
     def find_start(self, text: str) -> int:
         k = text.find(TAG)

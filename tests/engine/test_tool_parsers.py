@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import types
 
+import jsonschema
 import pytest
 
 from atlas_vlm.tool_parsers import ToolCallStreamer, ToolParser, ToolParserManager, detect_tool_parser
@@ -170,17 +171,18 @@ def test_server_refuses_forced_calls_without_a_forcing_parser():
     from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
     from atlas_vlm.entrypoints.openai.serving_chat import _constraint, _tool_parser
 
-    ctx = types.SimpleNamespace(tool_parser=ToolParserManager.get_tool_parser("mistral"),
+    ctx = types.SimpleNamespace(tool_parser=ToolParserManager.get_tool_parser("qwen3_coder"),
                                 engine=types.SimpleNamespace(tokenizer=None))  # never read: refused first
     ask = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
     for choice in ("required", {"type": "function", "function": {"name": "zoom"}}):
         with pytest.raises(APIError) as e:
             _constraint(ctx, ChatCompletionRequest(**ask, tool_choice=choice))
         assert e.value.status == 400 and e.value.param == "tool_choice"
-        assert "hermes tool parser only" in e.value.message and "'mistral'" in e.value.message
+        assert "hermes, llama3_json, mistral tool parsers only" in e.value.message
+        assert "'qwen3_coder'" in e.value.message
     assert _constraint(ctx, ChatCompletionRequest(**ask, tool_choice="auto")) is None
     parser = _tool_parser(ctx, ChatCompletionRequest(**ask))
-    assert parser.name == "mistral" and parser.tools == TOOLS
+    assert parser.name == "qwen3_coder" and parser.tools == TOOLS
     assert _tool_parser(ctx, ChatCompletionRequest(**ask, tool_choice="none")) is None
 
 
@@ -189,6 +191,12 @@ def test_server_refuses_forced_calls_without_a_forcing_parser():
 KW = dict(dtype="float32", max_model_len=1024, kv_cache_memory=32 << 20)
 ASK = [{"role": "user", "content": "Zoom in a bit."}]
 MISTRAL_REPLY = FORMATS["mistral"](CALLS[1:])
+STRICT = {"get_weather": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                          "required": ["city", "days"], "additionalProperties": False},
+          "zoom": {"type": "object", "properties": {"factor": {"enum": [1, 2, 4]}}, "required": ["factor"],
+                   "additionalProperties": False}}
+STRICT_TOOLS = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in STRICT.items()]
 CHATML_MISTRAL = ("{#- [TOOL_CALLS] -#}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                   "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -202,7 +210,7 @@ def _forced_reply():
 
 
 def test_llm_chat_honours_tool_call_parser(tiny_models):
-    from atlas_vlm import LLM
+    from atlas_vlm import LLM, SamplingParams
     from atlas_vlm.entrypoints.openai.chat_output import ChatChoiceOutput
 
     llm = LLM(str(tiny_models["qwen2"][0]), tool_call_parser="mistral", **KW)
@@ -212,8 +220,16 @@ def test_llm_chat_honours_tool_call_parser(tiny_models):
     for o in llm.chat(ASK, _forced_reply(), tools=TOOLS, stream=True, use_tqdm=False):
         streamed += view.delta(o)[0].get("tool_calls", [])
     assert _pairs(streamed) == CALLS[1:]
-    with pytest.raises(ValueError, match="hermes tool parser only; this model uses 'mistral'"):
-        llm.chat(ASK, _forced_reply(), tools=TOOLS, tool_choice="required", use_tqdm=False)
+    # forced calls in the bare-JSON list, read back by the mistral parser, arguments per schema
+    outs = llm.chat([ASK] * 2, [SamplingParams(temperature=1.0, seed=s, max_tokens=200) for s in range(2)],
+                    tools=STRICT_TOOLS, tool_choice="required", use_tqdm=False)
+    (named,) = llm.chat(ASK, SamplingParams(temperature=0, max_tokens=200), tools=STRICT_TOOLS,
+                        tool_choice={"type": "function", "function": {"name": "zoom"}}, use_tqdm=False)
+    for out in outs + [named]:
+        assert out.text.startswith("[{") and out.tool_calls, out.text
+        for name, args in _pairs(out.tool_calls):
+            jsonschema.validate(args, STRICT[name])
+    assert [n for n, _ in _pairs(named.tool_calls)] == ["zoom"]
 
 
 def test_llm_chat_detects_the_parser_from_the_template(tiny_models):
@@ -224,3 +240,32 @@ def test_llm_chat_detects_the_parser_from_the_template(tiny_models):
     assert out.text == MISTRAL_REPLY and _pairs(out.tool_calls) == CALLS[1:]
     (out,) = llm.chat(ASK, _forced_reply(), tools=TOOLS, use_tqdm=False)  # Qwen's template: hermes
     assert out.text == MISTRAL_REPLY and out.tool_calls == [] and out.finish_reason == "stop"
+    with pytest.raises(ValueError, match="tool parsers only; this model uses 'qwen3_coder'"):
+        llm.chat(ASK, tools=TOOLS, tool_choice="required", chat_template="<function={{ x }}>", use_tqdm=False)
+
+
+def test_forced_bare_json_grammars(tiny_models):
+    from atlas_vlm import LLM
+    from atlas_vlm.structured_output.tool_calls import json_tool_call_structured_outputs
+
+    llm = LLM(str(tiny_models["qwen2"][0]), **KW)
+    backend, tok = llm.engine.structured_output_manager.backend, llm.tokenizer
+    eos = sorted(llm.engine.eos_token_ids)[0]
+
+    def accepts(spec, text):
+        grammar = backend.compile_grammar(spec)
+        return all(grammar.accept_token(t) for t in tok.encode(text, add_special_tokens=False)) and \
+            grammar.accept_token(eos)
+    llama = '{"name": "zoom", "parameters": {"factor": 2}}'
+    mistral = '{"name": "zoom", "arguments": {"factor": 2}}'
+    for parallel in (True, False):
+        assert accepts(json_tool_call_structured_outputs(TOOLS, "required", parallel, "llama3_json"), llama)
+        assert accepts(json_tool_call_structured_outputs(TOOLS, "required", parallel, "mistral"), f"[{mistral}]")
+    assert accepts(json_tool_call_structured_outputs(TOOLS, "required", True, "llama3_json"), f"{llama}; {llama}")
+    assert not accepts(json_tool_call_structured_outputs(TOOLS, "required", False, "llama3_json"), f"{llama}; {llama}")
+    assert accepts(json_tool_call_structured_outputs(TOOLS, "required", True, "mistral"), f"[{mistral}, {mistral}]")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert not accepts(json_tool_call_structured_outputs(TOOLS, named, True, "mistral"), f"[{mistral}]")
+    assert json_tool_call_structured_outputs(TOOLS, "auto", True, "mistral") is None
+    with pytest.raises(ValueError, match="'nope', which is not in tools"):
+        json_tool_call_structured_outputs(TOOLS, {"type": "function", "function": {"name": "nope"}}, True, "mistral")
