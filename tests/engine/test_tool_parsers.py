@@ -184,6 +184,11 @@ def test_server_refuses_forced_calls_without_a_forcing_parser():
     parser = _tool_parser(ctx, ChatCompletionRequest(**ask))
     assert parser.name == "qwen3_coder" and parser.tools == TOOLS
     assert _tool_parser(ctx, ChatCompletionRequest(**ask, tool_choice="none")) is None
+    # no --tool-call-parser (the Ray ingress without one): the tokenizer's chat template decides
+    for template, name in (("{#- [TOOL_CALLS] -#}", "mistral"), (None, "hermes")):
+        ctx = types.SimpleNamespace(tool_parser=None, engine=types.SimpleNamespace(
+            tokenizer=types.SimpleNamespace(chat_template=template)))
+        assert _tool_parser(ctx, ChatCompletionRequest(**ask)).name == name
 
 
 # LLM.chat on the tiny random Qwen2 model: its reply is forced (structured output ``choice``)

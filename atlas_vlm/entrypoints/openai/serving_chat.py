@@ -14,8 +14,7 @@ from atlas_vlm.entrypoints.openai.serving_common import (ServerContext, chat_log
                                                          error_field, merge, new_id, sampling_params, sse,
                                                          start_choices, until_error, usage)
 from atlas_vlm.entrypoints.openai.structured import structured_outputs_from_request
-from atlas_vlm.tool_parsers import ToolParser, forced_tool_calls
-from atlas_vlm.tool_parsers.hermes import HermesToolParser
+from atlas_vlm.tool_parsers import ToolParser, forced_tool_calls, resolve_tool_parser
 
 
 async def _prompt(ctx: ServerContext, req: ChatCompletionRequest) -> dict:
@@ -51,9 +50,8 @@ def _constraint(ctx: ServerContext, req: ChatCompletionRequest):
         return constraint
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
     named = choice.model_dump() if hasattr(choice, "model_dump") else choice
-    parser_cls = ctx.tool_parser or HermesToolParser
     try:
-        forced = forced_tool_calls(parser_cls, tools, named, req.parallel_tool_calls, ctx.engine.tokenizer)
+        forced = forced_tool_calls(_parser_cls(ctx), tools, named, req.parallel_tool_calls, ctx.engine.tokenizer)
     except ValueError as e:
         param = "tools" if str(e).startswith("tools:") and not isinstance(named, dict) else "tool_choice"
         raise APIError(400, str(e), param, "invalid_value") from e
@@ -63,12 +61,18 @@ def _constraint(ctx: ServerContext, req: ChatCompletionRequest):
     return forced or constraint
 
 
+def _parser_cls(ctx: ServerContext) -> type[ToolParser]:
+    """The server's tool parser class: ``--tool-call-parser``'s, else the one the tokenizer's
+    chat template points to (``atlas_vlm.tool_parsers.detect_tool_parser``)."""
+    return ctx.tool_parser or resolve_tool_parser(None, getattr(ctx.engine.tokenizer, "chat_template", None))
+
+
 def _tool_parser(ctx: ServerContext, req: ChatCompletionRequest) -> ToolParser | None:
     """The request's tool parser instance (it may read the tools' schemas), or None when
     tool calls are not parsed (no ``tools``, or ``tool_choice`` "none")."""
     if not req.tools or req.tool_choice == "none":
         return None
-    return (ctx.tool_parser or HermesToolParser)([t.model_dump(exclude_none=True) for t in req.tools])
+    return _parser_cls(ctx)([t.model_dump(exclude_none=True) for t in req.tools])
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest):
