@@ -164,9 +164,10 @@ class LLM:
                 ``atlas_vlm/engine/tool_prompt.py``).
             tool_choice: "auto" (the model decides), "none" (no parsing), "required" or
                 ``{"type": "function", "function": {"name": N}}``: the output is forced by a
-                grammar into ``<tool_call>`` blocks whose arguments follow the parameters schema
-                (the ``hermes`` tool parser only). Calls are read by ``LLM(tool_call_parser=...)``,
-                else by the parser the chat template points to (``chat_template`` if given).
+                grammar into calls whose arguments follow the parameters schema, in the tool
+                parser's format (``hermes``, ``llama3_json``, ``mistral``; ``qwen3_coder``
+                refuses). Calls are read by ``LLM(tool_call_parser=...)``'s parser, else by the
+                one the chat template points to (``chat_template`` if given).
             parallel_tool_calls: "required" may produce several calls.
 
         Returns: as :meth:`generate`; with a reasoning parser (``LLM(reasoning_parser="qwen3")``)
@@ -178,7 +179,7 @@ class LLM:
 
         Raises:
             ValueError, TypeError: a malformed conversation or option (the message names it);
-                ``tool_choice`` "required" / named with a tool parser other than ``hermes``.
+                ``tool_choice`` "required" / named with the ``qwen3_coder`` tool parser.
         """
         single = bool(messages) and isinstance(messages[0], dict)
         convs = [messages] if single else messages

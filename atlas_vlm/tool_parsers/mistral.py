@@ -32,7 +32,7 @@ class MistralToolParser(ToolParser):
 
     def held_back(self, text: str) -> int:
         stripped = text.lstrip()
-        if stripped in ("", "[") or (stripped.startswith("[") and not stripped[1:].strip()):
+        if not stripped or (stripped.startswith("[") and not stripped[1:].strip()):
             return len(text)  # may still become a bare list of calls
         return super().held_back(text)
 
