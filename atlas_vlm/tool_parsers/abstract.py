@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 
@@ -58,7 +59,7 @@ def dump_arguments(args) -> str | None:
     return None
 
 
-class ToolParser:
+class ToolParser(ABC):
     """One tool-call format. Subclasses set ``start`` (or override ``find_start`` /
     ``held_back``) and implement ``blocks`` and ``parse_block``.
 
@@ -85,13 +86,13 @@ class ToolParser:
         may still become the start of a call (not sent as content yet)."""
         return partial_suffix(text, self.start)
 
+    @abstractmethod
     def blocks(self, text: str, k: int) -> list[tuple[str, bool]]:
         """``(body, closed)`` of each call block of ``text``, the calls beginning at ``k``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def parse_block(self, body: str) -> tuple[str, str] | None:
         """``(function name, arguments JSON text)`` of one block, or None if it is not a call."""
-        raise NotImplementedError
 
     def extract(self, text: str) -> tuple[str | None, list[dict]]:
         """``(content, tool_calls)`` of a whole output, calls in OpenAI's shape

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+from atlas_vlm.tool_parsers.abstract import dump_arguments
+
 _DECODER = json.JSONDecoder()
 
 
@@ -29,8 +31,6 @@ def json_value(text: str, pos: int) -> tuple[str, bool, int]:
 def call_of(body: str, keys: tuple[str, ...]) -> tuple[str, str] | None:
     """``(name, arguments JSON text)`` of a ``{"name": str, KEY: {...}}`` object for the
     first of ``keys`` present (a missing one: ``{}``), or None if ``body`` is not such a call."""
-    from atlas_vlm.tool_parsers.abstract import dump_arguments
-
     try:
         obj = json.loads(body)
     except json.JSONDecodeError:
