@@ -60,6 +60,9 @@ class EngineConfig:
     # the checkpoint's quantization_config, which is honoured when this is None)
     quantization: str | None = None
     reasoning_parser: str | None = None  # "qwen3": <think>..</think> reasoning; grammars apply after it
+    # tool-call format (atlas_vlm.tool_parsers: hermes, qwen3_coder, llama3_json, mistral);
+    # None: detected from the chat template's text
+    tool_call_parser: str | None = None
     # pure-decode steps through a torch.compile'd forward, one graph per batch-size bucket
     # (worker/compiled_decode.py): True, False, or "auto" (on where it pays and inductor works:
     # CUDA; off on CPU, where it was measured not to pay). The eager path is the fallback.
@@ -70,6 +73,10 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if not (isinstance(self.compile_decode, bool) or self.compile_decode == "auto"):
             raise ValueError(f"compile_decode must be True, False or 'auto', got {self.compile_decode!r}")
+        if self.tool_call_parser is not None:
+            from atlas_vlm.tool_parsers import ToolParserManager
+
+            ToolParserManager.get_tool_parser(self.tool_call_parser)  # ValueError listing the known names
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_KINDS}, got {self.kv_cache!r}")
         for name in ("kvcache_block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):

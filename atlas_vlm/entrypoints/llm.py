@@ -25,11 +25,11 @@ from mm_token_pipeline import MultiModalOptions
 logger = logging.getLogger(__name__)
 
 
-def _finish_chat(out: RequestOutput, reasoning_parser=None, parse_tools: bool = False) -> RequestOutput:
+def _finish_chat(out: RequestOutput, reasoning_parser=None, tool_parser=None) -> RequestOutput:
     """A finished chat output with ``reasoning_content`` / ``content`` split by the engine's
-    reasoning parser (if any) and ``tool_calls`` parsed from the content (Hermes / Qwen
-    ``<tool_call>`` format) when tools were given; the same split as the server's
-    (``entrypoints/openai/chat_output.py``)."""
+    reasoning parser (if any) and ``tool_calls`` parsed from the content by ``tool_parser``
+    (an ``atlas_vlm.tool_parsers.ToolParser``; None: no tool parsing); the same split as
+    the server's (``entrypoints/openai/chat_output.py``)."""
     if not out.finished or out.finish_reason == "error":
         return out
     content = out.text
@@ -37,10 +37,8 @@ def _finish_chat(out: RequestOutput, reasoning_parser=None, parse_tools: bool = 
         out.reasoning_content, content = reasoning_parser.extract_reasoning(
             out.text, reasoning_parser.initial_state(out.prompt_token_ids))
         out.content = content
-    if parse_tools:
-        from atlas_vlm.entrypoints.openai.tool_parsers import extract_tool_calls
-
-        _, out.tool_calls = extract_tool_calls(content)
+    if tool_parser is not None:
+        _, out.tool_calls = tool_parser.extract(content)
         if out.tool_calls and out.finish_reason == "stop":
             out.finish_reason = "tool_calls"
     return out
@@ -55,7 +53,8 @@ class LLM:
             the embedded SmolLM2-135M-Instruct.
         **kwargs: any ``EngineConfig`` field (``kv_cache="paged" | "contiguous"``,
             ``kvcache_block_size``, ``max_model_len``, ``max_pixels``, ``allow_http_images``,
-            ``http_image_timeout_s``, ``http_image_max_bytes``, ...).
+            ``http_image_timeout_s``, ``http_image_max_bytes``, ``tool_call_parser`` (a
+            ``atlas_vlm.tool_parsers`` name; None: detected from the chat template), ...).
 
     Example::
 
@@ -166,7 +165,10 @@ class LLM:
                 ``atlas_vlm/engine/tool_prompt.py``).
             tool_choice: "auto" (the model decides), "none" (no parsing), "required" or
                 ``{"type": "function", "function": {"name": N}}``: the output is forced by a
-                grammar into ``<tool_call>`` blocks whose arguments follow the parameters schema.
+                grammar into calls whose arguments follow the parameters schema, in the tool
+                parser's format (``hermes``, ``llama3_json``, ``mistral``; ``qwen3_coder``
+                refuses). Calls are read by ``LLM(tool_call_parser=...)``'s parser, else by the
+                one the chat template points to (``chat_template`` if given).
             parallel_tool_calls: "required" may produce several calls.
 
         Returns: as :meth:`generate`; with a reasoning parser (``LLM(reasoning_parser="qwen3")``)
@@ -177,7 +179,8 @@ class LLM:
         ones kept) and ``finish_reason="tool_calls"`` when it called and stopped.
 
         Raises:
-            ValueError, TypeError: a malformed conversation or option (the message names it).
+            ValueError, TypeError: a malformed conversation or option (the message names it);
+                ``tool_choice`` "required" / named with the ``qwen3_coder`` tool parser.
         """
         single = bool(messages) and isinstance(messages[0], dict)
         convs = [messages] if single else messages
@@ -193,16 +196,15 @@ class LLM:
             if stream:
                 return (_finish_chat(o, parser) for o in result)
             return [_finish_chat(o, parser) for o in result]
-        from atlas_vlm.entrypoints.openai.tool_parsers import tool_call_structured_outputs
+        from atlas_vlm.tool_parsers import forced_tool_calls, resolve_tool_parser
 
-        marker = self.tokenizer.convert_tokens_to_ids("<tool_call>")
-        forced = tool_call_structured_outputs(
-            tools, tool_choice, parallel_tool_calls,
-            self.tokenizer.encode("<tool_call>", add_special_tokens=False) == [marker])
+        parser_cls = resolve_tool_parser(self.config.tool_call_parser,
+                                         chat_template or getattr(self.tokenizer, "chat_template", None))
+        forced = forced_tool_calls(parser_cls, tools, tool_choice, parallel_tool_calls, self.tokenizer)
         if forced is not None:
             base = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(convs)
             sampling_params = [dataclasses.replace(p or SamplingParams(), structured_outputs=forced) for p in base]
         result = self.generate(prompts[0] if single else prompts, sampling_params, stream=stream, use_tqdm=use_tqdm)
         if stream:
-            return (_finish_chat(o, parser, True) for o in result)
-        return [_finish_chat(o, parser, True) for o in result]
+            return (_finish_chat(o, parser, parser_cls(tools)) for o in result)
+        return [_finish_chat(o, parser, parser_cls(tools)) for o in result]

@@ -111,13 +111,16 @@ class OpenAIIngress:
         from atlas_vlm.entrypoints.openai.api_server import create_app
         from atlas_vlm.entrypoints.openai.media import MediaPolicy
         from atlas_vlm.entrypoints.openai.serving_common import ServerContext
+        from atlas_vlm.tool_parsers import ToolParserManager
 
         s = self.settings
         from atlas_vlm.entrypoints.openai.api_server import default_max_request_body_bytes
 
         media = MediaPolicy(**s.get("media", {}))
         ctx = ServerContext(self.engine, s["served_model_names"], s["is_vlm"], media, s["max_model_len"],
-                            max_prompts_per_request=s.get("max_prompts_per_request", 64), model_root=s["model"])
+                            max_prompts_per_request=s.get("max_prompts_per_request", 64), model_root=s["model"],
+                            tool_parser=ToolParserManager.get_tool_parser(s["tool_call_parser"])
+                            if s.get("tool_call_parser") else None)  # None: from the tokenizer's template
         body = s.get("max_request_body_bytes") or default_max_request_body_bytes(media.max_image_bytes)
         return create_app(ctx, None, s.get("api_key"), metrics_text=self.engine.metrics_text,
                           max_request_body_bytes=body, protect_docs_metrics=s.get("protect_docs_metrics", False))
@@ -157,6 +160,7 @@ def build_app(engine_kwargs: dict, num_replicas: int, *, served_model_names: lis
     settings = dict(model=model, served_model_names=served_model_names or [model], is_vlm=is_vlm,
                     max_model_len=config.max_model_len or 4096, routing=routing,
                     imbalance_threshold=imbalance_threshold, api_key=api_key, media=media or {},
+                    tool_call_parser=config.tool_call_parser,
                     **(server_limits or {}))
     return OpenAIIngress.options(name="ingress", ray_actor_options={"num_cpus": 0}).bind(settings, *replicas)
 

@@ -279,6 +279,7 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
     from atlas_vlm.engine.async_llm import AsyncLLM
     from atlas_vlm.entrypoints.openai.media import MediaPolicy
     from atlas_vlm.entrypoints.openai.metrics import PrometheusStatLogger
+    from atlas_vlm.tool_parsers import resolve_tool_parser
 
     media = media or MediaPolicy()
     if max_request_body_bytes is None:
@@ -299,7 +300,9 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
     stat_logger.attach(front)
     ctx = ServerContext(front, served_model_names or [engine_config.model], hasattr(engine.hf_config, "vision_config"),
                         media, engine.max_model_len, max_prompts_per_request=max_prompts_per_request,
-                        model_root=str(engine_config.model), reasoning_parser=engine.reasoning_parser)
+                        model_root=str(engine_config.model), reasoning_parser=engine.reasoning_parser,
+                        tool_parser=resolve_tool_parser(engine_config.tool_call_parser,
+                                                        getattr(engine.tokenizer, "chat_template", None)))
     app = create_app(ctx, stat_logger.registry, api_key, max_request_body_bytes=max_request_body_bytes,
                      protect_docs_metrics=protect_docs_metrics)
 

@@ -1,11 +1,12 @@
 """One chat choice's output as OpenAI shows it: reasoning split from content (a reasoning
-parser), tool calls parsed out of the content (``tool_parsers``), ``finish_reason``
+parser), tool calls parsed out of the content (a ``atlas_vlm.tool_parsers`` parser), ``finish_reason``
 ``"tool_calls"`` when calls were made; whole messages and stream deltas alike."""
 
 from __future__ import annotations
 
-from atlas_vlm.entrypoints.openai.tool_parsers import ToolCallStreamer, extract_tool_calls
 from atlas_vlm.reasoning.qwen3 import ENDED
+from atlas_vlm.tool_parsers import ToolCallStreamer, ToolParser
+from atlas_vlm.tool_parsers.hermes import HermesToolParser
 
 
 class ChatChoiceOutput:
@@ -14,12 +15,14 @@ class ChatChoiceOutput:
     Args:
         reasoning_parser: a ``ReasoningParser`` or None (no split).
         parse_tools: look for tool calls in the content (``tools`` given, ``tool_choice`` not "none").
+        tool_parser: the request's ``ToolParser`` instance (None: Hermes).
     """
 
-    def __init__(self, reasoning_parser=None, parse_tools: bool = False):
+    def __init__(self, reasoning_parser=None, parse_tools: bool = False, tool_parser: ToolParser | None = None):
         self.reasoning_parser = reasoning_parser
         self.parse_tools = parse_tools
-        self.streamer = ToolCallStreamer()
+        self.tool_parser = tool_parser or HermesToolParser()
+        self.streamer = ToolCallStreamer(self.tool_parser)
         self.reasoning_sent = ""
         self.content_sent = ""
 
@@ -33,7 +36,7 @@ class ChatChoiceOutput:
             reasoning, content = self.reasoning_parser.extract_reasoning(out.text, self._state(out))
         calls = []
         if self.parse_tools:
-            content, calls = extract_tool_calls(content)
+            content, calls = self.tool_parser.extract(content)
         msg = {"role": "assistant", "content": content}
         if reasoning is not None:
             msg["reasoning_content"] = reasoning

@@ -8,6 +8,13 @@ import logging
 from atlas_vlm.entrypoints.cli import bytes_arg
 
 
+def tool_parser_names() -> list[str]:
+    """The ``--tool-call-parser`` names (``atlas_vlm.tool_parsers`` registry)."""
+    from atlas_vlm.tool_parsers import ToolParserManager
+
+    return ToolParserManager.names()
+
+
 def add_parser(sub) -> None:
     """Register ``atlas-vlm serve`` (flag names follow ``vllm serve``)."""
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, metrics)",
@@ -65,6 +72,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="default sampling seed")
     p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                    help="split <think>..</think> into reasoning_content (Qwen3 / Qwen3-VL); grammars apply after it")
+    p.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
+                   help="tool-call format: hermes (<tool_call> JSON), qwen3_coder (XML), llama3_json, mistral "
+                        "(default: detected from the chat template)")
     r = p.add_argument_group("replicas (Ray Serve; needs the ray extra)")
     r.add_argument("--replicas", type=int, default=1,
                    help="engine replicas; N > 1 serves them on Ray Serve behind one endpoint (default 1: no Ray)")
@@ -93,7 +103,7 @@ def engine_config_from_args(args):
                   gpu_memory_utilization=args.gpu_memory_utilization, kvcache_block_size=args.block_size,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-                  reasoning_parser=args.reasoning_parser,
+                  reasoning_parser=args.reasoning_parser, tool_call_parser=getattr(args, "tool_call_parser", None),
                   limit_request_pixels=True)  # a request may lower the server's image bounds, never raise them
     for name in ("kv_cache_memory", "max_pixels", "min_pixels"):
         if getattr(args, name) is not None:

@@ -14,7 +14,7 @@ from atlas_vlm.entrypoints.openai.serving_common import (ServerContext, chat_log
                                                          error_field, merge, new_id, sampling_params, sse,
                                                          start_choices, until_error, usage)
 from atlas_vlm.entrypoints.openai.structured import structured_outputs_from_request
-from atlas_vlm.entrypoints.openai.tool_parsers import tool_call_structured_outputs
+from atlas_vlm.tool_parsers import ToolParser, forced_tool_calls, resolve_tool_parser
 
 
 async def _prompt(ctx: ServerContext, req: ChatCompletionRequest) -> dict:
@@ -39,7 +39,8 @@ def _constraint(ctx: ServerContext, req: ChatCompletionRequest):
 
     Raises:
         APIError(400): ``tool_choice`` without ``tools``, a named function not in ``tools``,
-            a refused schema, or a forced tool call together with another constraint.
+            a refused schema, a forced tool call with a tool parser that cannot force calls
+            (only ``hermes`` can), or a forced tool call together with another constraint.
     """
     constraint = structured_outputs_from_request(req)
     choice = req.tool_choice
@@ -49,17 +50,29 @@ def _constraint(ctx: ServerContext, req: ChatCompletionRequest):
         return constraint
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
     named = choice.model_dump() if hasattr(choice, "model_dump") else choice
-    tokenizer = ctx.engine.tokenizer
-    marker_is_token = tokenizer.encode("<tool_call>", add_special_tokens=False) == \
-        [tokenizer.convert_tokens_to_ids("<tool_call>")]
     try:
-        forced = tool_call_structured_outputs(tools, named, req.parallel_tool_calls, marker_is_token)
+        forced = forced_tool_calls(_parser_cls(ctx), tools, named, req.parallel_tool_calls, ctx.engine.tokenizer)
     except ValueError as e:
-        raise APIError(400, str(e), "tool_choice" if isinstance(named, dict) else "tools", "invalid_value") from e
+        param = "tools" if str(e).startswith("tools:") and not isinstance(named, dict) else "tool_choice"
+        raise APIError(400, str(e), param, "invalid_value") from e
     if forced is not None and constraint is not None:
         raise APIError(400, f"tool_choice {choice if isinstance(choice, str) else 'function'!r} cannot be combined "
                        "with response_format or structured outputs", "tool_choice", "invalid_value")
     return forced or constraint
+
+
+def _parser_cls(ctx: ServerContext) -> type[ToolParser]:
+    """The server's tool parser class: ``--tool-call-parser``'s, else the one the tokenizer's
+    chat template points to (``atlas_vlm.tool_parsers.detect_tool_parser``)."""
+    return ctx.tool_parser or resolve_tool_parser(None, getattr(ctx.engine.tokenizer, "chat_template", None))
+
+
+def _tool_parser(ctx: ServerContext, req: ChatCompletionRequest) -> ToolParser | None:
+    """The request's tool parser instance (it may read the tools' schemas), or None when
+    tool calls are not parsed (no ``tools``, or ``tool_choice`` "none")."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    return _parser_cls(ctx)([t.model_dump(exclude_none=True) for t in req.tools])
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest):
@@ -79,8 +92,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest)
     constraint = _constraint(ctx, req)
     params = [sampling_params(req, max_tokens, k, i, constraint) for i in range(req.n)]
     prompt = await _prompt(ctx, req)
-    parse_tools = bool(req.tools) and req.tool_choice != "none"
-    views = [ChatChoiceOutput(ctx.reasoning_parser, parse_tools) for _ in range(req.n)]
+    views = [ChatChoiceOutput(ctx.reasoning_parser, parser is not None, parser)
+             for parser in (_tool_parser(ctx, req) for _ in range(req.n))]
     rid = new_id("chatcmpl")
     iters, first = await start_choices(ctx, prompt, params, rid)
     created = int(time.time())

@@ -29,6 +29,7 @@ class ServerContext:
     max_prompts_per_request: int = 64  # completions: prompts in one call at most (--max-prompts-per-request)
     model_root: str | None = None  # the model path or id behind the served names (model card ``root``)
     reasoning_parser: object = None  # atlas_vlm.reasoning.ReasoningParser: split thinking from content
+    tool_parser: type | None = None  # an atlas_vlm.tool_parsers.ToolParser class; None: from the chat template
 
     def check_model(self, name: str | None) -> str:
         """Raises APIError(404) for a model name we do not serve."""
