@@ -139,6 +139,10 @@ class LLMEngine:
             RequestTooLongError: prompt (+ ``max_tokens``) over ``max_model_len`` or the KV capacity.
             mm_token_pipeline.ImageInputError: an image cannot be loaded or resized.
             ValueError, TypeError: any other malformed input, or a request id already in use.
+
+        A structured-output grammar compiles off the engine thread (the request waits in
+        ``WAITING_FOR_FSM`` meanwhile); one the library refuses only then ends that request
+        with ``finish_reason="error"`` and ``error`` naming the field (vLLM v1).
         """
         req = prompt if isinstance(prompt, Request) else self.process_request(prompt, sampling_params, request_id)
         if req.request_id in self.requests:
@@ -201,7 +205,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batched step: schedule -> run -> update -> outputs. Returns an output
         (with the step's new tokens and text) for every request that produced a token or
-        finished in it, after the outputs of requests aborted since the last step."""
+        finished in it, after the outputs of requests aborted since the last step (and of
+        requests whose grammar failed to compile). With nothing to run but grammars compiling,
+        it waits for one at most ``_COMPILE_WAIT_S`` seconds."""
         outputs, self._finished_outside_step = self._finished_outside_step, []
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.failed and self.structured_output_manager.is_compiling_any():
