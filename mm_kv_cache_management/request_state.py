@@ -11,6 +11,7 @@ from mm_kv_cache_management.hashing import block_hash
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_FSM = "waiting_for_fsm"  # queued, its structured-output grammar still compiling (vLLM v1)
     RUNNING = "running"
     FINISHED = "finished"
 

@@ -29,6 +29,8 @@ from mm_kv_cache_management import BlockManager
 
 __all__ = ["LLMEngine", "RequestTooLongError"]
 
+_COMPILE_WAIT_S = 0.05  # longest a step with nothing to run waits for a grammar to compile
+
 
 def _locked(method):
     """Run ``method`` under the engine's lock (re-entrant)."""
@@ -137,11 +139,15 @@ class LLMEngine:
             RequestTooLongError: prompt (+ ``max_tokens``) over ``max_model_len`` or the KV capacity.
             mm_token_pipeline.ImageInputError: an image cannot be loaded or resized.
             ValueError, TypeError: any other malformed input, or a request id already in use.
+
+        A structured-output grammar compiles off the engine thread (the request waits in
+        ``WAITING_FOR_FSM`` meanwhile); one the library refuses only then ends that request
+        with ``finish_reason="error"`` and ``error`` naming the field (vLLM v1).
         """
         req = prompt if isinstance(prompt, Request) else self.process_request(prompt, sampling_params, request_id)
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        self.structured_output_manager.add_request(req)  # compiles its grammar (ValueError if refused)
+        self.structured_output_manager.add_request(req)  # its grammar compiles off this thread
         self.requests[req.request_id] = req
         self.output_processor.add_request(req.request_id, req.prompt, req.token_ids, req.sampling_params.stop)
         self.scheduler.add_request(req)
@@ -199,9 +205,19 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batched step: schedule -> run -> update -> outputs. Returns an output
         (with the step's new tokens and text) for every request that produced a token or
-        finished in it, after the outputs of requests aborted since the last step."""
+        finished in it, after the outputs of requests aborted since the last step (and of
+        requests whose grammar failed to compile). With nothing to run but grammars compiling,
+        it waits for one at most ``_COMPILE_WAIT_S`` seconds."""
         outputs, self._finished_outside_step = self._finished_outside_step, []
         sched = self.scheduler.schedule()
+        if sched.is_empty and not sched.failed and self.structured_output_manager.is_compiling_any():
+            # only grammars compiling: wait a little for one (bounded, so aborts and new
+            # requests are not held up), then try again
+            self.structured_output_manager.wait_for_compiles(_COMPILE_WAIT_S)
+            sched = self.scheduler.schedule()
+        for req in sched.failed:  # its grammar could not be compiled: it ends alone
+            outputs.append(self.output_processor.finish(req))
+            del self.requests[req.request_id]
         if sched.is_empty:
             return outputs
         runner_output = self.runner.run(sched.chunks, grammar_bitmask=sched.grammar_bitmask)

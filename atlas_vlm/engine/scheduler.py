@@ -17,7 +17,10 @@ the encoder cache counts its rows; when they do not fit, the chunk ends before t
 first placeholder (the item waits for a later step). An item larger than the whole budget
 still runs, alone in its step, so nothing starves.
 
-With a ``StructuredOutputManager`` (the owner of grammar state), ``schedule`` asks it for the
+With a ``StructuredOutputManager`` (the owner of grammar state), a request whose grammar
+compiles off the engine thread waits in ``WAITING_FOR_FSM``: ``schedule`` skips it (holding
+no block; the requests behind it go on) until the manager has it ready, and fails it alone
+("error", in ``SchedulerOutput.failed``) if the compile failed. ``schedule`` asks it for the
 step's token bitmask, ``update_from_output`` hands it every accepted token (a grammar that
 ends stops its request with "stop"), and ``finish`` tells it the request is gone.
 """
@@ -37,6 +40,7 @@ class SchedulerOutput:
     chunks: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens this step)
     preempted: list[Request] = field(default_factory=list)  # gave back their blocks this step
     grammar_bitmask: object | None = None  # structured_output.GrammarBitmask of the sampled rows, or None
+    failed: list[Request] = field(default_factory=list)  # finished with "error" before running (grammar refused)
 
     @property
     def is_empty(self) -> bool:
@@ -77,8 +81,23 @@ class Scheduler:
         self.num_preemptions = 0  # total, for tests and benchmarks
 
     def add_request(self, req: Request) -> None:
-        req.status = RequestStatus.WAITING
+        """Queue ``req``: ``WAITING_FOR_FSM`` while the manager compiles its grammar, else ``WAITING``."""
+        compiling = self.structured_output_manager is not None and \
+            self.structured_output_manager.is_compiling(req.request_id)
+        req.status = RequestStatus.WAITING_FOR_FSM if compiling else RequestStatus.WAITING
         self.waiting.append(req)
+
+    def _collect_compiled(self, out: SchedulerOutput) -> None:
+        """Requests whose grammar is ready become ``WAITING``; a failed compile finishes its
+        request with "error" (``req.error`` names the field and the library's reason)."""
+        for req in [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_FSM]:
+            ready, error = self.structured_output_manager.poll_compiled(req)
+            if error is not None:
+                req.error = error
+                self.finish(req, "error")
+                out.failed.append(req)
+            elif ready:
+                req.status = RequestStatus.WAITING
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -154,6 +173,8 @@ class Scheduler:
 
     def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.structured_output_manager is not None:
+            self._collect_compiled(out)
         budget = self.max_num_batched_tokens
         encoder_budget = self.max_num_encoder_tokens or 0
         i = 0
@@ -172,8 +193,12 @@ class Scheduler:
             encoder_budget -= cost
         if out.preempted:
             return out
+        skipped: list[Request] = []  # grammars still compiling: back at the front, in order
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.status == RequestStatus.WAITING_FOR_FSM:
+                skipped.append(self.waiting.popleft())
+                continue
             if not self.enable_chunked_prefill and req.num_tokens > budget and out.chunks:
                 break
             if not self.block_manager.can_allocate(req):
@@ -191,6 +216,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             out.chunks.append((req, n))
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
         return out
 
     # ---- after the forward ------------------------------------------------------------------

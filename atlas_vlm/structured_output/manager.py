@@ -1,7 +1,8 @@
 """``StructuredOutputManager``: the one owner of every request's grammar state (vLLM v1's
 ``StructuredOutputManager`` beside the scheduler).
 
-It compiles a request's grammar when the request is added, builds each step's token bitmask
+It compiles a request's grammar off the engine thread (vLLM v1: a compile thread pool;
+the request waits in ``WAITING_FOR_FSM`` until ``poll_compiled`` finds it ready), builds each step's token bitmask
 for the rows that will sample (``grammar_bitmask``; the sampler only applies it), advances
 a request's matcher with its accepted token (``accept_token``, called by the scheduler's
 ``update_from_output``) and forgets the request when the scheduler finishes it. No other
@@ -19,8 +20,9 @@ first token may be the start marker or anything the grammar allows.
 
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -90,46 +92,97 @@ class StructuredOutputManager:
         self.backend_cls = backend_cls
         self._backend: StructuredOutputBackend | None = None
         self._requests: dict[str, _RequestGrammar] = {}
+        self._compiling: dict[str, Future] = {}  # request id -> its grammar, compiling
         self.stats = StructuredOutputStats()
         self._pool: ThreadPoolExecutor | None = None  # one worker: a step's masks beside its forward
+        self._compile_pool: ThreadPoolExecutor | None = None  # one worker: grammars, off the engine thread
+        self._backend_lock = threading.Lock()  # the backend is built on the compile thread or by a caller
 
     @property
     def backend(self) -> StructuredOutputBackend:
-        if self._backend is None:
-            self._backend = self.backend_cls(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return self._backend
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = self.backend_cls(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self._backend
 
     def set_eos_token_ids(self, ids) -> None:
         """New EOS ids; grammars compiled from now on allow them where they accept."""
         if set(ids) != self.eos_token_ids:
-            self.eos_token_ids = set(ids)
-            self._backend = None  # the library's tokenizer carries the EOS ids
+            with self._backend_lock:
+                self.eos_token_ids = set(ids)
+                self._backend = None  # the library's tokenizer carries the EOS ids
 
-    def add_request(self, req) -> None:
-        """Compile ``req``'s grammar (if its ``sampling_params.structured_outputs`` is set).
-
-        Raises:
-            ValueError: the grammar cannot be compiled for this tokenizer (nothing is kept).
-        """
-        params = req.sampling_params.structured_outputs
-        if params is None:
-            return
-        backend = self.backend  # built once (not counted as compile time)
+    def _compile(self, params) -> StructuredOutputGrammar:
+        """On the compile thread: the backend (built on first use, not counted) compiles ``params``."""
+        backend = self.backend
         t0 = time.perf_counter()
         grammar = backend.compile_grammar(params)
         self.stats.compile_s += time.perf_counter() - t0
         self.stats.num_compiled += 1
+        return grammar
+
+    def add_request(self, req) -> bool:
+        """Start compiling ``req``'s grammar on the compile thread (if its
+        ``sampling_params.structured_outputs`` is set); ``poll_compiled`` collects it.
+
+        Returns: True if a grammar is compiling (the request must wait for it).
+        """
+        params = req.sampling_params.structured_outputs
+        if params is None:
+            return False
+        if self._compile_pool is None:
+            self._compile_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atlas-grammar-compile")
+        self._compiling[req.request_id] = self._compile_pool.submit(self._compile, params)
+        return True
+
+    def poll_compiled(self, req) -> tuple[bool, str | None]:
+        """Whether ``req``'s grammar is ready, without waiting; a finished compile is taken in.
+
+        Returns:
+            ``(ready, error)``: ready is False while it compiles; error says why the compile
+            failed (the request must fail; nothing is kept), else None. A request without a
+            grammar is ready.
+        """
+        future = self._compiling.get(req.request_id)
+        if future is None:
+            return True, None
+        if not future.done():
+            return False, None
+        del self._compiling[req.request_id]
+        try:
+            grammar = future.result()
+        except Exception as e:  # noqa: BLE001 - the library's refusal fails this request only
+            return True, f"request {req.request_id!r}: {e}"
         state = ENDED
         if self.reasoning_parser is not None:
             state = self.reasoning_parser.initial_state(req.token_ids[:req.num_prompt_tokens])
         self._requests[req.request_id] = _RequestGrammar(grammar, state)
+        return True, None
+
+    def is_compiling(self, request_id: str) -> bool:
+        """``request_id``'s grammar is still compiling or not yet collected by ``poll_compiled``."""
+        return request_id in self._compiling
+
+    def is_compiling_any(self) -> bool:
+        """Some request's grammar is still compiling or not yet collected."""
+        return bool(self._compiling)
+
+    def wait_for_compiles(self, timeout: float) -> None:
+        """Block until one compiling grammar is done or ``timeout`` seconds have passed
+        (returns at once if none is compiling)."""
+        if self._compiling:
+            wait(list(self._compiling.values()), timeout=timeout, return_when=FIRST_COMPLETED)
 
     def has(self, request_id: str) -> bool:
         return request_id in self._requests
 
     def remove_request(self, request_id: str) -> None:
-        """Forget a finished or aborted request (idempotent)."""
+        """Forget a finished or aborted request (idempotent); a compile not yet started is
+        cancelled, one under way is dropped when it ends."""
         self._requests.pop(request_id, None)
+        future = self._compiling.pop(request_id, None)
+        if future is not None:
+            future.cancel()
 
     def grammar_bitmask(self, chunks) -> GrammarBitmask | None:
         """Masks for the scheduled chunks that will sample a token (those reaching their
