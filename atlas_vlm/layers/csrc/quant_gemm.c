@@ -7,14 +7,14 @@
  * Weights (row-major, contiguous; T = ceil(N / 16) tiles, G = K / group_size groups):
  *   int4  w [T][K / 8][16][4] uint8: byte (t, c, r, j) = q[16t + r][8c + j] | q[16t + r][8c + 4 + j] << 4,
  *         q in 0..15, W = q * scale + min
- *   int8  w [T][K / 4][16][4] int8:  byte (t, c, r, j) = q[16t + r][4c + j], W = q * scale
- *   scale, min [T][G][16] fp32 or fp16 (scale_f16)
+ *   int8  w [T][K / 4][16][4] int8:  byte (t, c, r, j) = q[16t + r][4c + j], W = q * scale (+ min)
+ *   scale, min [T][G][16] fp32 or fp16 (scale_f16); min NULL for an int8 weight without mins
  * Activations: x [M, K] fp32 or bf16; per row and block b of 32: d = amax / 127,
  *   xq = nearbyint(x / d) as x * (1 / d) in fp32 (0 when d == 0), d = NaN where the block
  *   holds a NaN or an infinity (so the output row is NaN, never a silent wrong number).
  * Per output element, in this order (fp32, each step one fused multiply-add):
  *   for g: t = 0; for b in g: t = fma(d_b, isum_b, t);  acc = fma(scale_g, t, acc);
- *          int4: acc = fma(min_g, X_g, acc)  with X_g = fold fma(d_b, sum_b(xq), .) over b in g
+ *          with mins: acc = fma(min_g, X_g, acc)  with X_g = fold fma(d_b, sum_b(xq), .) over b in g
  *   out = acc (+ bias), rounded once to bf16 when the output is bf16 (nearest even).
  * The int32 sums are exact and every variant below does the float steps in the same order
  * per output element, so all variants (AVX512-VNNI, AVX2 with or without AVX-VNNI, plain C)
@@ -201,7 +201,7 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int64_t t,
     }
     const __m512 s = scale_vec(a->scale, (t * G + g) * TILE, a->scale_f16);
     for (int i = 0; i < mt; i++) acc[i] = _mm512_fmadd_ps(s, tg[i], acc[i]);
-    if (a->int4) {
+    if (a->min != NULL) {
       const __m512 mn = scale_vec(a->min, (t * G + g) * TILE, a->scale_f16);
       for (int i = 0; i < mt; i++) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a->xg[(m0 + i) * G + g]), acc[i]);
     }
@@ -265,7 +265,7 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int64_t t,
       }
       const __m256 s = scale_vec(a->scale, (t * G + g) * TILE + h * 8, a->scale_f16);
       for (int i = 0; i < mt; i++) acc[i] = _mm256_fmadd_ps(s, tg[i], acc[i]);
-      if (a->int4) {
+      if (a->min != NULL) {
         const __m256 mn = scale_vec(a->min, (t * G + g) * TILE + h * 8, a->scale_f16);
         for (int i = 0; i < mt; i++) acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a->xg[(m0 + i) * G + g]), acc[i]);
       }
@@ -301,7 +301,7 @@ static inline void tile(const Args *a, int64_t t, int64_t m0, const int mt, floa
         tg = fmaf(a->d[m0 * nb + b], (float)is, tg);
       }
       acc = fmaf(load_scale(a->scale, (t * G + g) * TILE + r, a->scale_f16), tg, acc);
-      if (a->int4) acc = fmaf(load_scale(a->min, (t * G + g) * TILE + r, a->scale_f16), a->xg[m0 * G + g], acc);
+      if (a->min != NULL) acc = fmaf(load_scale(a->min, (t * G + g) * TILE + r, a->scale_f16), a->xg[m0 * G + g], acc);
     }
     out[0][r] = acc;
   }
@@ -331,8 +331,8 @@ static int quant_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const voi
   int8_t *xq = (int8_t *)malloc((size_t)(M * K));
   float *d = (float *)malloc(sizeof(float) * (size_t)(M * nb)), *xg = NULL;
   int32_t *xs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * nb));
-  if (int4) xg = (float *)malloc(sizeof(float) * (size_t)(M * G));
-  if (xq == NULL || d == NULL || xs == NULL || (int4 && xg == NULL)) {
+  if (min != NULL) xg = (float *)malloc(sizeof(float) * (size_t)(M * G));
+  if (xq == NULL || d == NULL || xs == NULL || (min != NULL && xg == NULL)) {
     free(xq), free(d), free(xs), free(xg);
     return -1;
   }
@@ -355,9 +355,9 @@ int quant_gemm_int4(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
 }
 
 int quant_gemm_int8(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *w, const void *scale,
-                    int scale_f16, int64_t N, int64_t gs, const float *bias, void *out, int out_bf16,
-                    int num_threads) {
-  return quant_gemm(x, x_bf16, M, K, w, scale, NULL, scale_f16, N, gs, bias, out, out_bf16, num_threads, 0);
+                    const void *min, int scale_f16, int64_t N, int64_t gs, const float *bias, void *out,
+                    int out_bf16, int num_threads) {
+  return quant_gemm(x, x_bf16, M, K, w, scale, min, scale_f16, N, gs, bias, out, out_bf16, num_threads, 0);
 }
 
 /* One row of the dense weight, fp32, into row[K]. */
@@ -380,7 +380,7 @@ static void dequantize_row(const void *w, const void *scale, const void *min, in
   const uint8_t *wb = (const uint8_t *)w + t * (K / per_chunk) * TILE * 4 + r * 4; /* 4 bytes a chunk, stride 64 */
   for (int64_t g = 0; g < G; g++) {
     const float sc = load_scale(scale, (t * G + g) * TILE + r, scale_f16);
-    const float mn = int4 ? load_scale(min, (t * G + g) * TILE + r, scale_f16) : 0.0f;
+    const float mn = min != NULL ? load_scale(min, (t * G + g) * TILE + r, scale_f16) : 0.0f;
     int64_t k = g * gs;
 #if defined(QK_AVX512) || defined(QK_AVX2)
     const __m256 vs = _mm256_set1_ps(sc), vm = _mm256_set1_ps(mn);
@@ -392,14 +392,14 @@ static void dequantize_row(const void *w, const void *scale, const void *min, in
         memcpy(&b, wb + (k / 8 + 1) * 64, 4);
         const __m128i x = _mm_set_epi32(0, 0, b, a);
         const __m128i lo = _mm_and_si128(x, low), hi = _mm_and_si128(_mm_srli_epi16(x, 4), low);
-        store16(row + k, _mm_unpacklo_epi32(lo, hi), 0, vs, vm, 1);
+        store16(row + k, _mm_unpacklo_epi32(lo, hi), 0, vs, vm, min != NULL);
       } else { /* chunks k/4 .. k/4 + 3 */
         int32_t c, d;
         memcpy(&a, wb + (k / 4) * 64, 4);
         memcpy(&b, wb + (k / 4 + 1) * 64, 4);
         memcpy(&c, wb + (k / 4 + 2) * 64, 4);
         memcpy(&d, wb + (k / 4 + 3) * 64, 4);
-        store16(row + k, _mm_set_epi32(d, c, b, a), 1, vs, vm, 0);
+        store16(row + k, _mm_set_epi32(d, c, b, a), 1, vs, vm, min != NULL);
       }
     }
 #endif
@@ -412,12 +412,13 @@ static void dequantize_row(const void *w, const void *scale, const void *min, in
         q = (float)((const int8_t *)wb)[(k / 4) * 64 + (k % 4)];
       }
       const float p = q * sc;
-      row[k] = int4 ? p + mn : p;
+      row[k] = min != NULL ? p + mn : p;
     }
   }
 }
 
-/* Dense W [N][K] (fp32 or bf16) from the tiles: q * scale + min, a multiply then an add (no
+/* Dense W [N][K] (fp32 or bf16) from the tiles (int4: the nibble layout; min NULL: no min):
+ * q * scale + min, a multiply then an add (no
  * fused step: the same bits as the PyTorch reference's dequantize), rounded once to bf16. */
 int quant_dequantize(const void *w, const void *scale, const void *min, int scale_f16, int64_t N, int64_t K,
                      int64_t gs, int int4, void *out, int out_bf16, int num_threads) {
