@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from pathlib import Path
 
 import torch
@@ -128,7 +129,8 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor |
                out: torch.Tensor | None = None) -> torch.Tensor:
     """The dense ``[N, K]`` weight in ``dtype`` (fp32 or bf16): ``q * scale (+ min)`` in fp32
     (a multiply, then an add), rounded once: the same bits as ``quant_linear``'s PyTorch
-    ``dequantize``. Arguments as :func:`quant_matmul`; ``out``: a contiguous ``[N, K]`` tensor
+    ``dequantize``. Arguments as :func:`quant_matmul` (``group_size`` here a multiple of 16:
+    GGUF Q6_K / Q3_K / Q2_K's groups of 16 too); ``out``: a contiguous ``[N, K]`` tensor
     of ``dtype`` to write into (a reused workspace: no fresh pages to fault in).
 
     Raises:
@@ -147,3 +149,16 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor |
         raise RuntimeError(f"quantized dequantize refused a [{out_features}, {in_features}] weight with group "
                            f"{group_size}")
     return out
+
+
+_workspace = threading.local()
+
+
+def dense_workspace(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """A ``[n, k]`` tensor of ``dtype`` from this thread's workspace (grown, never shrunk), for a
+    weight dequantized for one call: reused, so its pages are not faulted in on every call."""
+    buf = getattr(_workspace, "buf", {}).get(dtype)
+    if buf is None or buf.numel() < n * k:
+        _workspace.buf = {**getattr(_workspace, "buf", {}), dtype: torch.empty(n * k, dtype=dtype)}
+        buf = _workspace.buf[dtype]
+    return buf[: n * k].view(n, k)

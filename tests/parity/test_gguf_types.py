@@ -19,7 +19,7 @@ from helpers import record, require_quant_kernel
 
 from atlas_vlm import LLM, SamplingParams
 from atlas_vlm.default_models import default_text_model
-from atlas_vlm.layers import quant_linear
+from atlas_vlm.layers import cbuild, quant_kernel, quant_linear
 from atlas_vlm.layers.quant_linear import Int4Linear, Int8Linear, quantize_activations, quantized_modules
 from atlas_vlm.quantization import UnsupportedQuantizationError
 from atlas_vlm.quantization import gguf as gguf_loader
@@ -100,18 +100,37 @@ def test_modules_compute_linear_with_the_gguf_weight(kinds, kernel):
         row += _load_rows(m, row, t, None)
     want_w = torch.cat([_dense(t.data, t.tensor_type.name, k) for t in parts])
     m.finalize(kernel)
-    assert m.use_kernel == (kernel and m.group_size % 32 == 0)  # groups of 16: the reference
+    assert m.use_kernel == (kernel and m.group_size % 32 == 0)
+    assert m.dense_kernel == (kernel and m.group_size == 16)  # groups of 16: C dequantize + dense F.linear
     assert torch.equal(m.dequantize(), want_w)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(1))
     got = m(x)
     if not m.use_kernel:
         assert torch.equal(got, F.linear(x, want_w))
+        xb = x.to(torch.bfloat16)
+        assert torch.equal(m(xb), F.linear(xb, m.dequantize(torch.bfloat16)))
         return
     want = m.kernel_reference(x)
     assert ((got - want).abs().max() / want.abs().max()).item() <= KERNEL_FP32_REL
     # vs F.linear: the kernel's int8 activations move each output by at most |W| @ |x - xq|
     bound = F.linear((x - quantize_activations(x)).abs(), want_w.abs()) + 1e-5 * F.linear(x.abs(), want_w.abs())
     assert ((got - F.linear(x, want_w)).abs() <= bound).all()
+
+
+def test_c_dequantize_of_groups_of_16_has_the_pytorch_bits():
+    require_quant_kernel()
+    k, rows = 512, 40
+    data = random_blocks("Q2_K", rows, k, np.random.default_rng(3))  # group 16 with mins
+    m = _module_for([_Tensor("p", "Q2_K", data, k)], torch.nn.Linear(k, rows, bias=False))
+    _load_rows(m, 0, _Tensor("p", "Q2_K", data, k), None)
+    m.finalize(True)
+    plain = quant_kernel.load_variant([*cbuild.BASE_FLAGS, "-ffp-contract=off"])
+    for dtype in (torch.float32, torch.bfloat16):
+        want = m.dequantize(dtype)
+        for lib in (None, plain):  # this CPU's variant and plain C
+            got = quant_kernel.dequantize(m.qweight, m.scales, m._mins(), rows, k, 16, dtype, lib=lib)
+            assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                               want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
 
 
 # ---- a small model written as a GGUF ------------------------------------------------------------
@@ -185,6 +204,7 @@ def test_mixed_type_gguf_loads_as_stored_and_matches_dense(kernel, mixed_gguf, m
     layers = model.model.layers
     qkv0 = layers[0].self_attn.qkv_proj  # Q4_K q/k + Q6_K v: one int8 module, group 16, mins
     assert isinstance(qkv0, Int8Linear) and qkv0.group_size == 16 and qkv0.has_min and not qkv0.use_kernel
+    assert qkv0.dense_kernel == kernel
     assert isinstance(layers[2].mlp.gate_up_proj, Int4Linear)  # Q4_0 + Q4_1
     up1 = layers[1].mlp.gate_up_proj  # Q5_1 + IQ4_NL: int8, group 32, mins: the kernel when on
     assert isinstance(up1, Int8Linear) and up1.group_size == 32 and up1.has_min and up1.use_kernel == kernel

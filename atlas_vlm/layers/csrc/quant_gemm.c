@@ -22,8 +22,8 @@
  *
  * Variants by the compiler's target: __AVX512VNNI__ + __AVX512BW__ (16 rows a vector),
  * __AVX2__ (8 rows a vector; __AVXVNNI__ for dpbusd), else plain C.
- * Returns 0, or -1 for sizes out of range (K % 32, group_size % 32, a group that does not
- * divide K, M or N < 1) or a failed allocation: nothing is written then.
+ * Returns 0, or -1 for sizes out of range (K % 32, group_size % 32 (quant_dequantize: % 16), a
+ * group that does not divide K, M or N < 1) or a failed allocation: nothing is written then.
  */
 #include <math.h>
 #include <stdint.h>
@@ -422,7 +422,7 @@ static void dequantize_row(const void *w, const void *scale, const void *min, in
  * fused step: the same bits as the PyTorch reference's dequantize), rounded once to bf16. */
 int quant_dequantize(const void *w, const void *scale, const void *min, int scale_f16, int64_t N, int64_t K,
                      int64_t gs, int int4, void *out, int out_bf16, int num_threads) {
-  if (N < 1 || K < QBLOCK || K % QBLOCK || gs < QBLOCK || gs % QBLOCK || K % gs) return -1;
+  if (N < 1 || K < QBLOCK || K % QBLOCK || gs < 16 || gs % 16 || K % gs) return -1; /* groups of 16 too */
   int status = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
