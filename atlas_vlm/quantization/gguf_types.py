@@ -25,6 +25,12 @@ Scales ``d sc`` are fp32 products (exact: an fp16 times an integer of at most 8 
 the reference computes them; ``d``, ``m`` alone are fp16 values. Q4_0 / Q4_1 / Q4_K run as
 ``Int4Linear``; every other type (and an int4 type sharing a fused projection with one) as
 ``Int8Linear`` (``q`` in int8, with mins where a part has them; see :func:`int8_form`).
+
+Bytes held a weight (``weight_bytes``; tiles of 16 rows, scales and mins fp16 where all are
+exact in fp16, else fp32): ``Int4Linear`` 0.5 + 2 x 2 / 32 = 0.625; ``Int8Linear`` 1 + (1 or 2)
+x (2 or 4) / group, e.g. Q8_0 / Q5_0 1.0625, Q5_K 1.25, Q6_K 1.25 (the file's Q6_K: 0.82),
+a group-16 projection with mins 1.5. More than the file for 5- and 6-bit types: exact, not
+repacked.
 """
 
 from __future__ import annotations

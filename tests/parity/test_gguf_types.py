@@ -204,10 +204,12 @@ def test_mixed_type_gguf_loads_as_stored_and_matches_dense(kernel, mixed_gguf, m
     layers = model.model.layers
     qkv0 = layers[0].self_attn.qkv_proj  # Q4_K q/k + Q6_K v: one int8 module, group 16, mins
     assert isinstance(qkv0, Int8Linear) and qkv0.group_size == 16 and qkv0.has_min and not qkv0.use_kernel
-    assert qkv0.dense_kernel == kernel
+    assert qkv0.dense_kernel == kernel and qkv0.scales.dtype == qkv0.mins.dtype == torch.float32  # d * sc
+    assert qkv0.weight_bytes() == 512 * HIDDEN + 2 * (HIDDEN // 16) * 512 * 4  # 512 rows: 256 q + 128 k + 128 v
     assert isinstance(layers[2].mlp.gate_up_proj, Int4Linear)  # Q4_0 + Q4_1
     up1 = layers[1].mlp.gate_up_proj  # Q5_1 + IQ4_NL: int8, group 32, mins: the kernel when on
     assert isinstance(up1, Int8Linear) and up1.group_size == 32 and up1.has_min and up1.use_kernel == kernel
+    assert up1.weight_bytes() == 2 * INTER * HIDDEN + 2 * (HIDDEN // 32) * 2 * INTER * 2  # d, m fp16; zero mins
     assert len(quantized_modules(model)) == 4 * LAYERS + 1  # + the tied Q8_0 LM head
     stored = {t.name: t for t in GGUFReader(str(path)).tensors}
     for i, layer in enumerate(layers):  # every weight exactly the GGUF's (Q/K rows un-permuted as llama.cpp's)
