@@ -93,7 +93,8 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
         scales, mins: ``[T, K / group_size, 16]`` fp16 or fp32, the same dtype; ``mins`` None
             for ``W = q * scale`` (int8 only), else ``W = q * scale + min``.
         out_features: ``N`` (rows past ``N`` in the last tile are padding, not written).
-        group_size: inputs per scale (a multiple of 32 dividing ``K``).
+        group_size: inputs per scale dividing ``K``: a multiple of 32, or 16 (GGUF Q6_K /
+            Q3_K / Q2_K: each group's int32 sum over its half of an activation block).
         bias: fp32 ``[N]`` or None.
         lib: a kernel variant (tests); default this machine's.
 
@@ -120,7 +121,7 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
                                      out_features, group_size, _ptr(bias), out.data_ptr(), ob, threads)
     if status != 0:
         raise RuntimeError(f"quantized matmul kernel refused x {tuple(x.shape)} against a [{out_features}, {k}] "
-                           f"weight with group {group_size} (K and the group must be multiples of 32)")
+                           f"weight with group {group_size} (K a multiple of 32, the group 16 or a multiple of 32)")
     return out
 
 
@@ -129,8 +130,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor |
                out: torch.Tensor | None = None) -> torch.Tensor:
     """The dense ``[N, K]`` weight in ``dtype`` (fp32 or bf16): ``q * scale (+ min)`` in fp32
     (a multiply, then an add), rounded once: the same bits as ``quant_linear``'s PyTorch
-    ``dequantize``. Arguments as :func:`quant_matmul` (``group_size`` here a multiple of 16:
-    GGUF Q6_K / Q3_K / Q2_K's groups of 16 too); ``out``: a contiguous ``[N, K]`` tensor
+    ``dequantize``. Arguments as :func:`quant_matmul`; ``out``: a contiguous ``[N, K]`` tensor
     of ``dtype`` to write into (a reused workspace: no fresh pages to fault in).
 
     Raises:

@@ -66,7 +66,7 @@ class _QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
         for name in self.SCALE_BUFFERS:
             self.register_buffer(name, torch.zeros(num_tiles(out_features), in_features // group_size, TILE))
-        self.use_kernel = self.dense_kernel = False
+        self.use_kernel = False
         self._bias_f32: torch.Tensor | None = None
 
     def _apply(self, fn, recurse=True):
@@ -93,16 +93,14 @@ class _QuantLinear(nn.Module):
 
     def finalize(self, use_kernel: bool) -> None:
         """After loading: scales (and mins) to fp16 where every value is exact in it, and the
-        kernel switched on when ``use_kernel`` and the sizes suit it (``in_features`` and the
-        group multiples of 32); a group of 16 (GGUF Q6_K / Q3_K / Q2_K) with ``use_kernel``
-        sets ``dense_kernel``: the C dequantize and a dense ``F.linear`` at every row count
-        (``forward_reference``'s bits)."""
+        kernel switched on when ``use_kernel`` and the sizes suit it (``in_features`` a
+        multiple of 32, the group too or 16: GGUF Q6_K / Q3_K / Q2_K)."""
         scales = [getattr(self, n) for n in self.SCALE_BUFFERS]
         if all(s.dtype != torch.float16 for s in scales) and all(fp16_exact(s) for s in scales):
             for name, s in zip(self.SCALE_BUFFERS, scales):
                 self._buffers[name] = s.to(torch.float16)
-        self.use_kernel = bool(use_kernel) and self.in_features % 32 == 0 and self.group_size % 32 == 0
-        self.dense_kernel = bool(use_kernel) and self.in_features % 32 == 0 and self.group_size == 16
+        self.use_kernel = bool(use_kernel) and self.in_features % 32 == 0 and \
+            (self.group_size % 32 == 0 or self.group_size == 16)
         self._bias_f32 = None if self.bias is None else self.bias.detach().float().contiguous()
 
     def _mins(self) -> torch.Tensor | None:
@@ -113,17 +111,16 @@ class _QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in_features]`` -> ``[..., out_features]`` in ``x.dtype``."""
-        if not ((self.use_kernel or (self.dense_kernel and not torch.compiler.is_compiling()))
-                and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)):
+        if not (self.use_kernel and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)):
             return self.forward_reference(x)
         x2 = x.reshape(-1, self.in_features).contiguous()  # [rows, K]
         if torch.compiler.is_compiling():  # opaque to the compiler (worker/compiled_decode.py)
             out = torch.ops.atlas_vlm.quant_linear(x2, self.qweight, self.scales, self._mins(), self._bias_f32,
                                                    self.out_features, self.group_size)
-        elif self.use_kernel and x2.shape[0] <= KERNEL_MAX_ROWS[x.dtype]:
+        elif x2.shape[0] <= KERNEL_MAX_ROWS[x.dtype]:
             out = quant_kernel.quant_matmul(x2, self.qweight, self.scales, self._mins(), self.out_features,
                                             self.group_size, self._bias_f32)
-        else:  # prefill (the dense GEMM beats int8 dot products at many rows), or a group of 16
+        else:  # prefill: the dense GEMM beats int8 dot products at many rows
             w = quant_kernel.dequantize(self.qweight, self.scales, self._mins(), self.out_features,
                                         self.in_features, self.group_size, x.dtype,
                                         out=dense_workspace(self.out_features, self.in_features, x.dtype))
@@ -135,9 +132,9 @@ class _QuantLinear(nn.Module):
         activations quantized as the kernel does (:func:`quantize_activations`) and ``F.linear``
         over the fp32 dequantized weight (the kernel's int32 sums are exact, so it differs only
         in fp32 summation order), then bias and the cast to ``x.dtype``; above, the dense path
-        as ``forward`` runs it (``dense_kernel``: at every row count). Tests compare the kernel with this."""
+        as ``forward`` runs it. Tests compare the kernel with this."""
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] > KERNEL_MAX_ROWS[x.dtype] or self.dense_kernel:
+        if x2.shape[0] > KERNEL_MAX_ROWS[x.dtype]:
             return self.forward_reference(x)
         out = F.linear(quantize_activations(x2.float()), self.dequantize(torch.float32))
         if self.bias is not None:

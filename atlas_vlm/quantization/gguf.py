@@ -7,8 +7,7 @@ Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS (``Int8Linear``). A fused pro
 (q/k/v, gate/up) takes one module for all its parts: ``Int4Linear`` when every part is an
 int4 type, else an ``Int8Linear`` with the finest group of its parts (16 with a Q6_K / Q3_K /
 Q2_K part, else 32) and mins when a part has them (Q4_K_M's Q4_K q/k next to a Q6_K v: int8,
-group 16, mins), each part's ``W`` exact in it. Groups of 16 run the dequantized reference
-(``F.linear`` over the exact weight; the kernel takes groups of 32). Every tensor's type is
+group 16, mins), each part's ``W`` exact in it (the kernel runs groups of 16 too). Every tensor's type is
 checked before any is decoded: any other type (IQ2_*, IQ3_*, TQ*, ...) is refused naming the
 tensor, its type and the supported list; so is a projection mixing dense and quantized parts.
 A Q8_0 embedding (SmolLM2's ``token_embd``, tied to the LM head) stays int8: the LM head is

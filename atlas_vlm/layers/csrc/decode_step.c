@@ -118,7 +118,8 @@ int decode_layers(const Layer *layers, int64_t L, const void *final_norm, const 
   kmax = kmax > H * Dh ? kmax : H * Dh;
   if (head != NULL && (head->K != D || head->K % QBLOCK)) return -1;
   Quant qs = {malloc((size_t)(B * kmax)), malloc(sizeof(float) * (size_t)(B * kmax / QBLOCK)),
-              malloc(sizeof(float) * (size_t)(B * kmax / QBLOCK)), malloc(sizeof(int32_t) * (size_t)(B * kmax / QBLOCK))};
+              malloc(sizeof(float) * (size_t)(B * kmax / 16)), malloc(sizeof(int32_t) * (size_t)(B * kmax / 16))};
+  /* xg, xs: per group / unit, 16 values at the least (groups of 16) */
   char *buf = malloc((size_t)(esz * B * (3 * D + QKV + 2 * H * Dh + 3 * I)));
   if (qs.xq == NULL || qs.d == NULL || qs.xg == NULL || qs.xs == NULL || buf == NULL) {
     free(qs.xq), free(qs.d), free(qs.xg), free(qs.xs), free(buf);

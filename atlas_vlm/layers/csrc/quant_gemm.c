@@ -13,7 +13,8 @@
  *   xq = nearbyint(x / d) as x * (1 / d) in fp32 (0 when d == 0), d = NaN where the block
  *   holds a NaN or an infinity (so the output row is NaN, never a silent wrong number).
  * Per output element, in this order (fp32, each step one fused multiply-add):
- *   for g: t = 0; for b in g: t = fma(d_b, isum_b, t);  acc = fma(scale_g, t, acc);
+ *   for g: t = 0; for u in g: t = fma(d_b, isum_u, t);  acc = fma(scale_g, t, acc);
+ *          (units u: the blocks of 32 in g, or g itself for a group of 16; b: u's block)
  *          with mins: acc = fma(min_g, X_g, acc)  with X_g = fold fma(d_b, sum_b(xq), .) over b in g
  *   out = acc (+ bias), rounded once to bf16 when the output is bf16 (nearest even).
  * The int32 sums are exact and every variant below does the float steps in the same order
@@ -22,7 +23,7 @@
  *
  * Variants by the compiler's target: __AVX512VNNI__ + __AVX512BW__ (16 rows a vector),
  * __AVX2__ (8 rows a vector; __AVXVNNI__ for dpbusd), else plain C.
- * Returns 0, or -1 for sizes out of range (K % 32, group_size % 32 (quant_dequantize: % 16), a
+ * Returns 0, or -1 for sizes out of range (K % 32, group_size neither 16 nor a multiple of 32, a
  * group that does not divide K, M or N < 1) or a failed allocation: nothing is written then.
  */
 #include <math.h>
@@ -93,11 +94,14 @@ static inline int32_t load_i32(const int8_t *p) {
   return v;
 }
 
-/* Quantize activation rows: xq [M][K], d [M][K/32], xs [M][K/32] (sum of xq per block),
- * xg [M][G] (fold of fma(d_b, xs_b, .) over each group's blocks). */
+/* Values a unit (an int32 sum's span): a block of 32, or a group of 16 (GGUF Q6_K / Q3_K / Q2_K). */
+static inline int64_t unit_of(int64_t gs) { return gs < QBLOCK ? gs : QBLOCK; }
+
+/* Quantize activation rows: xq [M][K], d [M][K/32], xs [M][K/U] (sum of xq per unit of
+ * U = unit_of(gs)), xg [M][G] (fold of fma(d_b, xs_u, .) over each group's units, b u's block). */
 static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int64_t gs, int8_t *xq, float *d,
                           int32_t *xs, float *xg) {
-  const int64_t nb = K / QBLOCK, bpg = gs / QBLOCK;
+  const int64_t nb = K / QBLOCK, U = unit_of(gs), nu = K / U, upg = gs / U, upb = QBLOCK / U;
   for (int64_t m = 0; m < M; m++) {
     for (int64_t b = 0; b < nb; b++) {
       float v[QBLOCK], amax = 0.0f;
@@ -110,19 +114,19 @@ static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int64
         amax = a > amax ? a : amax;
       }
       const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-      int32_t sum = 0;
       int8_t *q = xq + m * K + b * QBLOCK;
-      for (int i = 0; i < QBLOCK; i++) {
-        q[i] = bad ? 0 : (int8_t)nearbyintf(v[i] * id);
-        sum += q[i];
+      for (int i = 0; i < QBLOCK; i++) q[i] = bad ? 0 : (int8_t)nearbyintf(v[i] * id);
+      for (int64_t j = 0; j < upb; j++) {
+        int32_t sum = 0;
+        for (int64_t i = j * U; i < (j + 1) * U; i++) sum += q[i];
+        xs[m * nu + b * upb + j] = sum;
       }
       d[m * nb + b] = bad ? NAN : db;
-      xs[m * nb + b] = sum;
     }
     if (xg != NULL) {
       for (int64_t g = 0; g < K / gs; g++) {
         float acc = 0.0f;
-        for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) acc = fmaf(d[m * nb + b], (float)xs[m * nb + b], acc);
+        for (int64_t u = g * upg; u < (g + 1) * upg; u++) acc = fmaf(d[m * nb + u / upb], (float)xs[m * nu + u], acc);
         xg[m * (K / gs) + g] = acc;
       }
     }
@@ -160,19 +164,20 @@ static inline __m512 scale_vec(const void *p, int64_t i, int f16) {
 
 static inline __attribute__((always_inline)) void tile(const Args *a, int64_t t, int64_t m0, const int mt,
                                                        float out[MT][TILE]) {
-  const int64_t K = a->K, nb = K / QBLOCK, G = K / a->gs, bpg = a->gs / QBLOCK;
+  const int64_t K = a->K, nb = K / QBLOCK, G = K / a->gs, U = unit_of(a->gs), nu = K / U, upg = a->gs / U;
   const __m512i low = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
   __m512 acc[MT];
   for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; g++) {
     __m512 tg[MT];
     for (int i = 0; i < mt; i++) tg[i] = _mm512_setzero_ps();
-    for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
+    for (int64_t u = g * upg; u < (g + 1) * upg; u++) {
+      const int64_t b = u * U / QBLOCK, off = u * U % QBLOCK; /* values off .. off + U - 1 of block b */
       __m512i is[MT], is2[MT]; /* two chains: dpbusd's latency, not its throughput, bounds one */
       for (int i = 0; i < mt; i++) is[i] = is2[i] = _mm512_setzero_si512();
       if (a->int4) {
         const uint8_t *wb = (const uint8_t *)a->w + (t * (K / 8) + b * 4) * 64;
-        for (int c = 0; c < 4; c++) {
+        for (int64_t c = off / 8; c < (off + U) / 8; c++) {
           const __m512i v = _mm512_loadu_si512((const void *)(wb + c * 64));
           const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
           for (int i = 0; i < mt; i++) {
@@ -183,7 +188,7 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int64_t t,
         }
       } else { /* (q + 128) as u8 times x, less 128 * sum(x): exact */
         const int8_t *wb = (const int8_t *)a->w + (t * (K / 4) + b * 8) * 64;
-        for (int c = 0; c < 8; c++) {
+        for (int64_t c = off / 4; c < (off + U) / 4; c++) {
           const __m512i v = _mm512_xor_si512(_mm512_loadu_si512((const void *)(wb + c * 64)), flip);
           for (int i = 0; i < mt; i++) {
             const __m512i xv = _mm512_set1_epi32(load_i32(a->xq + (m0 + i) * K + b * QBLOCK + c * 4));
@@ -193,7 +198,7 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int64_t t,
               is[i] = _mm512_dpbusd_epi32(is[i], v, xv);
           }
         }
-        for (int i = 0; i < mt; i++) is[i] = _mm512_sub_epi32(is[i], _mm512_set1_epi32(128 * a->xs[(m0 + i) * nb + b]));
+        for (int i = 0; i < mt; i++) is[i] = _mm512_sub_epi32(is[i], _mm512_set1_epi32(128 * a->xs[(m0 + i) * nu + u]));
       }
       for (int i = 0; i < mt; i++) is[i] = _mm512_add_epi32(is[i], is2[i]);
       for (int i = 0; i < mt; i++)
@@ -227,7 +232,7 @@ static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) { /* acc += sum of
 /* 16 rows as two halves of 8 lanes; per lane the same float steps as the other variants. */
 static inline __attribute__((always_inline)) void tile(const Args *a, int64_t t, int64_t m0, const int mt,
                                                        float out[MT][TILE]) {
-  const int64_t K = a->K, nb = K / QBLOCK, G = K / a->gs, bpg = a->gs / QBLOCK;
+  const int64_t K = a->K, nb = K / QBLOCK, G = K / a->gs, U = unit_of(a->gs), nu = K / U, upg = a->gs / U;
   const __m256i low = _mm256_set1_epi8(0x0f);
   for (int h = 0; h < 2; h++) {
     __m256 acc[MT];
@@ -235,12 +240,13 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int64_t t,
     for (int64_t g = 0; g < G; g++) {
       __m256 tg[MT];
       for (int i = 0; i < mt; i++) tg[i] = _mm256_setzero_ps();
-      for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
+      for (int64_t u = g * upg; u < (g + 1) * upg; u++) {
+        const int64_t b = u * U / QBLOCK, off = u * U % QBLOCK;
         __m256i is[MT];
         for (int i = 0; i < mt; i++) is[i] = _mm256_setzero_si256();
         if (a->int4) {
           const uint8_t *wb = (const uint8_t *)a->w + (t * (K / 8) + b * 4) * 64 + h * 32;
-          for (int c = 0; c < 4; c++) {
+          for (int64_t c = off / 8; c < (off + U) / 8; c++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + c * 64));
             const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             for (int i = 0; i < mt; i++) {
@@ -251,7 +257,7 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int64_t t,
           }
         } else { /* |q| times x with q's sign: no int16 saturation (2 * 128 * 127 < 32768) */
           const int8_t *wb = (const int8_t *)a->w + (t * (K / 4) + b * 8) * 64 + h * 32;
-          for (int c = 0; c < 8; c++) {
+          for (int64_t c = off / 4; c < (off + U) / 4; c++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + c * 64));
             const __m256i av = _mm256_sign_epi8(v, v);
             for (int i = 0; i < mt; i++) {
@@ -277,25 +283,26 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int64_t t,
 #else /* plain C */
 
 static inline void tile(const Args *a, int64_t t, int64_t m0, const int mt, float out[MT][TILE]) {
-  const int64_t K = a->K, nb = K / QBLOCK, G = K / a->gs, bpg = a->gs / QBLOCK;
+  const int64_t K = a->K, nb = K / QBLOCK, G = K / a->gs, U = unit_of(a->gs), nu = K / U, upg = a->gs / U;
   (void)mt;
   for (int r = 0; r < TILE; r++) {
     float acc = 0.0f;
     for (int64_t g = 0; g < G; g++) {
       float tg = 0.0f;
-      for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
+      for (int64_t u = g * upg; u < (g + 1) * upg; u++) {
+        const int64_t b = u * U / QBLOCK, off = u * U % QBLOCK;
         const int8_t *xp = a->xq + m0 * K + b * QBLOCK;
         int32_t is = 0;
         if (a->int4) {
           const uint8_t *wb = (const uint8_t *)a->w + (t * (K / 8) + b * 4) * 64 + r * 4;
-          for (int c = 0; c < 4; c++)
+          for (int64_t c = off / 8; c < (off + U) / 8; c++)
             for (int j = 0; j < 4; j++) {
               const uint8_t byte = wb[c * 64 + j];
               is += (int32_t)(byte & 15) * xp[c * 8 + j] + (int32_t)(byte >> 4) * xp[c * 8 + 4 + j];
             }
         } else {
           const int8_t *wb = (const int8_t *)a->w + (t * (K / 4) + b * 8) * 64 + r * 4;
-          for (int c = 0; c < 8; c++)
+          for (int64_t c = off / 4; c < (off + U) / 4; c++)
             for (int j = 0; j < 4; j++) is += (int32_t)wb[c * 64 + j] * xp[c * 4 + j];
         }
         tg = fmaf(a->d[m0 * nb + b], (float)is, tg);
@@ -326,11 +333,11 @@ static void tile_rows(const Args *a, int64_t t, int64_t M, int64_t N, const floa
 static int quant_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const void *w, const void *scale,
                       const void *min, int scale_f16, int64_t N, int64_t gs, const float *bias, void *out,
                       int out_bf16, int num_threads, int int4) {
-  if (M < 1 || N < 1 || K < QBLOCK || K % QBLOCK || gs < QBLOCK || gs % QBLOCK || K % gs) return -1;
+  if (M < 1 || N < 1 || K < QBLOCK || K % QBLOCK || (gs != 16 && (gs < QBLOCK || gs % QBLOCK)) || K % gs) return -1;
   const int64_t nb = K / QBLOCK, G = K / gs, T = (N + TILE - 1) / TILE;
   int8_t *xq = (int8_t *)malloc((size_t)(M * K));
   float *d = (float *)malloc(sizeof(float) * (size_t)(M * nb)), *xg = NULL;
-  int32_t *xs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * nb));
+  int32_t *xs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * (K / unit_of(gs))));
   if (min != NULL) xg = (float *)malloc(sizeof(float) * (size_t)(M * G));
   if (xq == NULL || d == NULL || xs == NULL || (min != NULL && xg == NULL)) {
     free(xq), free(d), free(xs), free(xg);
@@ -422,7 +429,7 @@ static void dequantize_row(const void *w, const void *scale, const void *min, in
  * fused step: the same bits as the PyTorch reference's dequantize), rounded once to bf16. */
 int quant_dequantize(const void *w, const void *scale, const void *min, int scale_f16, int64_t N, int64_t K,
                      int64_t gs, int int4, void *out, int out_bf16, int num_threads) {
-  if (N < 1 || K < QBLOCK || K % QBLOCK || gs < 16 || gs % 16 || K % gs) return -1; /* groups of 16 too */
+  if (N < 1 || K < QBLOCK || K % QBLOCK || (gs != 16 && (gs < QBLOCK || gs % QBLOCK)) || K % gs) return -1;
   int status = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
