@@ -24,7 +24,7 @@ from atlas_vlm.layers.quant_linear import Int4Linear, Int8Linear, quantize_activ
 from atlas_vlm.quantization import UnsupportedQuantizationError
 from atlas_vlm.quantization import gguf as gguf_loader
 from atlas_vlm.quantization.gguf import _load_rows, _module_for
-from atlas_vlm.quantization.gguf_types import DECODERS, group_of
+from atlas_vlm.quantization.gguf_types import DECODERS, group_of, int8_form
 
 pytestmark = pytest.mark.text
 
@@ -112,6 +112,19 @@ def test_modules_compute_linear_with_the_gguf_weight(kinds, kernel):
     # vs F.linear: the kernel's int8 activations move each output by at most |W| @ |x - xq|
     bound = F.linear((x - quantize_activations(x)).abs(), want_w.abs()) + 1e-5 * F.linear(x.abs(), want_w.abs())
     assert ((got - F.linear(x, want_w)).abs() <= bound).all()
+
+
+def test_bad_int8_forms_are_refused_by_name():
+    q, s = torch.zeros(16, 64, dtype=torch.int8), torch.ones(16, 2)
+    with pytest.raises(ValueError, match="mins missing for an Int8Linear with has_min=True"):
+        Int8Linear(64, 16, group_size=32, has_min=True).load_rows(0, q, s)
+    with pytest.raises(ValueError, match="mins given to an Int8Linear with has_min=False"):
+        Int8Linear(64, 16, group_size=32).load_rows(0, q, s, s)
+    data = random_blocks("Q8_0", 16, 64, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="GGUF Q8_0 has a scale per 32 inputs; cannot take group 64"):
+        int8_form("Q8_0", data, 64, False)
+    with pytest.raises(ValueError, match="GGUF Q5_1 has mins"):
+        int8_form("Q5_1", random_blocks("Q5_1", 16, 64, np.random.default_rng(0)), 32, False)
 
 
 def test_c_dequantize_of_groups_of_16_has_the_pytorch_bits():
