@@ -8,6 +8,8 @@ do not run is refused by name before any work."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -21,6 +23,7 @@ from atlas_vlm import LLM, SamplingParams
 from atlas_vlm.default_models import default_text_model
 from atlas_vlm.layers import cbuild, quant_kernel, quant_linear
 from atlas_vlm.layers.quant_linear import Int4Linear, Int8Linear, quantize_activations, quantized_modules
+from atlas_vlm.loader import gguf_to_folder
 from atlas_vlm.quantization import UnsupportedQuantizationError
 from atlas_vlm.quantization import gguf as gguf_loader
 from atlas_vlm.quantization.gguf import _load_rows, _module_for
@@ -192,8 +195,10 @@ def mixed_gguf(tmp_path_factory):
     path = tmp_path_factory.mktemp("gguf") / "tiny-Q4_K_M-like.gguf"
     write_gguf(path, LAYER_TYPES)
     dense = LLM(str(path), dtype="float32", max_model_len=256)  # transformers dequantizes every tensor
+    shutil.rmtree(gguf_to_folder(path))  # its dense copy (50 MB, keyed by this temporary path) is not kept
     prompts = [[1, 504, 3458, 282, 4649, 30], [1, 9519, 253, 7049, 9, 288, 1312]]
-    return path, prompts, _greedy(dense, prompts)
+    yield path, prompts, _greedy(dense, prompts)
+    shutil.rmtree(gguf_loader.gguf_meta_folder(path))  # the header's config + tokenizer folder, also keyed by it
 
 
 def _greedy(llm, prompts):
