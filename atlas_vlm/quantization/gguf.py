@@ -10,9 +10,9 @@ Q2_K part, else 32) and mins when a part has them (Q4_K_M's Q4_K q/k next to a Q
 group 16, mins), each part's ``W`` exact in it (the kernel runs groups of 16 too). Every tensor's type is
 checked before any is decoded: any other type (IQ2_*, IQ3_*, TQ*, ...) is refused naming the
 tensor, its type and the supported list; so is a projection mixing dense and quantized parts.
-A Q8_0 embedding (SmolLM2's ``token_embd``, tied to the LM head) stays int8: the LM head is
-the ``Int8Linear`` and lookups dequantize their rows (``QuantEmbedding``); any other
-quantized embedding is dequantized once (``gguf.quants.dequantize``) to a dense table.
+A quantized ``token_embd`` (any supported type) stays quantized as an ``Int8Linear`` in its
+int8 form: lookups dequantize their rows (``QuantEmbedding``) and, tied (no ``output.weight``,
+as SmolLM2's Q8_0), it is the LM head too; a Q4_K table holds 1.25 bytes a weight, not 4.
 Config and tokenizer come from the GGUF header through ``transformers``, saved once as a small
 folder without weights (``gguf_meta_folder``).
 """
@@ -216,12 +216,13 @@ def load_gguf_quantized(gguf_path: str | os.PathLike, *, dtype: torch.dtype = to
     head = tensors.get("output.weight")
     used.add("token_embd.weight")
     hidden, vocab = arch.hidden_size, arch.vocab_size
-    tied_int8 = emb.tensor_type.name == "Q8_0" and head is None
-    if tied_int8:  # tied, int8: one Int8Linear for the LM head and the embedding's rows
-        table = Int8Linear(hidden, vocab, group_size=32)
-        table.load_rows(0, *DECODERS["Q8_0"](_rows_of(emb)))
-        model.lm_head = table
+    kind = emb.tensor_type.name
+    if kind not in DENSE_TYPES:  # one Int8Linear (int8 form) for the embedding's rows, and the LM head if tied
+        table = Int8Linear(hidden, vocab, group_size=group_of(kind), has_min=kind in HAS_MIN)
+        table.load_rows(0, *int8_form(kind, _rows_of(emb), table.group_size, table.has_min))
         model.model.embed_tokens = QuantEmbedding(table, dtype)
+        if head is None:
+            model.lm_head = table
     materialize(model)
     params = dict(model.named_parameters())
     for i in range(arch.num_layers):
@@ -235,24 +236,15 @@ def load_gguf_quantized(gguf_path: str | os.PathLike, *, dtype: torch.dtype = to
                 used.add(name)
     params["model.norm.weight"].data.copy_(dense_tensor(tensors["output_norm.weight"]))
     used.add("output_norm.weight")
-    if not tied_int8:
-        if emb.tensor_type.name not in SUPPORTED_TYPES:
-            raise UnsupportedQuantizationError(f"GGUF tensor token_embd.weight has type {emb.tensor_type.name}; "
-                                               f"supported: {', '.join(SUPPORTED_TYPES)}")
-        if emb.tensor_type.name in DENSE_TYPES:
-            model.model.embed_tokens.weight.data.copy_(dense_tensor(emb))
-        else:  # an int4 / separate int8 embedding: its rows dequantized once (one dense tensor)
-            from gguf.quants import dequantize
-
-            w = dequantize(np.asarray(emb.data), emb.tensor_type).reshape(vocab, hidden)
-            model.model.embed_tokens.weight.data.copy_(torch.from_numpy(np.ascontiguousarray(w)))
+    if kind in DENSE_TYPES:
+        model.model.embed_tokens.weight.data.copy_(dense_tensor(emb))
         if head is None:
             model.lm_head.weight = model.model.embed_tokens.weight
-        else:
-            used.add("output.weight")
-            lin = _module_for([head], model.lm_head)
-            _load_rows(lin, 0, head, None)
-            model.lm_head = lin
+    if head is not None:
+        used.add("output.weight")
+        lin = _module_for([head], model.lm_head)
+        _load_rows(lin, 0, head, None)
+        model.lm_head = lin
     unexpected = sorted(set(tensors) - used - {n for n in tensors if n.startswith("rope_")})
     if unexpected:
         raise ValueError(f"GGUF {gguf_path.name} has tensors {unexpected[:8]} that {arch.family} does not use")
