@@ -35,7 +35,7 @@ SOURCE = Path(__file__).with_name("csrc") / "decode_step.c"
 class _QLinear(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("min", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("gs", ctypes.c_int64),
-                ("scale_f16", ctypes.c_int32), ("pad", ctypes.c_int32)]
+                ("scale_f16", ctypes.c_int32), ("int4", ctypes.c_int32)]
 
 
 class _Layer(ctypes.Structure):
@@ -61,10 +61,10 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _qlinear(m: _QuantLinear) -> _QLinear:
-    mins = m.mins if isinstance(m, Int4Linear) else None
+    mins = m._mins()
     return _QLinear(m.qweight.data_ptr(), m.scales.data_ptr(), None if mins is None else mins.data_ptr(),
                     None if m._bias_f32 is None else m._bias_f32.data_ptr(), m.out_features, m.in_features,
-                    m.group_size, int(m.scales.dtype == torch.float16), 0)
+                    m.group_size, int(m.scales.dtype == torch.float16), int(isinstance(m, Int4Linear)))
 
 
 class DecodeStep:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from pathlib import Path
 
 import torch
@@ -48,7 +49,7 @@ def load_variant(flags: list[str]) -> ctypes.CDLL | None:
         return None
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.quant_gemm_int4.argtypes = [p, i32, i64, i64, p, p, p, i32, i64, i64, p, p, i32, i32]
-    lib.quant_gemm_int8.argtypes = [p, i32, i64, i64, p, p, i32, i64, i64, p, p, i32, i32]
+    lib.quant_gemm_int8.argtypes = [p, i32, i64, i64, p, p, p, i32, i64, i64, p, p, i32, i32]
     lib.quant_dequantize.argtypes = [p, p, p, i32, i64, i64, i64, i32, p, i32, i32]
     for fn in (lib.quant_gemm_int4, lib.quant_gemm_int8, lib.quant_dequantize):
         fn.restype = ctypes.c_int
@@ -90,9 +91,10 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
         qweight: int4: uint8 ``[T, K / 8, 16, 4]``; int8: int8 ``[T, K / 4, 16, 4]``
             (``T = ceil(out_features / 16)``; see ``quant_linear`` for the byte order).
         scales, mins: ``[T, K / group_size, 16]`` fp16 or fp32, the same dtype; ``mins`` None
-            for int8 (``W = q * scale``), else ``W = q * scale + min``.
+            for ``W = q * scale`` (int8 only), else ``W = q * scale + min``.
         out_features: ``N`` (rows past ``N`` in the last tile are padding, not written).
-        group_size: inputs per scale (a multiple of 32 dividing ``K``).
+        group_size: inputs per scale dividing ``K``: a multiple of 32, or 16 (GGUF Q6_K /
+            Q3_K / Q2_K: each group's int32 sum over its half of an activation block).
         bias: fp32 ``[N]`` or None.
         lib: a kernel variant (tests); default this machine's.
 
@@ -109,15 +111,17 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
     out = torch.empty(m, out_features, dtype=x.dtype)
     xb, f16, ob = int(x.dtype == torch.bfloat16), int(scales.dtype == torch.float16), int(x.dtype == torch.bfloat16)
     threads = torch.get_num_threads()
-    if mins is not None:
+    if qweight.dtype == torch.uint8:  # int4
+        if mins is None:
+            raise ValueError("an int4 weight needs mins")
         status = lib.quant_gemm_int4(x.data_ptr(), xb, m, k, qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(),
                                      f16, out_features, group_size, _ptr(bias), out.data_ptr(), ob, threads)
     else:
-        status = lib.quant_gemm_int8(x.data_ptr(), xb, m, k, qweight.data_ptr(), scales.data_ptr(), f16,
+        status = lib.quant_gemm_int8(x.data_ptr(), xb, m, k, qweight.data_ptr(), scales.data_ptr(), _ptr(mins), f16,
                                      out_features, group_size, _ptr(bias), out.data_ptr(), ob, threads)
     if status != 0:
         raise RuntimeError(f"quantized matmul kernel refused x {tuple(x.shape)} against a [{out_features}, {k}] "
-                           f"weight with group {group_size} (K and the group must be multiples of 32)")
+                           f"weight with group {group_size} (K a multiple of 32, the group 16 or a multiple of 32)")
     return out
 
 
@@ -139,9 +143,22 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor |
         out = torch.empty(out_features, in_features, dtype=dtype)
     status = lib.quant_dequantize(qweight.data_ptr(), scales.data_ptr(), _ptr(mins),
                                   int(scales.dtype == torch.float16), out_features, in_features, group_size,
-                                  int(mins is not None), out.data_ptr(), int(dtype == torch.bfloat16),
+                                  int(qweight.dtype == torch.uint8), out.data_ptr(), int(dtype == torch.bfloat16),
                                   torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"quantized dequantize refused a [{out_features}, {in_features}] weight with group "
                            f"{group_size}")
     return out
+
+
+_workspace = threading.local()
+
+
+def dense_workspace(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """A ``[n, k]`` tensor of ``dtype`` from this thread's workspace (grown, never shrunk), for a
+    weight dequantized for one call: reused, so its pages are not faulted in on every call."""
+    buf = getattr(_workspace, "buf", {}).get(dtype)
+    if buf is None or buf.numel() < n * k:
+        _workspace.buf = {**getattr(_workspace, "buf", {}), dtype: torch.empty(n * k, dtype=dtype)}
+        buf = _workspace.buf[dtype]
+    return buf[: n * k].view(n, k)

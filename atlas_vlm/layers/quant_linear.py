@@ -4,8 +4,9 @@ dequantized reference beside it.
 
 Formats (one per module, whatever the source: quantized at load, GGUF, AWQ, GPTQ):
 
-- ``Int8Linear``: ``W[n, k] = q[n, k] * scale[n, k // group_size]``, ``q`` int8 in
-  ``[-127, 127]`` (Q8_0 stores ``-128`` too). ``group_size == in_features`` is per channel.
+- ``Int8Linear``: ``W[n, k] = q[n, k] * scale[n, k // group_size] (+ min[n, k // group_size])``,
+  ``q`` int8 in ``[-127, 127]`` (Q8_0 stores ``-128`` too), mins only with ``has_min`` (GGUF
+  Q5_1 / Q5_K / Q2_K). ``group_size == in_features`` is per channel.
 - ``Int4Linear``: ``W[n, k] = q[n, k] * scale[n, g] + min[n, g]``, ``g = k // group_size``,
   ``q`` in ``[0, 15]`` (GGUF Q4_1's ``d * q + m``; Q4_0 is ``min = -8 d``; an integer zero
   point ``z`` (AWQ / GPTQ) is ``min = -z * scale``).
@@ -23,13 +24,12 @@ through the weight dequantized by the kernel and a dense ``F.linear``. Elsewhere
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from atlas_vlm.layers import quant_kernel
+from atlas_vlm.layers.quant_kernel import dense_workspace
 from atlas_vlm.layers.quant_format import (DEFAULT_INT4_GROUP_SIZE, TILE, fp16_exact, from_tiles,  # noqa: F401
                                            int4_group_size, num_tiles, pack_int4_row, quantize_activations,
                                            quantize_int4_rtn, quantize_int8_rtn, row_index, row_view, to_tiles,
@@ -49,19 +49,6 @@ def quant_kernel_available(device: torch.device | str = "cpu") -> bool:
     return torch.device(device).type == "cpu" and quant_kernel.available()
 
 
-_workspace = threading.local()
-
-
-def dense_workspace(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """A ``[n, k]`` tensor of ``dtype`` from this thread's workspace (grown, never shrunk), for a
-    weight dequantized for one call: reused, so its pages are not faulted in on every call."""
-    buf = getattr(_workspace, "buf", {}).get(dtype)
-    if buf is None or buf.numel() < n * k:
-        _workspace.buf = {**getattr(_workspace, "buf", {}), dtype: torch.empty(n * k, dtype=dtype)}
-        buf = _workspace.buf[dtype]
-    return buf[: n * k].view(n, k)
-
-
 # ---- modules ------------------------------------------------------------------------------------
 
 class _QuantLinear(nn.Module):
@@ -69,8 +56,10 @@ class _QuantLinear(nn.Module):
 
     SCALE_BUFFERS: tuple[str, ...] = ("scales",)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int, dtype: torch.dtype,
+                 scale_buffers: tuple[str, ...] | None = None):
         super().__init__()
+        self.SCALE_BUFFERS = scale_buffers or type(self).SCALE_BUFFERS
         if in_features % group_size:
             raise ValueError(f"group_size {group_size} does not divide in_features {in_features}")
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
@@ -104,13 +93,14 @@ class _QuantLinear(nn.Module):
 
     def finalize(self, use_kernel: bool) -> None:
         """After loading: scales (and mins) to fp16 where every value is exact in it, and the
-        kernel switched on when ``use_kernel`` and the sizes suit it (``in_features`` and the
-        group multiples of 32)."""
+        kernel switched on when ``use_kernel`` and the sizes suit it (``in_features`` a
+        multiple of 32, the group too or 16: GGUF Q6_K / Q3_K / Q2_K)."""
         scales = [getattr(self, n) for n in self.SCALE_BUFFERS]
         if all(s.dtype != torch.float16 for s in scales) and all(fp16_exact(s) for s in scales):
             for name, s in zip(self.SCALE_BUFFERS, scales):
                 self._buffers[name] = s.to(torch.float16)
-        self.use_kernel = bool(use_kernel) and self.in_features % 32 == 0 and self.group_size % 32 == 0
+        self.use_kernel = bool(use_kernel) and self.in_features % 32 == 0 and \
+            (self.group_size % 32 == 0 or self.group_size == 16)
         self._bias_f32 = None if self.bias is None else self.bias.detach().float().contiguous()
 
     def _mins(self) -> torch.Tensor | None:
@@ -165,18 +155,20 @@ class _QuantLinear(nn.Module):
 
 
 class Int8Linear(_QuantLinear):
-    """Weight-only int8 linear: ``W = q * scale`` (see the module docstring).
+    """Weight-only int8 linear: ``W = q * scale (+ min)`` (see the module docstring).
 
-    Buffers: ``qweight`` int8 ``[T, K / 4, 16, 4]``, ``scales`` ``[T, K / group_size, 16]``.
-    ``bias`` a dense parameter or None.
+    Buffers: ``qweight`` int8 ``[T, K / 4, 16, 4]``, ``scales`` (and with ``has_min``
+    ``mins``) ``[T, K / group_size, 16]``. ``bias`` a dense parameter or None.
 
     Raises:
         ValueError: ``group_size`` does not divide ``in_features``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, group_size: int | None = None,
-                 dtype: torch.dtype = torch.float32):
-        super().__init__(in_features, out_features, bias, group_size or in_features, dtype)
+                 dtype: torch.dtype = torch.float32, has_min: bool = False):
+        super().__init__(in_features, out_features, bias, group_size or in_features, dtype,
+                         ("scales", "mins") if has_min else ("scales",))
+        self.has_min = has_min
         if in_features % 4:
             raise ValueError(f"int8 needs in_features divisible by 4, got {in_features}")
         self.register_buffer("qweight", torch.zeros(num_tiles(out_features), in_features // 4, TILE, 4,
@@ -191,25 +183,34 @@ class Int8Linear(_QuantLinear):
             m.bias.data.copy_(linear.bias.detach())
         return m
 
-    def load_rows(self, row: int, q: torch.Tensor, scales: torch.Tensor) -> None:
-        """Write rows ``row .. row + len(q)``: ``q`` int8 ``[n, K]``, ``scales`` ``[n, K // group_size]``.
+    def load_rows(self, row: int, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None) -> None:
+        """Write rows ``row .. row + len(q)``: ``q`` int8 ``[n, K]``, ``scales`` (``mins``, given
+        exactly when ``has_min``) ``[n, K // group_size]``.
 
         Raises:
-            ValueError: shapes do not match this layer.
+            ValueError: shapes do not match this layer, or mins given without ``has_min`` / missing with it.
         """
         self._check_rows(row, q)
+        if (mins is not None) != self.has_min:
+            raise ValueError(f"mins {'missing for' if self.has_min else 'given to'} an Int8Linear with "
+                             f"has_min={self.has_min}")
         row_view(self.qweight)[row_index(row, q.shape[0])] = q.to(torch.int8).reshape(q.shape[0], -1, 4)
-        self._scale_rows(row, scales=scales)
+        self._scale_rows(row, scales=scales, **({"mins": mins} if self.has_min else {}))
 
     def load_dense_rows(self, row: int, w: torch.Tensor) -> None:
         """Quantize dense rows ``w`` ``[n, K]`` (round to nearest) into rows ``row ..``."""
         self.load_rows(row, *quantize_int8_rtn(w, self.group_size))
+
+    def _mins(self) -> torch.Tensor | None:
+        return self.mins if self.has_min else None
 
     def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dense rows ``W[rows]`` ``[len(rows), K]``: an embedding lookup from this weight."""
         idx = (rows // TILE, rows % TILE)
         q = row_view(self.qweight)[idx].reshape(len(rows), -1, self.group_size)  # [n, G, group]
         w = q.float() * row_view(self.scales)[idx].float()[..., None]
+        if self.has_min:
+            w = w + row_view(self.mins)[idx].float()[..., None]
         return w.reshape(len(rows), self.in_features).to(dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

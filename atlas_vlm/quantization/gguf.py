@@ -1,22 +1,18 @@
 """GGUF tensors as stored (``quantization="gguf"``): read with the ``gguf`` package's
 ``GGUFReader`` (memory-mapped), each block format mapped exactly onto our modules, no dense
-copy of a quantized tensor.
+copy of a quantized tensor (the decoders and the per-type table: ``gguf_types``).
 
-=========  ======================================  ==============================================
-GGUF type  block                                    module (``W`` as the GGUF defines it)
-=========  ======================================  ==============================================
-Q8_0       32 int8 ``q`` + fp16 ``d``               ``Int8Linear`` group 32: ``d * q``
-Q4_0       32 nibbles + fp16 ``d``                  ``Int4Linear`` group 32: scale ``d``, min ``-8 d``
-Q4_1       32 nibbles + fp16 ``d``, ``m``           ``Int4Linear`` group 32: ``d``, ``m``
-Q4_K       256: 8 x 32 nibbles, 6-bit scales and    ``Int4Linear`` group 32: ``d sc``,
-           mins, fp16 ``d``, ``dmin``               ``-dmin m``
-F32 / F16  dense                                    ``nn.Linear`` / parameter
-=========  ======================================  ==============================================
-
-Any other type (Q5_*, Q6_K, Q2_K, ...) is refused at load with the tensor's name and type.
-A fused projection (q/k/v, gate/up) whose parts mix an int8 and an int4 type is refused too.
-A Q8_0 embedding (SmolLM2's ``token_embd``, tied to the LM head) stays int8: the LM head is
-the ``Int8Linear`` and lookups dequantize their rows (``QuantEmbedding``).
+Supported: F32 / F16 / BF16 (dense), Q4_0 / Q4_1 / Q4_K (``Int4Linear``, group 32), Q8_0,
+Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS (``Int8Linear``). A fused projection
+(q/k/v, gate/up) takes one module for all its parts: ``Int4Linear`` when every part is an
+int4 type, else an ``Int8Linear`` with the finest group of its parts (16 with a Q6_K / Q3_K /
+Q2_K part, else 32) and mins when a part has them (Q4_K_M's Q4_K q/k next to a Q6_K v: int8,
+group 16, mins), each part's ``W`` exact in it (the kernel runs groups of 16 too). Every tensor's type is
+checked before any is decoded: any other type (IQ2_*, IQ3_*, TQ*, ...) is refused naming the
+tensor, its type and the supported list; so is a projection mixing dense and quantized parts.
+A quantized ``token_embd`` (any supported type) stays quantized as an ``Int8Linear`` in its
+int8 form: lookups dequantize their rows (``QuantEmbedding``) and, tied (no ``output.weight``,
+as SmolLM2's Q8_0), it is the LM head too; a Q4_K table holds 1.25 bytes a weight, not 4.
 Config and tokenizer come from the GGUF header through ``transformers``, saved once as a small
 folder without weights (``gguf_meta_folder``).
 """
@@ -33,10 +29,9 @@ from torch import nn
 
 from atlas_vlm.layers.quant_linear import Int4Linear, Int8Linear, QuantEmbedding
 from atlas_vlm.quantization import UnsupportedQuantizationError, build_empty, materialize
+from atlas_vlm.quantization.gguf_types import DECODERS, HAS_MIN, INT4_TYPES, INT8_TYPES, group_of, int8_form
 
 GGUF_META_VERSION = "v1"
-INT8_TYPES = ("Q8_0",)
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 DENSE_TYPES = ("F32", "F16", "BF16")
 SUPPORTED_TYPES = DENSE_TYPES + INT8_TYPES + INT4_TYPES
 
@@ -49,69 +44,6 @@ _PARAM = {  # GGUF name part -> our parameter under model.layers.i
     "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
-
-
-# ---- block decoders (numpy uint8 rows -> torch) -------------------------------------------------
-
-def _f16(b: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(b).view(np.float16).astype(np.float32))
-
-
-def decode_q8_0(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8_0 rows ``[N, K / 32 * 34]`` uint8 -> ``q`` int8 ``[N, K]``, ``scales`` fp32 ``[N, K / 32]``."""
-    n = data.shape[0]
-    blocks = data.reshape(n, -1, 34)
-    d = _f16(blocks[..., :2]).view(n, -1)
-    q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8)).reshape(n, -1)
-    return q, d
-
-
-def _nibbles32(qs: np.ndarray) -> np.ndarray:
-    """16 bytes a block -> 32 values: bytes' low nibbles first, then high (ggml Q4_0 / Q4_1)."""
-    return np.concatenate([qs & 15, qs >> 4], axis=-1)
-
-
-def decode_q4_0(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_0 rows -> ``q`` uint8 ``[N, K]`` (0..15), ``scales``, ``mins`` fp32 ``[N, K / 32]``
-    (``W = (q - 8) d``: scale ``d``, min ``-8 d``)."""
-    n = data.shape[0]
-    blocks = data.reshape(n, -1, 18)
-    d = _f16(blocks[..., :2]).view(n, -1)
-    q = torch.from_numpy(_nibbles32(blocks[..., 2:])).reshape(n, -1)
-    return q, d, -8.0 * d
-
-
-def decode_q4_1(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_1 rows -> ``q`` ``[N, K]``, ``scales``, ``mins`` ``[N, K / 32]`` (``W = d q + m``)."""
-    n = data.shape[0]
-    blocks = data.reshape(n, -1, 20)
-    d = _f16(blocks[..., :2]).view(n, -1)
-    m = _f16(blocks[..., 2:4]).view(n, -1)
-    q = torch.from_numpy(_nibbles32(blocks[..., 4:])).reshape(n, -1)
-    return q, d, m
-
-
-def decode_q4_k(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_K rows (super-blocks of 256 = 8 groups of 32) -> ``q`` ``[N, K]``, ``scales``,
-    ``mins`` ``[N, K / 32]`` (``W = d sc q - dmin m`` per group)."""
-    n = data.shape[0]
-    blocks = data.reshape(n, -1, 144)
-    d = _f16(blocks[..., :2]).view(n, -1, 1)  # [N, S, 1]
-    dmin = _f16(blocks[..., 2:4]).view(n, -1, 1)
-    sc_bytes = blocks[..., 4:16].astype(np.int32)  # [N, S, 12]
-    lo = sc_bytes[..., :4]
-    mid = sc_bytes[..., 4:8]
-    hi = sc_bytes[..., 8:12]
-    sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=-1)  # [N, S, 8]
-    mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1)
-    qs = blocks[..., 16:].reshape(n, -1, 4, 32)  # 4 chunks of 64 values: 32 low nibbles, then 32 high
-    q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, -1)
-    scale = d * torch.from_numpy(sc.astype(np.float32))  # [N, S, 8]
-    mins = -dmin * torch.from_numpy(mn.astype(np.float32))
-    return torch.from_numpy(q), scale.reshape(n, -1), mins.reshape(n, -1)
-
-
-DECODERS = {"Q8_0": decode_q8_0, "Q4_0": decode_q4_0, "Q4_1": decode_q4_1, "Q4_K": decode_q4_k}
 
 
 def dense_tensor(t) -> torch.Tensor:
@@ -171,20 +103,33 @@ def _row_permutation(n_rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(n_rows).reshape(n_head, dim, 2).transpose(1, 2).reshape(-1)
 
 
-def _module_for(parts: list, linear: nn.Linear) -> nn.Module:
-    kinds = {t.tensor_type.name for t in parts}
-    for t in parts:
+def check_types(tensors) -> None:
+    """Refuse, before any decoding, the first GGUF tensor whose type we do not run.
+
+    Raises:
+        UnsupportedQuantizationError: names the tensor, its type and ``SUPPORTED_TYPES``.
+    """
+    for t in tensors:
         if t.tensor_type.name not in SUPPORTED_TYPES:
             raise UnsupportedQuantizationError(f"GGUF tensor {t.name} has type {t.tensor_type.name}; supported: "
                                                f"{', '.join(SUPPORTED_TYPES)}")
+
+
+def _module_for(parts: list, linear: nn.Linear) -> nn.Module:
+    """The empty module holding GGUF tensors ``parts`` (one projection's shards), see the
+    module docstring. Raises UnsupportedQuantizationError for a type we do not run or a mix of
+    dense and quantized parts."""
+    check_types(parts)
+    kinds = {t.tensor_type.name for t in parts}
+    args = (linear.in_features, linear.out_features, linear.bias is not None)
     if kinds <= set(DENSE_TYPES):
-        return nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        return nn.Linear(*args)
     if kinds <= set(INT4_TYPES):
-        return Int4Linear(linear.in_features, linear.out_features, linear.bias is not None, group_size=32)
-    if kinds <= set(INT8_TYPES):
-        return Int8Linear(linear.in_features, linear.out_features, linear.bias is not None, group_size=32)
-    raise UnsupportedQuantizationError(f"GGUF tensors {[t.name for t in parts]} of one fused projection mix types "
-                                       f"{sorted(kinds)}; Atlas VLM needs one int8 or one int4 kind per projection")
+        return Int4Linear(*args, group_size=32)
+    if kinds & set(DENSE_TYPES):
+        raise UnsupportedQuantizationError(f"GGUF tensors {[t.name for t in parts]} of one fused projection mix "
+                                           f"types {sorted(kinds)}; Atlas VLM needs all dense or all quantized")
+    return Int8Linear(*args, group_size=min(group_of(k) for k in kinds), has_min=bool(kinds & set(HAS_MIN)))
 
 
 def _load_rows(module: nn.Module, row: int, t, perm: torch.Tensor | None) -> int:
@@ -195,7 +140,10 @@ def _load_rows(module: nn.Module, row: int, t, perm: torch.Tensor | None) -> int
             w = w[perm]
         module.weight.data[row:row + w.shape[0]].copy_(w)
         return w.shape[0]
-    q, *scales = DECODERS[kind](_rows_of(t))  # int8: scales; int4: scales, mins ([N, groups] each)
+    if isinstance(module, Int8Linear):  # scales, (mins): [N, groups] each
+        q, *scales = int8_form(kind, _rows_of(t), module.group_size, module.has_min)
+    else:
+        q, *scales = DECODERS[kind](_rows_of(t))
     if perm is not None:
         q, scales = q[perm], [s[perm] for s in scales]
     module.load_rows(row, q, *scales)
@@ -210,8 +158,8 @@ def load_gguf_quantized(gguf_path: str | os.PathLike, *, dtype: torch.dtype = to
         ``loader.LoadedModel`` (``model_dir``: the :func:`gguf_meta_folder`).
 
     Raises:
-        UnsupportedQuantizationError: a tensor type outside ``SUPPORTED_TYPES`` (named), or a
-            fused projection mixing int8 and int4 types.
+        UnsupportedQuantizationError: a tensor type outside ``SUPPORTED_TYPES`` (named, before
+            any decoding), or a fused projection mixing dense and quantized types.
         ValueError: the tensors do not match the config (missing / unexpected names).
     """
     from gguf import GGUFReader
@@ -223,11 +171,12 @@ def load_gguf_quantized(gguf_path: str | os.PathLike, *, dtype: torch.dtype = to
     from atlas_vlm.models.registry import model_class, resolve_family, text_config_of
 
     gguf_path = Path(gguf_path)
+    reader = GGUFReader(str(gguf_path))
+    check_types(reader.tensors)  # every type before any work
     folder = gguf_meta_folder(gguf_path)
     hf_config = AutoConfig.from_pretrained(folder)
     family = resolve_family(hf_config)
     arch = ModelArch.from_hf_config(hf_config)
-    reader = GGUFReader(str(gguf_path))
     tensors = {t.name: t for t in reader.tensors}
     gguf_arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
     model = build_empty(model_class(family), arch, text_config_of(hf_config, family))
@@ -267,12 +216,13 @@ def load_gguf_quantized(gguf_path: str | os.PathLike, *, dtype: torch.dtype = to
     head = tensors.get("output.weight")
     used.add("token_embd.weight")
     hidden, vocab = arch.hidden_size, arch.vocab_size
-    tied_int8 = emb.tensor_type.name in INT8_TYPES and head is None
-    if tied_int8:  # tied, int8: one Int8Linear for the LM head and the embedding's rows
-        table = Int8Linear(hidden, vocab, group_size=32)
-        table.load_rows(0, *decode_q8_0(_rows_of(emb)))
-        model.lm_head = table
+    kind = emb.tensor_type.name
+    if kind not in DENSE_TYPES:  # one Int8Linear (int8 form) for the embedding's rows, and the LM head if tied
+        table = Int8Linear(hidden, vocab, group_size=group_of(kind), has_min=kind in HAS_MIN)
+        table.load_rows(0, *int8_form(kind, _rows_of(emb), table.group_size, table.has_min))
         model.model.embed_tokens = QuantEmbedding(table, dtype)
+        if head is None:
+            model.lm_head = table
     materialize(model)
     params = dict(model.named_parameters())
     for i in range(arch.num_layers):
@@ -286,24 +236,15 @@ def load_gguf_quantized(gguf_path: str | os.PathLike, *, dtype: torch.dtype = to
                 used.add(name)
     params["model.norm.weight"].data.copy_(dense_tensor(tensors["output_norm.weight"]))
     used.add("output_norm.weight")
-    if not tied_int8:
-        if emb.tensor_type.name not in SUPPORTED_TYPES:
-            raise UnsupportedQuantizationError(f"GGUF tensor token_embd.weight has type {emb.tensor_type.name}; "
-                                               f"supported: {', '.join(SUPPORTED_TYPES)}")
-        if emb.tensor_type.name in DENSE_TYPES:
-            model.model.embed_tokens.weight.data.copy_(dense_tensor(emb))
-        else:  # an int4 / separate int8 embedding: its rows dequantized once (one dense tensor)
-            from gguf.quants import dequantize
-
-            w = dequantize(np.asarray(emb.data), emb.tensor_type).reshape(vocab, hidden)
-            model.model.embed_tokens.weight.data.copy_(torch.from_numpy(np.ascontiguousarray(w)))
+    if kind in DENSE_TYPES:
+        model.model.embed_tokens.weight.data.copy_(dense_tensor(emb))
         if head is None:
             model.lm_head.weight = model.model.embed_tokens.weight
-        else:
-            used.add("output.weight")
-            lin = _module_for([head], model.lm_head)
-            _load_rows(lin, 0, head, None)
-            model.lm_head = lin
+    if head is not None:
+        used.add("output.weight")
+        lin = _module_for([head], model.lm_head)
+        _load_rows(lin, 0, head, None)
+        model.lm_head = lin
     unexpected = sorted(set(tensors) - used - {n for n in tensors if n.startswith("rope_")})
     if unexpected:
         raise ValueError(f"GGUF {gguf_path.name} has tensors {unexpected[:8]} that {arch.family} does not use")

@@ -1,7 +1,8 @@
 """GGUF tensors as stored (``quantization="gguf"``): every supported block format decodes to
 exactly what the ``gguf`` package's own dequantizer gives; the embedded SmolLM2-135M Q4_1
 GGUF loads without a dense copy and agrees with the dense fp32 run (its dequantized
-weights), teacher-forced, within measured bounds; unsupported types are refused by name."""
+weights), teacher-forced, within measured bounds; unsupported types are refused by name (the
+other GGUF types: test_gguf_types)."""
 
 from __future__ import annotations
 
@@ -75,10 +76,12 @@ class _FakeTensor:
 
 def test_unsupported_gguf_types_are_refused_by_name():
     lin = torch.nn.Linear(64, 64, bias=False)
-    with pytest.raises(UnsupportedQuantizationError, match=r"blk\.0\.attn_v\.weight has type Q6_K"):
-        _module_for([_FakeTensor("blk.0.attn_q.weight", "Q4_K"), _FakeTensor("blk.0.attn_v.weight", "Q6_K")], lin)
-    with pytest.raises(UnsupportedQuantizationError, match=r"mix types \['Q4_0', 'Q8_0'\]"):
-        _module_for([_FakeTensor("blk.0.attn_q.weight", "Q8_0"), _FakeTensor("blk.0.attn_k.weight", "Q4_0")], lin)
+    with pytest.raises(UnsupportedQuantizationError, match=r"blk\.0\.attn_v\.weight has type IQ2_XXS"):
+        _module_for([_FakeTensor("blk.0.attn_q.weight", "Q4_K"), _FakeTensor("blk.0.attn_v.weight", "IQ2_XXS")], lin)
+    with pytest.raises(UnsupportedQuantizationError, match=r"mix types \['F16', 'Q8_0'\]"):
+        _module_for([_FakeTensor("blk.0.attn_q.weight", "Q8_0"), _FakeTensor("blk.0.attn_k.weight", "F16")], lin)
+    # int8 and int4 types in one projection: one Int8Linear (test_gguf_types covers the values)
+    assert isinstance(_module_for([_FakeTensor("a", "Q8_0"), _FakeTensor("b", "Q4_0")], lin), Int8Linear)
     assert isinstance(_module_for([_FakeTensor("a", "Q4_1"), _FakeTensor("b", "Q4_K")], lin), Int4Linear)
     assert isinstance(_module_for([_FakeTensor("a", "Q8_0")], lin), Int8Linear)
 

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.text
 # order differs; measured <= 8.0e-7 at K = 256, M up to 60)
 KERNEL_FP32_REL = 5e-6
 BF16_RTOL = 2.0**-7  # one bf16 step at most (both sides round their fp32 sums to bf16 once)
-SHAPES = [("int8", None), ("int8", 32), ("int4", 32), ("int4", 64), ("int4", 128)]
+SHAPES = [("int8", None), ("int8", 32), ("int8", 16), ("int8min", 16), ("int8min", 32), ("int8min", 64), ("int4", 32),
+          ("int4", 64), ("int4", 128)]  # groups of 16: GGUF Q6_K / Q3_K / Q2_K
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -35,10 +36,18 @@ def _module(kind: str, group: int | None, n: int = 200, k: int = 256, fp32_scale
             seed: int = 0) -> Int4Linear | Int8Linear:
     """A finalized module with the kernel on and a bias: round to nearest of a random dense
     layer (fp16 scales), or with ``fp32_scales`` random codes and scales not exact in fp16 (AWQ
-    style, ``min = -z * s``; int8 with ``-128`` codes, as Q8_0 allows)."""
+    style, ``min = -z * s``; int8 with ``-128`` codes, as Q8_0 allows). ``"int8min"``: int8
+    with mins (GGUF Q5_1 / Q5_K): random codes, scales and mins (fp16-rounded unless ``fp32_scales``)."""
     g = torch.Generator().manual_seed(seed)
-    cls = Int8Linear if kind == "int8" else Int4Linear
-    if not fp32_scales:
+    cls = Int4Linear if kind == "int4" else Int8Linear
+    if kind == "int8min":
+        m = Int8Linear(k, n, bias=True, group_size=group or k, has_min=True)
+        groups = k // m.group_size
+        s, mn = torch.rand(n, groups, generator=g) * 0.05 + 0.01, torch.randn(n, groups, generator=g)
+        s, mn = (s, mn) if fp32_scales else (s.half().float(), mn.half().float())
+        m.load_rows(0, torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8), s, mn)
+        m.bias.data.copy_(torch.randn(n, generator=g))
+    elif not fp32_scales:
         torch.manual_seed(seed)
         m = cls.from_float(nn.Linear(k, n, bias=True), group)
     else:
@@ -128,7 +137,8 @@ def test_group_size_stated_per_layer():
 
 
 @pytest.mark.parametrize("kind,group,fp32_scales", [("int4", 32, False), ("int4", 128, True), ("int8", None, False),
-                                                    ("int8", 32, True)])
+                                                    ("int8", 32, True), ("int8min", 32, False), ("int8min", 64, True),
+                                                    ("int8min", 16, True)])
 def test_c_dequantize_has_the_pytorch_dequantize_bits(kind, group, fp32_scales):
     m = _module(kind, group, fp32_scales=fp32_scales)
     for dtype in (torch.float32, torch.bfloat16):
@@ -184,7 +194,8 @@ def test_every_isa_variant_has_the_plain_c_bits(variant):
     assert plain is not None and lib is not None, "a C compiler is here: every variant must build"
     assert quant_kernel.isa(lib) == want_isa and quant_kernel.isa(plain) == "scalar"
     for kind, group, fp32_scales in [("int4", 32, False), ("int4", 128, True), ("int8", None, False),
-                                     ("int8", 32, True)]:
+                                     ("int8", 32, True), ("int8min", 32, False), ("int8min", 64, True),
+                                     ("int8", 16, False), ("int8min", 16, True)]:
         m = _module(kind, group, fp32_scales=fp32_scales)
         for rows in (1, 3, 4, 5, 9):  # every remainder of 4- and 2-row blocks
             for dtype in (torch.float32, torch.bfloat16):
@@ -261,7 +272,7 @@ def test_kernel_switch_follows_device_build_and_sizes(monkeypatch):
     odd.finalize(True)
     x = torch.randn(3, 40)
     assert not odd.use_kernel and torch.equal(odd(x), odd.forward_reference(x))
-    with pytest.raises(RuntimeError, match="multiples of 32"):
+    with pytest.raises(RuntimeError, match="K a multiple of 32"):
         quant_kernel.quant_matmul(x, odd.qweight, odd.scales, None, 24, 40)
     monkeypatch.setattr(quant_kernel, "_library", lambda: None)  # no compiler (the cached build bypassed)
     assert quant_kernel_available("cpu") is False and not quant_kernel.available() and quant_kernel.isa() is None

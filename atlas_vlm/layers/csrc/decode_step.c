@@ -24,10 +24,10 @@
 #define PREFETCH_CAP (512 << 10) /* bytes a thread prefetches ahead: well inside its L2 */
 
 typedef struct {
-  const void *w, *scale, *min; /* min NULL: int8 */
+  const void *w, *scale, *min; /* min NULL: no mins */
   const float *bias;           /* fp32 [N] or NULL */
   int64_t N, K, gs;
-  int32_t scale_f16, pad;
+  int32_t scale_f16, int4; /* int4: the nibble layout, else int8 */
 } QLinear;
 
 typedef struct {
@@ -58,7 +58,7 @@ static void static_share(int64_t T, int tid, int nt, int64_t *t0, int64_t *t1) {
  * (the weights stream from memory during the serial steps instead of after them). */
 static void prefetch_share(const QLinear *l, int tid, int nt) {
   if (nt < 2) return;
-  const int64_t T = (l->N + TILE - 1) / TILE, tile_bytes = TILE * (l->min != NULL ? l->K / 2 : l->K);
+  const int64_t T = (l->N + TILE - 1) / TILE, tile_bytes = TILE * (l->int4 ? l->K / 2 : l->K);
   int64_t t0, t1;
   static_share(T, tid, nt, &t0, &t1);
   const char *w = (const char *)l->w + t0 * tile_bytes;
@@ -79,7 +79,7 @@ static void prefetch_share(const QLinear *l, int tid, int nt) {
   } while (0)
 
 static void tiles_team(const QLinear *l, int64_t B, void *out, int bf16, const Quant *qs) {
-  const Args a = {l->w, l->scale, l->min, l->scale_f16, l->min != NULL, l->K, l->gs, qs->xq, qs->d, qs->xg, qs->xs};
+  const Args a = {l->w, l->scale, l->min, l->scale_f16, l->int4, l->K, l->gs, qs->xq, qs->d, qs->xg, qs->xs};
 #pragma omp for schedule(static)
   for (int64_t t = 0; t < (l->N + TILE - 1) / TILE; t++) tile_rows(&a, t, B, l->N, l->bias, out, bf16);
 }
@@ -118,7 +118,8 @@ int decode_layers(const Layer *layers, int64_t L, const void *final_norm, const 
   kmax = kmax > H * Dh ? kmax : H * Dh;
   if (head != NULL && (head->K != D || head->K % QBLOCK)) return -1;
   Quant qs = {malloc((size_t)(B * kmax)), malloc(sizeof(float) * (size_t)(B * kmax / QBLOCK)),
-              malloc(sizeof(float) * (size_t)(B * kmax / QBLOCK)), malloc(sizeof(int32_t) * (size_t)(B * kmax / QBLOCK))};
+              malloc(sizeof(float) * (size_t)(B * kmax / 16)), malloc(sizeof(int32_t) * (size_t)(B * kmax / 16))};
+  /* xg, xs: per group / unit, 16 values at the least (groups of 16) */
   char *buf = malloc((size_t)(esz * B * (3 * D + QKV + 2 * H * Dh + 3 * I)));
   if (qs.xq == NULL || qs.d == NULL || qs.xg == NULL || qs.xs == NULL || buf == NULL) {
     free(qs.xq), free(qs.d), free(qs.xg), free(qs.xs), free(buf);

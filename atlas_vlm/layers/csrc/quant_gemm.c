@@ -7,14 +7,15 @@
  * Weights (row-major, contiguous; T = ceil(N / 16) tiles, G = K / group_size groups):
  *   int4  w [T][K / 8][16][4] uint8: byte (t, c, r, j) = q[16t + r][8c + j] | q[16t + r][8c + 4 + j] << 4,
  *         q in 0..15, W = q * scale + min
- *   int8  w [T][K / 4][16][4] int8:  byte (t, c, r, j) = q[16t + r][4c + j], W = q * scale
- *   scale, min [T][G][16] fp32 or fp16 (scale_f16)
+ *   int8  w [T][K / 4][16][4] int8:  byte (t, c, r, j) = q[16t + r][4c + j], W = q * scale (+ min)
+ *   scale, min [T][G][16] fp32 or fp16 (scale_f16); min NULL for an int8 weight without mins
  * Activations: x [M, K] fp32 or bf16; per row and block b of 32: d = amax / 127,
  *   xq = nearbyint(x / d) as x * (1 / d) in fp32 (0 when d == 0), d = NaN where the block
  *   holds a NaN or an infinity (so the output row is NaN, never a silent wrong number).
  * Per output element, in this order (fp32, each step one fused multiply-add):
- *   for g: t = 0; for b in g: t = fma(d_b, isum_b, t);  acc = fma(scale_g, t, acc);
- *          int4: acc = fma(min_g, X_g, acc)  with X_g = fold fma(d_b, sum_b(xq), .) over b in g
+ *   for g: t = 0; for u in g: t = fma(d_b, isum_u, t);  acc = fma(scale_g, t, acc);
+ *          (units u: the blocks of 32 in g, or g itself for a group of 16; b: u's block)
+ *          with mins: acc = fma(min_g, X_g, acc)  with X_g = fold fma(d_b, sum_b(xq), .) over b in g
  *   out = acc (+ bias), rounded once to bf16 when the output is bf16 (nearest even).
  * The int32 sums are exact and every variant below does the float steps in the same order
  * per output element, so all variants (AVX512-VNNI, AVX2 with or without AVX-VNNI, plain C)
@@ -22,8 +23,8 @@
  *
  * Variants by the compiler's target: __AVX512VNNI__ + __AVX512BW__ (16 rows a vector),
  * __AVX2__ (8 rows a vector; __AVXVNNI__ for dpbusd), else plain C.
- * Returns 0, or -1 for sizes out of range (K % 32, group_size % 32, a group that does not
- * divide K, M or N < 1) or a failed allocation: nothing is written then.
+ * Returns 0, or -1 for sizes out of range (K % 32, group_size neither 16 nor a multiple of 32, a
+ * group that does not divide K, M or N < 1) or a failed allocation: nothing is written then.
  */
 #include <math.h>
 #include <stdint.h>
@@ -59,86 +60,7 @@ const char *quant_gemm_isa(void) {
 #endif
 }
 
-/* ---- scalar helpers (shared by every variant) ------------------------------------------------ */
-
-static inline float f16_to_f32(uint16_t h) { /* exact, IEEE half */
-  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
-  if (exp == 0x1fu) {
-    u = sign | 0x7f800000u | (man << 13);
-  } else if (exp != 0) {
-    u = sign | ((exp + 112u) << 23) | (man << 13);
-  } else if (man == 0) {
-    u = sign;
-  } else { /* subnormal: normalise */
-    exp = 113u;
-    while ((man & 0x400u) == 0) {
-      man <<= 1;
-      exp--;
-    }
-    u = sign | (exp << 23) | ((man & 0x3ffu) << 13);
-  }
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static inline float load_scale(const void *p, int64_t i, int f16) {
-  return f16 ? f16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline int32_t load_i32(const int8_t *p) {
-  int32_t v;
-  memcpy(&v, p, 4);
-  return v;
-}
-
-/* Quantize activation rows: xq [M][K], d [M][K/32], xs [M][K/32] (sum of xq per block),
- * xg [M][G] (fold of fma(d_b, xs_b, .) over each group's blocks). */
-static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int64_t gs, int8_t *xq, float *d,
-                          int32_t *xs, float *xg) {
-  const int64_t nb = K / QBLOCK, bpg = gs / QBLOCK;
-  for (int64_t m = 0; m < M; m++) {
-    for (int64_t b = 0; b < nb; b++) {
-      float v[QBLOCK], amax = 0.0f;
-      int bad = 0;
-      for (int i = 0; i < QBLOCK; i++) {
-        const int64_t k = m * K + b * QBLOCK + i;
-        v[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
-        const float a = fabsf(v[i]);
-        bad |= !(a <= 3.402823466e38f); /* NaN or infinity */
-        amax = a > amax ? a : amax;
-      }
-      const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-      int32_t sum = 0;
-      int8_t *q = xq + m * K + b * QBLOCK;
-      for (int i = 0; i < QBLOCK; i++) {
-        q[i] = bad ? 0 : (int8_t)nearbyintf(v[i] * id);
-        sum += q[i];
-      }
-      d[m * nb + b] = bad ? NAN : db;
-      xs[m * nb + b] = sum;
-    }
-    if (xg != NULL) {
-      for (int64_t g = 0; g < K / gs; g++) {
-        float acc = 0.0f;
-        for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) acc = fmaf(d[m * nb + b], (float)xs[m * nb + b], acc);
-        xg[m * (K / gs) + g] = acc;
-      }
-    }
-  }
-}
-
-static inline void store_tile(void *out, int out_bf16, int64_t N, int64_t m, int64_t n0, const float *acc,
-                             const float *bias) {
-  for (int r = 0; r < TILE && n0 + r < N; r++) {
-    const float v = bias != NULL ? acc[r] + bias[n0 + r] : acc[r];
-    if (out_bf16)
-      ((uint16_t *)out)[m * N + n0 + r] = f32_to_bf16(v);
-    else
-      ((float *)out)[m * N + n0 + r] = v;
-  }
-}
+#include "quant_rows.c" /* f16_to_f32, load_scale, quantize_rows, store_tile */
 
 /* ---- one tile of 16 output rows against activation rows m0 .. m0 + mt - 1 ------------------- */
 
@@ -160,19 +82,20 @@ static inline __m512 scale_vec(const void *p, int64_t i, int f16) {
 
 static inline __attribute__((always_inline)) void tile(const Args *a, int64_t t, int64_t m0, const int mt,
                                                        float out[MT][TILE]) {
-  const int64_t K = a->K, nb = K / QBLOCK, G = K / a->gs, bpg = a->gs / QBLOCK;
+  const int64_t K = a->K, nb = K / QBLOCK, G = K / a->gs, U = unit_of(a->gs), nu = K / U, upg = a->gs / U;
   const __m512i low = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
   __m512 acc[MT];
   for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; g++) {
     __m512 tg[MT];
     for (int i = 0; i < mt; i++) tg[i] = _mm512_setzero_ps();
-    for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
+    for (int64_t u = g * upg; u < (g + 1) * upg; u++) {
+      const int64_t b = u * U / QBLOCK, off = u * U % QBLOCK; /* values off .. off + U - 1 of block b */
       __m512i is[MT], is2[MT]; /* two chains: dpbusd's latency, not its throughput, bounds one */
       for (int i = 0; i < mt; i++) is[i] = is2[i] = _mm512_setzero_si512();
       if (a->int4) {
         const uint8_t *wb = (const uint8_t *)a->w + (t * (K / 8) + b * 4) * 64;
-        for (int c = 0; c < 4; c++) {
+        for (int64_t c = off / 8; c < (off + U) / 8; c++) {
           const __m512i v = _mm512_loadu_si512((const void *)(wb + c * 64));
           const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
           for (int i = 0; i < mt; i++) {
@@ -183,7 +106,7 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int64_t t,
         }
       } else { /* (q + 128) as u8 times x, less 128 * sum(x): exact */
         const int8_t *wb = (const int8_t *)a->w + (t * (K / 4) + b * 8) * 64;
-        for (int c = 0; c < 8; c++) {
+        for (int64_t c = off / 4; c < (off + U) / 4; c++) {
           const __m512i v = _mm512_xor_si512(_mm512_loadu_si512((const void *)(wb + c * 64)), flip);
           for (int i = 0; i < mt; i++) {
             const __m512i xv = _mm512_set1_epi32(load_i32(a->xq + (m0 + i) * K + b * QBLOCK + c * 4));
@@ -193,7 +116,7 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int64_t t,
               is[i] = _mm512_dpbusd_epi32(is[i], v, xv);
           }
         }
-        for (int i = 0; i < mt; i++) is[i] = _mm512_sub_epi32(is[i], _mm512_set1_epi32(128 * a->xs[(m0 + i) * nb + b]));
+        for (int i = 0; i < mt; i++) is[i] = _mm512_sub_epi32(is[i], _mm512_set1_epi32(128 * a->xs[(m0 + i) * nu + u]));
       }
       for (int i = 0; i < mt; i++) is[i] = _mm512_add_epi32(is[i], is2[i]);
       for (int i = 0; i < mt; i++)
@@ -201,7 +124,7 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int64_t t,
     }
     const __m512 s = scale_vec(a->scale, (t * G + g) * TILE, a->scale_f16);
     for (int i = 0; i < mt; i++) acc[i] = _mm512_fmadd_ps(s, tg[i], acc[i]);
-    if (a->int4) {
+    if (a->min != NULL) {
       const __m512 mn = scale_vec(a->min, (t * G + g) * TILE, a->scale_f16);
       for (int i = 0; i < mt; i++) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a->xg[(m0 + i) * G + g]), acc[i]);
     }
@@ -227,7 +150,7 @@ static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) { /* acc += sum of
 /* 16 rows as two halves of 8 lanes; per lane the same float steps as the other variants. */
 static inline __attribute__((always_inline)) void tile(const Args *a, int64_t t, int64_t m0, const int mt,
                                                        float out[MT][TILE]) {
-  const int64_t K = a->K, nb = K / QBLOCK, G = K / a->gs, bpg = a->gs / QBLOCK;
+  const int64_t K = a->K, nb = K / QBLOCK, G = K / a->gs, U = unit_of(a->gs), nu = K / U, upg = a->gs / U;
   const __m256i low = _mm256_set1_epi8(0x0f);
   for (int h = 0; h < 2; h++) {
     __m256 acc[MT];
@@ -235,12 +158,13 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int64_t t,
     for (int64_t g = 0; g < G; g++) {
       __m256 tg[MT];
       for (int i = 0; i < mt; i++) tg[i] = _mm256_setzero_ps();
-      for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
+      for (int64_t u = g * upg; u < (g + 1) * upg; u++) {
+        const int64_t b = u * U / QBLOCK, off = u * U % QBLOCK;
         __m256i is[MT];
         for (int i = 0; i < mt; i++) is[i] = _mm256_setzero_si256();
         if (a->int4) {
           const uint8_t *wb = (const uint8_t *)a->w + (t * (K / 8) + b * 4) * 64 + h * 32;
-          for (int c = 0; c < 4; c++) {
+          for (int64_t c = off / 8; c < (off + U) / 8; c++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + c * 64));
             const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             for (int i = 0; i < mt; i++) {
@@ -251,7 +175,7 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int64_t t,
           }
         } else { /* |q| times x with q's sign: no int16 saturation (2 * 128 * 127 < 32768) */
           const int8_t *wb = (const int8_t *)a->w + (t * (K / 4) + b * 8) * 64 + h * 32;
-          for (int c = 0; c < 8; c++) {
+          for (int64_t c = off / 4; c < (off + U) / 4; c++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + c * 64));
             const __m256i av = _mm256_sign_epi8(v, v);
             for (int i = 0; i < mt; i++) {
@@ -265,7 +189,7 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int64_t t,
       }
       const __m256 s = scale_vec(a->scale, (t * G + g) * TILE + h * 8, a->scale_f16);
       for (int i = 0; i < mt; i++) acc[i] = _mm256_fmadd_ps(s, tg[i], acc[i]);
-      if (a->int4) {
+      if (a->min != NULL) {
         const __m256 mn = scale_vec(a->min, (t * G + g) * TILE + h * 8, a->scale_f16);
         for (int i = 0; i < mt; i++) acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a->xg[(m0 + i) * G + g]), acc[i]);
       }
@@ -277,31 +201,32 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int64_t t,
 #else /* plain C */
 
 static inline void tile(const Args *a, int64_t t, int64_t m0, const int mt, float out[MT][TILE]) {
-  const int64_t K = a->K, nb = K / QBLOCK, G = K / a->gs, bpg = a->gs / QBLOCK;
+  const int64_t K = a->K, nb = K / QBLOCK, G = K / a->gs, U = unit_of(a->gs), nu = K / U, upg = a->gs / U;
   (void)mt;
   for (int r = 0; r < TILE; r++) {
     float acc = 0.0f;
     for (int64_t g = 0; g < G; g++) {
       float tg = 0.0f;
-      for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
+      for (int64_t u = g * upg; u < (g + 1) * upg; u++) {
+        const int64_t b = u * U / QBLOCK, off = u * U % QBLOCK;
         const int8_t *xp = a->xq + m0 * K + b * QBLOCK;
         int32_t is = 0;
         if (a->int4) {
           const uint8_t *wb = (const uint8_t *)a->w + (t * (K / 8) + b * 4) * 64 + r * 4;
-          for (int c = 0; c < 4; c++)
+          for (int64_t c = off / 8; c < (off + U) / 8; c++)
             for (int j = 0; j < 4; j++) {
               const uint8_t byte = wb[c * 64 + j];
               is += (int32_t)(byte & 15) * xp[c * 8 + j] + (int32_t)(byte >> 4) * xp[c * 8 + 4 + j];
             }
         } else {
           const int8_t *wb = (const int8_t *)a->w + (t * (K / 4) + b * 8) * 64 + r * 4;
-          for (int c = 0; c < 8; c++)
+          for (int64_t c = off / 4; c < (off + U) / 4; c++)
             for (int j = 0; j < 4; j++) is += (int32_t)wb[c * 64 + j] * xp[c * 4 + j];
         }
         tg = fmaf(a->d[m0 * nb + b], (float)is, tg);
       }
       acc = fmaf(load_scale(a->scale, (t * G + g) * TILE + r, a->scale_f16), tg, acc);
-      if (a->int4) acc = fmaf(load_scale(a->min, (t * G + g) * TILE + r, a->scale_f16), a->xg[m0 * G + g], acc);
+      if (a->min != NULL) acc = fmaf(load_scale(a->min, (t * G + g) * TILE + r, a->scale_f16), a->xg[m0 * G + g], acc);
     }
     out[0][r] = acc;
   }
@@ -326,13 +251,13 @@ static void tile_rows(const Args *a, int64_t t, int64_t M, int64_t N, const floa
 static int quant_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const void *w, const void *scale,
                       const void *min, int scale_f16, int64_t N, int64_t gs, const float *bias, void *out,
                       int out_bf16, int num_threads, int int4) {
-  if (M < 1 || N < 1 || K < QBLOCK || K % QBLOCK || gs < QBLOCK || gs % QBLOCK || K % gs) return -1;
+  if (M < 1 || N < 1 || K < QBLOCK || K % QBLOCK || (gs != 16 && (gs < QBLOCK || gs % QBLOCK)) || K % gs) return -1;
   const int64_t nb = K / QBLOCK, G = K / gs, T = (N + TILE - 1) / TILE;
   int8_t *xq = (int8_t *)malloc((size_t)(M * K));
   float *d = (float *)malloc(sizeof(float) * (size_t)(M * nb)), *xg = NULL;
-  int32_t *xs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * nb));
-  if (int4) xg = (float *)malloc(sizeof(float) * (size_t)(M * G));
-  if (xq == NULL || d == NULL || xs == NULL || (int4 && xg == NULL)) {
+  int32_t *xs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * (K / unit_of(gs))));
+  if (min != NULL) xg = (float *)malloc(sizeof(float) * (size_t)(M * G));
+  if (xq == NULL || d == NULL || xs == NULL || (min != NULL && xg == NULL)) {
     free(xq), free(d), free(xs), free(xg);
     return -1;
   }
@@ -355,92 +280,9 @@ int quant_gemm_int4(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
 }
 
 int quant_gemm_int8(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *w, const void *scale,
-                    int scale_f16, int64_t N, int64_t gs, const float *bias, void *out, int out_bf16,
-                    int num_threads) {
-  return quant_gemm(x, x_bf16, M, K, w, scale, NULL, scale_f16, N, gs, bias, out, out_bf16, num_threads, 0);
+                    const void *min, int scale_f16, int64_t N, int64_t gs, const float *bias, void *out,
+                    int out_bf16, int num_threads) {
+  return quant_gemm(x, x_bf16, M, K, w, scale, min, scale_f16, N, gs, bias, out, out_bf16, num_threads, 0);
 }
 
-/* One row of the dense weight, fp32, into row[K]. */
-#if defined(QK_AVX512) || defined(QK_AVX2)
-static inline void store16(float *dst, __m128i bytes16, int is_signed, __m256 sc, __m256 mn, int add_min) {
-  /* 16 values (bytes) -> float, times the scale, plus the min: a multiply then an add */
-  for (int h = 0; h < 2; h++) {
-    const __m128i b = h ? _mm_srli_si128(bytes16, 8) : bytes16;
-    const __m256i iv = is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
-    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(iv), sc);
-    if (add_min) v = _mm256_add_ps(v, mn);
-    _mm256_storeu_ps(dst + 8 * h, v);
-  }
-}
-#endif
-
-static void dequantize_row(const void *w, const void *scale, const void *min, int scale_f16, int64_t K, int64_t gs,
-                           int int4, int64_t t, int64_t r, float *row) {
-  const int64_t G = K / gs, per_chunk = int4 ? 8 : 4;
-  const uint8_t *wb = (const uint8_t *)w + t * (K / per_chunk) * TILE * 4 + r * 4; /* 4 bytes a chunk, stride 64 */
-  for (int64_t g = 0; g < G; g++) {
-    const float sc = load_scale(scale, (t * G + g) * TILE + r, scale_f16);
-    const float mn = int4 ? load_scale(min, (t * G + g) * TILE + r, scale_f16) : 0.0f;
-    int64_t k = g * gs;
-#if defined(QK_AVX512) || defined(QK_AVX2)
-    const __m256 vs = _mm256_set1_ps(sc), vm = _mm256_set1_ps(mn);
-    const __m128i low = _mm_set1_epi8(0x0f);
-    for (; k + 16 <= (g + 1) * gs; k += 16) {
-      int32_t a, b;
-      if (int4) { /* chunks k/8 and k/8 + 1: [lo | hi] of each, 16 values in order */
-        memcpy(&a, wb + (k / 8) * 64, 4);
-        memcpy(&b, wb + (k / 8 + 1) * 64, 4);
-        const __m128i x = _mm_set_epi32(0, 0, b, a);
-        const __m128i lo = _mm_and_si128(x, low), hi = _mm_and_si128(_mm_srli_epi16(x, 4), low);
-        store16(row + k, _mm_unpacklo_epi32(lo, hi), 0, vs, vm, 1);
-      } else { /* chunks k/4 .. k/4 + 3 */
-        int32_t c, d;
-        memcpy(&a, wb + (k / 4) * 64, 4);
-        memcpy(&b, wb + (k / 4 + 1) * 64, 4);
-        memcpy(&c, wb + (k / 4 + 2) * 64, 4);
-        memcpy(&d, wb + (k / 4 + 3) * 64, 4);
-        store16(row + k, _mm_set_epi32(d, c, b, a), 1, vs, vm, 0);
-      }
-    }
-#endif
-    for (; k < (g + 1) * gs; k++) {
-      float q;
-      if (int4) {
-        const uint8_t byte = wb[(k / 8) * 64 + (k % 4)];
-        q = (float)((k % 8) < 4 ? (byte & 15) : (byte >> 4));
-      } else {
-        q = (float)((const int8_t *)wb)[(k / 4) * 64 + (k % 4)];
-      }
-      const float p = q * sc;
-      row[k] = int4 ? p + mn : p;
-    }
-  }
-}
-
-/* Dense W [N][K] (fp32 or bf16) from the tiles: q * scale + min, a multiply then an add (no
- * fused step: the same bits as the PyTorch reference's dequantize), rounded once to bf16. */
-int quant_dequantize(const void *w, const void *scale, const void *min, int scale_f16, int64_t N, int64_t K,
-                     int64_t gs, int int4, void *out, int out_bf16, int num_threads) {
-  if (N < 1 || K < QBLOCK || K % QBLOCK || gs < QBLOCK || gs % QBLOCK || K % gs) return -1;
-  int status = 0;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
-  {
-    float *row = out_bf16 ? (float *)malloc(sizeof(float) * (size_t)K) : NULL;
-    if (out_bf16 && row == NULL) {
-#pragma omp atomic write
-      status = -1;
-    }
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-      if (out_bf16 && row == NULL) continue;
-      float *dst = out_bf16 ? row : (float *)out + n * K;
-      dequantize_row(w, scale, min, scale_f16, K, gs, int4, n / TILE, n % TILE, dst);
-      if (out_bf16) {
-        uint16_t *o = (uint16_t *)out + n * K;
-        for (int64_t k = 0; k < K; k++) o[k] = f32_to_bf16(row[k]);
-      }
-    }
-    free(row);
-  }
-  return status;
-}
+#include "quant_dequantize.c" /* quant_dequantize: the tiles as a dense weight */
