@@ -34,7 +34,7 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": bf16 on CUDA (fp16 without bf16) and on a CPU with AMX/AVX512-BF16, else fp32
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
     # "auto" (default): "decode_kernel" on CPU where the C decode kernel builds, else "bucketed";
-    # "decode_kernel" (bucketed prefill + layers/csrc/paged_decode.c for decode rows, from the blocks),
+    # "decode_kernel" (bucketed prefill + kernels/csrc/paged_decode.c for decode rows, from the blocks),
     # "bucketed" (layers/attention_bucketed: SDPA per context-length bucket), or "reference"
     # (padded SDPA with a dense mask, the exactness reference for the other two)
     attention_backend: str = "auto"

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from atlas_vlm.layers import decode_kernel
+from atlas_vlm.kernels import decode_kernel
 from atlas_vlm.layers.attention import build_attention_metadata, paged_attention
 from mm_kv_cache_management import KVCacheSpec, PagedKVCache
 

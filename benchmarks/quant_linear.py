@@ -1,7 +1,7 @@
 """Micro-benchmark of the quantized linear kernels on SmolLM2-135M's projection shapes
 (``python -m benchmarks.quant_linear [--rows 1] [--dtype bfloat16] [--sweep]``): microseconds
 per call, best of 3 runs of ``--iters`` calls, in the threads torch has. The numbers behind
-the kernel choice in ``atlas_vlm/layers/quant_kernel.py``:
+the kernel choice in ``atlas_vlm/kernels/quant_kernel.py``:
 
 - dense ``F.linear`` in ``--dtype`` (the unquantized layer);
 - library peers: ``torch.ops.aten._weight_int8pack_mm`` (int8, one scale per row),
@@ -86,7 +86,7 @@ def table(rows: int, dt: torch.dtype, iters: int) -> None:
 
 
 def sweep(dt: torch.dtype, iters: int) -> None:
-    from atlas_vlm.layers import quant_kernel
+    from atlas_vlm.kernels import quant_kernel
     from atlas_vlm.layers.quant_linear import dense_workspace
 
     print(f"\n{torch.get_num_threads()} threads, {dt}: int4 g64, us per call: our kernel / dequantized weight + "

@@ -99,7 +99,7 @@ def main(argv=None) -> int:
                "dtype": str(dtype)}
     print(f"dtype {dtype} (--dtype {args.dtype}), torch {torch.__version__}, {torch.get_num_threads()} threads")
     from atlas_vlm import hardware
-    from atlas_vlm.layers import quant_kernel
+    from atlas_vlm.kernels import quant_kernel
     from benchmarks import llamacpp
 
     # the two quantized paths side by side: our kernel variant and what llama.cpp was built with

@@ -378,12 +378,12 @@ def slow_http_server():
 
 # ---- quantized kernels -------------------------------------------------------------------------
 def require_quant_kernel(what: str = "this check") -> None:
-    """Skip (naming why) unless the quantized matmul kernel (``layers/csrc/quant_gemm.c``)
+    """Skip (naming why) unless the quantized matmul kernel (``kernels/csrc/quant_gemm.c``)
     is built here. It builds on any CPU with a C compiler (``$CC``, ``cc`` or ``gcc``), in the
     variant the CPU runs (AVX512-VNNI, AVX2 with or without AVX-VNNI, plain C); without one the
     engine uses the dequantized reference. Asks ``quant_kernel.available()``, not
     ``quant_linear.quant_kernel_available``, which tests patch to fake either answer."""
-    from atlas_vlm.layers import quant_kernel
+    from atlas_vlm.kernels import quant_kernel
 
     if not quant_kernel.available():
         import pytest

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from atlas_vlm.layers import decode_kernel
+from atlas_vlm.kernels import decode_kernel
 from atlas_vlm.layers.attention_bucketed import (BucketedLayout, block_table_tensor, bucketed_paged_attention,
                                                  build_bucketed_layout)
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from atlas_vlm.layers import decode_kernel
+from atlas_vlm.kernels import decode_kernel
 
 BUCKET_RATIO = 1.25  # longest / shortest context in one decode bucket
 BUCKET_SLACK = 64  # tokens of padding always allowed in a bucket (short contexts: few buckets)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from atlas_vlm.layers import quant_kernel
+from atlas_vlm.kernels import quant_kernel
 
 TILE = quant_kernel.TILE
 INT4_GROUP_SIZES = (128, 64, 32)  # default group first

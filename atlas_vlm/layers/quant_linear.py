@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atlas_vlm.layers import quant_kernel
-from atlas_vlm.layers.quant_kernel import dense_workspace
+from atlas_vlm.kernels import quant_kernel
+from atlas_vlm.kernels.quant_kernel import dense_workspace
 from atlas_vlm.layers.quant_format import (DEFAULT_INT4_GROUP_SIZE, TILE, fp16_exact, from_tiles,  # noqa: F401
                                            int4_group_size, num_tiles, pack_int4_row, quantize_activations,
                                            quantize_int4_rtn, quantize_int8_rtn, row_index, row_view, to_tiles,

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from atlas_vlm.layers import fused
+from atlas_vlm.kernels import fused
 from atlas_vlm.layers.attention import AttentionMetadata, paged_attention
 from atlas_vlm.layers.rotary import RotaryEmbedding, apply_rotary
 from atlas_vlm.models.arch import ModelArch

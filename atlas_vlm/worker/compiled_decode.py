@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from atlas_vlm.layers import decode_kernel
+from atlas_vlm.kernels import decode_kernel
 
 log = logging.getLogger(__name__)
 

@@ -111,7 +111,7 @@ class ModelRunner:
         compiled = CompiledDecode(
             self.model, self.kv_cache, self.block_size, max_model_len, config.max_num_seqs, self.mrope,
             use_kernel=self.attention_backend == "decode_kernel") if on else None  # None: eager decode
-        from atlas_vlm.layers.decode_step import DecodeStep
+        from atlas_vlm.kernels.decode_step import DecodeStep
 
         # quantized models on CPU: decode-only steps through every layer in one C call (None: op by op)
         c_step, self.decode_step_reason = DecodeStep.build(self.model, self.kv_cache, self.attention_backend) \
@@ -176,7 +176,7 @@ class ModelRunner:
 
     @property
     def decode_step(self):
-        """The one-call C decode step (``layers.decode_step.DecodeStep``), or None where decode
+        """The one-call C decode step (``kernels.decode_step.DecodeStep``), or None where decode
         steps run op by op (``decode_step_reason`` says why); setting None takes it out."""
         return self._executor("decode_step")
 

@@ -6,7 +6,7 @@ runs it) instead of branching on each fast path:
 - ``CompiledDecodeExecutor``: decode-only batches through a captured graph
   (``worker.compiled_decode``; CUDA graphs / ``torch.compile`` where resolved on);
 - ``DecodeStepExecutor``: decode-only steps of quantized models on CPU through every decoder
-  layer in one C call (``layers.decode_step``; the op-by-op bits);
+  layer in one C call (``kernels.decode_step``; the op-by-op bits);
 - ``EagerExecutor``: any step, layer by layer (the reference every other one is tested against).
 
 An executor's ``run(step)`` returns fp32 logits ``[num_sampled, vocab]`` or ``None`` (this step
@@ -68,7 +68,7 @@ class CompiledDecodeExecutor:
 
 
 class DecodeStepExecutor:
-    """Decode-only steps of quantized CPU models in one C call (``layers.decode_step.DecodeStep``
+    """Decode-only steps of quantized CPU models in one C call (``kernels.decode_step.DecodeStep``
     or any object with its ``applies`` / ``__call__``, as ``impl``)."""
 
     name = "decode_step"

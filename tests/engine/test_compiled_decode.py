@@ -13,7 +13,7 @@ import torch
 
 from helpers import record
 from atlas_vlm import LLM, EngineConfig, SamplingParams
-from atlas_vlm.layers import decode_kernel
+from atlas_vlm.kernels import decode_kernel
 from atlas_vlm.worker import compiled_decode
 from atlas_vlm.worker.compiled_decode import batch_bucket, resolve_compile_decode
 

@@ -11,7 +11,7 @@ import torch
 
 from atlas_vlm import EngineConfig, hardware
 from atlas_vlm.hardware import CpuFeatures
-from atlas_vlm.layers import decode_kernel
+from atlas_vlm.kernels import decode_kernel
 from atlas_vlm.layers.linear import can_pack
 
 pytestmark = pytest.mark.text

@@ -1,4 +1,4 @@
-"""The C decode kernel (``atlas_vlm.layers.decode_kernel``, backend ``"decode_kernel"``)
+"""The C decode kernel (``atlas_vlm.kernels.decode_kernel``, backend ``"decode_kernel"``)
 against the reference backend: the same ``paged_attention`` call on random block tables,
 decode-only and mixed with prefill chunks, MQA / GQA / MHA, block sizes 16 and 32 and the
 contiguous cache; fp32 within 1e-5, bf16 against the fp32 reference within bf16's output
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from test_attention_backends import HEAD_DIM, HEADS, NUM_BLOCKS, random_step, run_both
-from atlas_vlm.layers import decode_kernel
+from atlas_vlm.kernels import decode_kernel
 from atlas_vlm.layers.attention import build_attention_metadata, resolve_attention_backend
 from mm_kv_cache_management import ContiguousKVCache, KVCacheSpec, PagedKVCache
 

@@ -1,4 +1,4 @@
-"""The one-call decode step (``atlas_vlm.layers.decode_step``) against the op-by-op path it
+"""The one-call decode step (``atlas_vlm.kernels.decode_step``) against the op-by-op path it
 replaces: the same requests with the step on and off give the same bits (every step's
 logits, the tokens) for int8 / int4 tiny Llama, Qwen2, Qwen3 (q/k norms) in fp32 and bf16
 and for the real SmolLM2 GGUF; it runs only for decode-only steps, and where it cannot
@@ -12,7 +12,7 @@ import torch
 from helpers import greedy, require_quant_kernel
 from atlas_vlm import LLM, SamplingParams
 from atlas_vlm.default_models import default_text_model
-from atlas_vlm.layers import decode_step as decode_step_module
+from atlas_vlm.kernels import decode_step as decode_step_module
 from atlas_vlm.layers import quant_linear
 
 pytestmark = pytest.mark.text

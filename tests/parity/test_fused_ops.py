@@ -1,4 +1,4 @@
-"""The fused small ops (``atlas_vlm.layers.fused``: RMSNorm with the residual add, SwiGLU,
+"""The fused small ops (``atlas_vlm.kernels.fused``: RMSNorm with the residual add, SwiGLU,
 q/k norm + RoPE + K/V write) against their PyTorch references: bf16 bit-equal (the C code
 rounds where the references round), fp32 within a few ulp (reduction order, expf); a bad
 slot is refused before anything is written; the engine equals itself with the C path faked
@@ -11,7 +11,7 @@ import torch
 
 from helpers import greedy
 from atlas_vlm import LLM
-from atlas_vlm.layers import fused
+from atlas_vlm.kernels import fused
 from atlas_vlm.models.decoder import RMSNorm
 from mm_kv_cache_management import KVCacheSpec, PagedKVCache
 

@@ -21,7 +21,8 @@ from helpers import record, require_quant_kernel
 
 from atlas_vlm import LLM, SamplingParams
 from atlas_vlm.default_models import default_text_model
-from atlas_vlm.layers import cbuild, quant_kernel, quant_linear
+from atlas_vlm.kernels import cbuild, quant_kernel
+from atlas_vlm.layers import quant_linear
 from atlas_vlm.layers.quant_linear import (Int4Linear, Int8Linear, QuantEmbedding, quantize_activations,
                                            quantized_modules)
 from atlas_vlm.loader import gguf_to_folder

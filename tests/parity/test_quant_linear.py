@@ -1,5 +1,5 @@
 """Quantized linear modules (``atlas_vlm.layers.quant_linear``) and their C kernel
-(``layers/quant_kernel.py``): the tile layout round-trips, round to nearest is within half a
+(``kernels/quant_kernel.py``): the tile layout round-trips, round to nearest is within half a
 step with fp16-exact scales, the C ``dequantize`` has the PyTorch one's bits, the kernel
 equals its own definition (``kernel_reference``), every ISA variant this CPU runs gives the
 plain C variant's bits, and the kernel switch follows the device and the build (faked)."""
@@ -12,7 +12,7 @@ from torch import nn
 
 from atlas_vlm import hardware
 from atlas_vlm.hardware import X86_64_V3, X86_64_V4, CpuFeatures
-from atlas_vlm.layers import cbuild, quant_kernel
+from atlas_vlm.kernels import cbuild, quant_kernel
 from atlas_vlm.layers.quant_linear import (KERNEL_MAX_ROWS, Int4Linear, Int8Linear, QuantEmbedding, dense_workspace,
                                            from_tiles, int4_group_size, pack_int4_row, quant_kernel_available,
                                            quantize_int4_rtn, quantize_int8_rtn, to_tiles, unpack_int4_row)

@@ -1,4 +1,4 @@
-"""Building and loading the engine's small C kernels (``layers/csrc/*.c``): compiled on first
+"""Building and loading the engine's small C kernels (``kernels/csrc/*.c``): compiled on first
 use with the system C compiler (``$CC``, else ``cc`` / ``gcc``) for the CPU the process runs
 on, cached by a hash of source and flags under ``$ATLAS_VLM_CACHE/kernels/`` (default
 ``~/.cache/atlas_vlm``), and loaded with ``ctypes`` after torch, so they share torch's OpenMP

@@ -1,4 +1,4 @@
-/* Decode attention straight from KV blocks (CPU), for atlas_vlm/layers/decode_kernel.py.
+/* Decode attention straight from KV blocks (CPU), for atlas_vlm/kernels/decode_kernel.py.
  *
  * One new query token per request. For every (request, KV head) pair, in parallel (OpenMP):
  * the query heads that share the KV head are read once into fp32 (scaled), every context

@@ -1,4 +1,4 @@
-/* The decoder's small per-layer ops fused for CPU, for atlas_vlm/layers/fused.py.
+/* The decoder's small per-layer ops fused for CPU, for atlas_vlm/kernels/fused.py.
  *
  * Each function does in one call what the PyTorch reference in fused.py does in several
  * ops, with the same roundings to the tensor dtype (fp32 or bf16, round to nearest even) at

@@ -15,7 +15,7 @@ job on GPUs):
 Each rounds to the tensor dtype where the reference does, so fp32 differs only in reduction
 order (the norms sum squares in fp64) and bf16 by at most an ulp where a sum lands on a
 rounding boundary (``tests/parity/test_fused_ops.py``). The C path runs for CPU tensors in
-fp32 / bf16 when the library builds (``layers/cbuild.py``; ``available()``), outside
+fp32 / bf16 when the library builds (``kernels/cbuild.py``; ``available()``), outside
 ``torch.compile`` (the compiled decode step fuses the references itself); everywhere else the
 reference runs.
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from atlas_vlm.layers import cbuild
+from atlas_vlm.kernels import cbuild
 from atlas_vlm.layers.rotary import apply_rotary
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_ops.c"

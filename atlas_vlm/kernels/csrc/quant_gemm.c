@@ -1,4 +1,4 @@
-/* Weight-only int4 / int8 matmul for CPU decode, for atlas_vlm/layers/quant_kernel.py.
+/* Weight-only int4 / int8 matmul for CPU decode, for atlas_vlm/kernels/quant_kernel.py.
  *
  * out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]), the weight stored quantized in tiles of 16
  * output rows, the activation rows quantized on the fly to int8 in blocks of 32 (llama.cpp's

@@ -1,5 +1,5 @@
-/* The tiles of atlas_vlm/layers/csrc/quant_gemm.c dequantized to a dense weight (quant_dequantize),
- * for layers/quant_kernel.py's dequantize. Included by quant_gemm.c (its layout, helpers and
+/* The tiles of atlas_vlm/kernels/csrc/quant_gemm.c dequantized to a dense weight (quant_dequantize),
+ * for kernels/quant_kernel.py's dequantize. Included by quant_gemm.c (its layout, helpers and
  * ISA macros), not built on its own. */
 
 /* One row of the dense weight, fp32, into row[K]. */

@@ -11,7 +11,7 @@ only. This kernel reads every weight byte once per call (per 4 activation rows),
 int32 block sums, on AVX512-VNNI, AVX2 (with AVX-VNNI where present) and plain C, all with
 the same bits (the float steps are done in one order; see the C source).
 
-Built on first use by ``layers/cbuild.py`` with ``-march`` from
+Built on first use by ``kernels/cbuild.py`` with ``-march`` from
 ``hardware.cpu_features().kernel_march`` plus ``int8_dot_flags`` and ``-ffp-contract=off``
 (the order of float steps is part of the answer). Without a compiler ``available()`` is
 False and quantized linears use their dequantized reference.
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from atlas_vlm import hardware
-from atlas_vlm.layers import cbuild
+from atlas_vlm.kernels import cbuild
 
 SOURCE = Path(__file__).with_name("csrc") / "quant_gemm.c"
 TILE = 16  # output rows per tile, as the C source

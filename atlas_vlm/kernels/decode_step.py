@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from atlas_vlm import hardware
-from atlas_vlm.layers import cbuild, fused, quant_kernel
+from atlas_vlm.kernels import cbuild, fused, quant_kernel
 from atlas_vlm.layers.attention import AttentionMetadata
 from atlas_vlm.layers.quant_linear import KERNEL_MAX_ROWS, Int4Linear, _QuantLinear
 

@@ -1,4 +1,4 @@
-/* Scalar helpers of atlas_vlm/layers/csrc/quant_gemm.c (shared by every ISA variant): fp16
+/* Scalar helpers of atlas_vlm/kernels/csrc/quant_gemm.c (shared by every ISA variant): fp16
  * scales, the activation rows quantized to int8 blocks (llama.cpp's Q8) with their unit sums,
  * and a tile's outputs stored. Included by quant_gemm.c (TILE, QBLOCK), not built on its own. */
 

@@ -7,7 +7,7 @@ the weighted sum in fp32, and writes the output once in the cache dtype (fp32 or
 chunks, CUDA) keeps PyTorch's SDPA. Tested against the reference backend
 (``tests/parity/test_decode_kernel.py``).
 
-The source is compiled on first use (``layers/cbuild.py``): ``-O3 -fno-math-errno -fopenmp``,
+The source is compiled on first use (``kernels/cbuild.py``): ``-O3 -fno-math-errno -fopenmp``,
 ``-march`` from ``hardware.cpu_features().kernel_march`` (``x86-64-v4`` where the CPU has
 AVX-512 F/BW/CD/DQ/VL, ``x86-64-v3`` where it has AVX2 + FMA + F16C, else the compiler's default target: plain C, it builds for any CPU), and glibc's vector
 ``expf`` (libmvec) when it links. Without a compiler (or if the build fails) ``available()`` is
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from atlas_vlm.layers import cbuild
+from atlas_vlm.kernels import cbuild
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 MAX_HEAD_DIM, MAX_GROUP = 256, 16  # as the C source

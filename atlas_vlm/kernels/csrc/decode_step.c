@@ -1,5 +1,5 @@
 /* Every decoder layer of a quantized model for one decode-only step, in one call, for
- * atlas_vlm/layers/decode_step.py.
+ * atlas_vlm/kernels/decode_step.py.
  *
  * The same functions the per-op path calls (quant_gemm.c's activation quantization and tiles,
  * fused_ops.c's norms / RoPE / SwiGLU, paged_decode.c's attention), in the same order with
