@@ -6,6 +6,7 @@ engine through one ``OutputRouter`` (serialised stepping, each output to its own
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import queue
@@ -51,8 +52,9 @@ def _final_only(params):
     anything else unchanged (the engine names what is wrong with it)."""
     if params is None:
         return SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)
-    if isinstance(params, SamplingParams):
-        return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+    if isinstance(params, SamplingParams):  # a plain copy: its values are checked where the engine takes them
+        params = copy.copy(params)
+        object.__setattr__(params, "output_kind", RequestOutputKind.FINAL_ONLY)
     return params
 
 
