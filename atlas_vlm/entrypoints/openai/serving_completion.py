@@ -110,7 +110,7 @@ async def _full(ctx, iters, firsts, n, base, cached) -> dict:
 async def _stream(ctx, iters, firsts, n, base, cached, include_usage) -> AsyncIterator[str]:
     """SSE chunks from each choice's DELTA outputs (new text, ids and logprobs per step);
     a step that shows nothing new (text held back for a stop string) sends no chunk."""
-    sent_chars = [0] * len(iters)
+    offsets = [0] * len(iters)  # text_offset of each choice's next token (as the whole answer counts them)
     prompt_tokens, completion_tokens = [0] * len(iters), [0] * len(iters)
     try:
         async for i, out in until_error(merge(iters)):
@@ -125,8 +125,8 @@ async def _stream(ctx, iters, firsts, n, base, cached, include_usage) -> AsyncIt
                 continue
             lp = None
             if out.logprobs is not None and new_ids:
-                lp = completion_logprobs(ctx.engine.tokenizer, new_ids, out.logprobs, out.top_logprobs, sent_chars[i])
-            sent_chars[i] += len(text)
+                lp = completion_logprobs(ctx.engine.tokenizer, new_ids, out.logprobs, out.top_logprobs, offsets[i])
+                offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
             choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason,
                       **error_field(out)}
             yield sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
