@@ -148,3 +148,62 @@ def test_async_llm_streams_deltas_and_counts_every_token(llm):
     # both requests' 12 tokens counted, each first token once (FINAL_ONLY's before it ended)
     assert stats.tokens == 24 and sorted(stats.first) == sorted(len(r.prompt_token_ids) for r in ref)
     assert stats.finished == ["length", "length"]
+
+
+def test_processor_abort_outputs_per_kind(llm):
+    """An abort (``OutputProcessor.finish``): a DELTA request ends with an empty delta, a
+    FINAL_ONLY one with its only output holding the text released so far."""
+    from types import SimpleNamespace
+
+    from atlas_vlm.engine.output_processor import OutputProcessor
+
+    ids = llm.tokenizer.encode(" one two three four", add_special_tokens=False)
+    outs = {}
+    for kind in RequestOutputKind:
+        proc = OutputProcessor(llm.tokenizer)
+        req = SimpleNamespace(request_id="r", finish_reason=None, error=None, logprobs=[], top_logprobs=[],
+                              sampling_params=SamplingParams(logprobs=0, output_kind=kind))
+        proc.add_request("r", None, [7, 8], [], kind)
+        steps = []
+        for t in ids:
+            req.logprobs.append(-1.0)
+            req.top_logprobs.append({t: -1.0})
+            steps.append(proc.process(req, [t])[0])
+        req.finish_reason = "abort"
+        outs[kind] = (steps, proc.finish(req))
+        assert not proc.states
+    cumulative = outs[RequestOutputKind.CUMULATIVE][1]
+    assert cumulative.token_ids == ids and cumulative.text == llm.tokenizer.decode(ids)
+    steps, last = outs[RequestOutputKind.DELTA]
+    assert (last.text, last.token_ids, last.logprobs, last.prompt_token_ids) == ("", [], [], [])
+    assert steps[0].prompt_token_ids == [7, 8] and "".join(s.text for s in steps) == cumulative.text
+    steps, last = outs[RequestOutputKind.FINAL_ONLY]
+    assert steps == [None] * len(ids) and last.finish_reason == "abort"
+    assert (last.text, last.token_ids, last.logprobs) == (cumulative.text, ids, [-1.0] * len(ids))
+    with pytest.raises(ValueError, match="cannot add an output of request 'x'"):
+        cumulative.add(RequestOutput("x", None, []))
+
+
+def test_a_delta_stream_cut_by_shutdown_ends_with_an_empty_delta(llm):
+    front = AsyncLLM(llm.engine)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def scenario():
+        s = await front.add_request(PROMPTS[3], params, "cut")
+        outs = []
+        async for out in s:
+            outs.append(out)
+            if len(outs) == 3:
+                front.shutdown()
+        return outs
+
+    try:
+        outs = asyncio.run(scenario())
+    finally:
+        front.shutdown()
+        assert front.join(30)
+        llm.engine.runner.observers.remove(front._observe_forward)
+    last = outs[-1]
+    assert last.finish_reason == "abort" and 3 <= len(outs) < 200 and outs[0].prompt_token_ids
+    assert (last.text, last.token_ids, last.prompt_token_ids) == ("", [], [])
+    assert all(not o.finished for o in outs[:-1])
