@@ -12,6 +12,10 @@ class RequestOutput:
     ``finish_reason``: "stop" (EOS, a stop token or a stop string), "length" (max_tokens or
     max_model_len), "abort", "error" (then ``error`` says why and nothing else is set), or
     ``None`` while still running (streaming).
+
+    What ``text``, ``token_ids``, ``logprobs`` and ``top_logprobs`` hold follows the request's
+    ``SamplingParams.output_kind``: everything so far (CUMULATIVE, FINAL_ONLY) or only what
+    the step added (DELTA, whose ``prompt_token_ids`` are in the request's first output only).
     """
 
     request_id: str
