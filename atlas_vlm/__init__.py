@@ -8,7 +8,7 @@ from atlas_vlm.config import EngineConfig
 from atlas_vlm.engine import LLMEngine
 from atlas_vlm.entrypoints.llm import LLM
 from atlas_vlm.outputs import RequestOutput
-from atlas_vlm.sampling_params import SamplingParams
+from atlas_vlm.sampling_params import RequestOutputKind, SamplingParams
 from mm_token_pipeline import MultiModalOptions
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "MultiModalOptions", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "MultiModalOptions", "RequestOutput", "RequestOutputKind", "SamplingParams"]

@@ -12,6 +12,10 @@ class RequestOutput:
     ``finish_reason``: "stop" (EOS, a stop token or a stop string), "length" (max_tokens or
     max_model_len), "abort", "error" (then ``error`` says why and nothing else is set), or
     ``None`` while still running (streaming).
+
+    What ``text``, ``token_ids``, ``logprobs`` and ``top_logprobs`` hold follows the request's
+    ``SamplingParams.output_kind``: everything so far (CUMULATIVE, FINAL_ONLY) or only what
+    the step added (DELTA, whose ``prompt_token_ids`` are in the request's first output only).
     """
 
     request_id: str
@@ -34,3 +38,26 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def add(self, delta: RequestOutput) -> RequestOutput:
+        """Fold the next DELTA output of the same request into this one (vLLM
+        ``RequestOutput.add``): text, ids and logprob entries appended, finish reason and
+        error taken from ``delta``; ``new_text`` / ``new_token_ids`` become the delta's.
+        Returns ``self`` (changed in place).
+
+        Raises:
+            ValueError: ``delta`` belongs to another request.
+        """
+        if delta.request_id != self.request_id:
+            raise ValueError(f"cannot add an output of request {delta.request_id!r} to one of {self.request_id!r}")
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        for name in ("logprobs", "top_logprobs"):
+            entries = getattr(delta, name)
+            if entries is not None:
+                if getattr(self, name) is None:
+                    setattr(self, name, [])
+                getattr(self, name).extend(entries)
+        self.finish_reason, self.error = delta.finish_reason, delta.error
+        self.new_text, self.new_token_ids = delta.new_text, delta.new_token_ids
+        return self

@@ -7,6 +7,7 @@ limits that depend on the model (vocabulary) by ``check_for_model`` when a reque
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import struct
 from dataclasses import dataclass, field
@@ -22,6 +23,23 @@ MAX_LOGPROBS = 20
 # torch.Generator.manual_seed's range; top_k goes into an int64 tensor.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 _INT64_MAX = 2**63 - 1
+
+
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a request holds (vLLM ``vllm.sampling_params.RequestOutputKind``).
+
+    - ``CUMULATIVE``: every output holds everything so far (``text``, ``token_ids``,
+      ``logprobs`` from the first generated token on); ``LLM.generate`` / ``LLM.chat``'s default.
+    - ``DELTA``: every output holds only what its step added (``text``, ``token_ids``,
+      ``logprobs``, ``top_logprobs`` are the step's new entries; ``prompt_token_ids`` only in
+      a request's first output, ``[]`` after): concatenated they give the cumulative output.
+      A step may add ids but no text (a stop string could still start there).
+    - ``FINAL_ONLY``: one output, when the request finishes, holding everything.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _as_float32(x: float) -> float:
@@ -71,6 +89,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0..MAX_LOGPROBS: sampled token's logprob plus the top k
     # output constraint (JSON schema, regex, choice, grammar); a dict is read as its fields
     structured_outputs: StructuredOutputsParams | None = None
+    # what each output holds: everything so far, the step's delta, or one output at the end
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         for name in ("stop", "stop_token_ids"):  # None: none (as vLLM)
@@ -131,6 +151,9 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), "
+                             f"got {self.output_kind!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, a dict of its fields or None, "
                              f"got {type(self.structured_outputs).__name__}")

@@ -30,7 +30,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from atlas_vlm.engine.request_stream import (SHUTDOWN, EngineDeadError, EngineStats, EngineStepError, QueueFullError,
-                                             RequestStream, RequestStreamState, iterate, settle)
+                                             RequestStream, RequestStreamState, count_tokens, iterate,
+                                             settle)
 from atlas_vlm.outputs import RequestOutput
 from atlas_vlm.sampling_params import SamplingParams
 
@@ -108,8 +109,10 @@ class AsyncLLM:
     async def add_request(self, prompt, sampling_params: SamplingParams, request_id: str,
                           arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
         """Prepare one request in an input worker, then queue it; returns an async iterator of
-        its ``RequestOutput``s (cumulative ``text`` / ``token_ids``; the last one has
-        ``finish_reason`` set). Cancelling the caller while it waits leaves nothing queued.
+        its ``RequestOutput``s, as ``sampling_params.output_kind`` asks (CUMULATIVE: ``text`` /
+        ``token_ids`` so far; DELTA: each step's new ones; FINAL_ONLY: the last one only); the
+        last one has ``finish_reason`` set. Cancelling the caller while it waits leaves nothing
+        queued.
 
         Raises (nothing is queued):
             QueueFullError: over ``max_waiting_requests``.
@@ -128,7 +131,8 @@ class AsyncLLM:
             req = await self._in_worker(self.engine.process_request, prompt, sampling_params, request_id)
             self._check_admitting()
             done = loop.create_future()
-            stream = RequestStreamState(asyncio.Queue(), loop, arrival_time or time.monotonic())
+            stream = RequestStreamState(asyncio.Queue(), loop, arrival_time or time.monotonic(),
+                                        req.sampling_params.output_kind)
             self._post(("add", req, stream, done))
             posted = True
             while not done.done():  # the engine's answer; a thread that stopped meanwhile never gives one
@@ -303,21 +307,11 @@ class AsyncLLM:
         outputs = self.engine.step()
         now = time.monotonic()
         self._snapshot(self._batch_size)
+        if self.stat_logger is not None:  # every stream: a FINAL_ONLY one has no output until it ends
+            by_id = {out.request_id: out for out in outputs}
+            for rid, stream in self._streams.items():
+                count_tokens(self.stat_logger, stream, by_id.get(rid), now)
         for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            n_new = len(out.token_ids) - stream.num_tokens_seen
-            if n_new > 0 and self.stat_logger is not None:
-                if stream.last_token_time is None:
-                    req = stream.request
-                    self.stat_logger.on_first_token(now - stream.arrival, len(out.prompt_token_ids),
-                                                    getattr(req, "num_cached_tokens", 0))
-                    self.stat_logger.on_new_tokens(n_new, None)
-                else:
-                    self.stat_logger.on_new_tokens(n_new, (now - stream.last_token_time) / n_new)
-            if n_new > 0:
-                stream.last_token_time, stream.num_tokens_seen = now, len(out.token_ids)
             self._deliver(out.request_id, out)
 
     def _deliver(self, request_id: str, item) -> None:

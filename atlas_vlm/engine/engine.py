@@ -149,7 +149,8 @@ class LLMEngine:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.structured_output_manager.add_request(req)  # its grammar compiles off this thread
         self.requests[req.request_id] = req
-        self.output_processor.add_request(req.request_id, req.prompt, req.token_ids, req.sampling_params.stop)
+        self.output_processor.add_request(req.request_id, req.prompt, req.token_ids, req.sampling_params.stop,
+                                          req.sampling_params.output_kind)
         self.scheduler.add_request(req)
         return req.request_id
 
@@ -205,9 +206,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batched step: schedule -> run -> update -> outputs. Returns an output
         (with the step's new tokens and text) for every request that produced a token or
-        finished in it, after the outputs of requests aborted since the last step (and of
-        requests whose grammar failed to compile). With nothing to run but grammars compiling,
-        it waits for one at most ``_COMPILE_WAIT_S`` seconds."""
+        finished in it (a ``FINAL_ONLY`` request: only when it finished), after the outputs of
+        requests aborted since the last step (and of requests whose grammar failed to compile).
+        With nothing to run but grammars compiling, it waits for one at most ``_COMPILE_WAIT_S``
+        seconds."""
         outputs, self._finished_outside_step = self._finished_outside_step, []
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.failed and self.structured_output_manager.is_compiling_any():
@@ -227,5 +229,6 @@ class LLMEngine:
                 self.scheduler.finish(req)
             if req.finish_reason is not None:
                 del self.requests[req.request_id]
-            outputs.append(out)
+            if out is not None:
+                outputs.append(out)
         return outputs

@@ -12,7 +12,12 @@ Rules, per request and step:
 - streamed text never shows what a later step could remove: a suffix that could still grow
   into a stop string, an incomplete UTF-8 character and text a clean-up could still change
   are held back until they cannot; at the end everything left is sent, so the concatenated
-  ``new_text`` of all outputs equals the final ``text`` at every step.
+  ``new_text`` of all outputs equals the final ``text`` at every step;
+- what an output holds follows ``SamplingParams.output_kind`` (vLLM ``RequestOutputKind``):
+  CUMULATIVE everything so far (a snapshot of the growing id / logprob lists; the prompt ids
+  list is shared, not copied), DELTA only the step's new text / ids / logprobs (prompt ids in
+  the first output only), FINAL_ONLY one output at the end. Nothing that a kind does not
+  hand out is copied, so a DELTA stream costs O(new tokens) per step, not O(length).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 
 from atlas_vlm.engine.detokenizer import CleanupStream, IncrementalDetokenizer
 from atlas_vlm.outputs import RequestOutput
+from atlas_vlm.sampling_params import RequestOutputKind
 
 
 def _hold_back(text: str, start: int, stops: list[str]) -> int:
@@ -38,7 +44,8 @@ def _hold_back(text: str, start: int, stops: list[str]) -> int:
 
 @dataclass
 class RequestOutputState:
-    """What the processor keeps per request: detokenizer state and what was already sent."""
+    """What the processor keeps per request: detokenizer state, how much text is released
+    (past the hold-back) and how much of the text / ids / logprobs was handed out."""
 
     request_id: str
     prompt: str | None
@@ -46,10 +53,14 @@ class RequestOutputState:
     stops: list[str]
     detokenizer: IncrementalDetokenizer
     cleanup: CleanupStream
+    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     max_stop_len: int = 0
-    sent_text: str = ""  # text already handed to the caller (concatenation of new_text)
-    sent_tokens: int = 0  # generated ids already handed to the caller
-    token_ids: list[int] = field(default_factory=list)  # generated ids so far
+    released: int = 0  # chars of the text past the hold-back (what a stream may show)
+    sent_chars: int = 0  # chars handed out (the concatenation of new_text)
+    sent_tokens: int = 0  # generated ids handed out
+    sent_logprobs: int = 0  # logprob entries handed out
+    sent_any: bool = False  # an output was handed out (DELTA: the prompt ids went with it)
+    token_ids: list[int] = field(default_factory=list)  # generated ids so far (one growing list)
 
 
 class OutputProcessor:
@@ -64,23 +75,25 @@ class OutputProcessor:
         self.states: dict[str, RequestOutputState] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    stop: list[str]) -> None:
-        """Start tracking a request (``stop``: its stop strings)."""
+                    stop: list[str], output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+        """Start tracking a request (``stop``: its stop strings; ``output_kind``: what its
+        outputs hold, ``SamplingParams.output_kind``)."""
         stops = list(stop)
         self.states[request_id] = RequestOutputState(
             request_id, prompt, list(prompt_token_ids), stops,
             IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True), CleanupStream(self.tokenizer),
-            max_stop_len=max(map(len, stops), default=0),
+            kind=output_kind, max_stop_len=max(map(len, stops), default=0),
         )
 
-    def process(self, req, new_token_ids: list[int]) -> tuple[RequestOutput, bool]:
+    def process(self, req, new_token_ids: list[int]) -> tuple[RequestOutput | None, bool]:
         """Take one step's new ids of ``req`` (an ``atlas_vlm.request.Request`` whose
-        ``finish_reason`` the scheduler has set if the step ended it). Returns the output and
-        whether a stop string ended the request in this step (then ``req.finish_reason`` is
-        set to "stop" and the caller must free the request)."""
+        ``finish_reason`` the scheduler has set if the step ended it). Returns the output
+        (None for a FINAL_ONLY request still running) and whether a stop string ended the
+        request in this step (then ``req.finish_reason`` is set to "stop" and the caller must
+        free the request)."""
         state = self.states[req.request_id]
         state.token_ids.extend(new_token_ids)
-        before = len(state.cleanup.committed)
+        committed_before = len(state.cleanup.committed)
         stable, pending = state.detokenizer.step(new_token_ids)
         state.cleanup.push(stable)
         stopped = False
@@ -88,41 +101,57 @@ class OutputProcessor:
         cut = None  # where a stop string starts in the whole text
         if state.stops:
             # search only the new text plus a look-back of the longest stop minus one
-            window = max(0, before - state.max_stop_len + 1)
+            window = max(0, committed_before - state.max_stop_len + 1)
             recent = state.cleanup.committed[window:] + state.cleanup.tail_text(pending)
             hits = [at for at in (recent.find(s) for s in state.stops) if at != -1]
             if hits:
                 cut = window + min(hits)
                 stopped = not was_finished
                 req.finish_reason = "stop"
+        committed = state.cleanup.committed
         if req.finish_reason is not None:
-            text = state.cleanup.committed + state.cleanup.tail_text(pending)
-            text = text if cut is None else text[:cut]
+            text = committed + state.cleanup.tail_text(pending)
+            end = len(text) if cut is None else cut
         else:
-            committed = state.cleanup.committed
-            text = committed[:_hold_back(committed, len(state.sent_text), state.stops)]
-        return self._emit(state, req, text), stopped
+            text, end = committed, _hold_back(committed, state.released, state.stops)
+        if req.finish_reason is None and state.kind is RequestOutputKind.FINAL_ONLY:
+            state.released = end
+            return None, stopped
+        return self._emit(state, req, text, end), stopped
 
     def finish(self, req) -> RequestOutput:
-        """The last output of a request ended outside a step (abort, error): text stays what
-        was already sent."""
+        """The last output of a request ended outside a step (abort, error): its text is what
+        was released so far (for a stream: what was already sent)."""
         state = self.states[req.request_id]
-        return self._emit(state, req, state.sent_text)
+        return self._emit(state, req, state.cleanup.committed, state.released)
 
-    def _emit(self, state: RequestOutputState, req, text: str) -> RequestOutput:
-        if not text.startswith(state.sent_text):
-            raise RuntimeError(f"request {state.request_id!r}: streamed text {state.sent_text!r} is not a "
-                               f"prefix of the text {text!r}")
-        new_text, state.sent_text = text[len(state.sent_text):], text
-        new_ids = state.token_ids[state.sent_tokens:]
-        state.sent_tokens = len(state.token_ids)
-        if req.finish_reason is not None:
+    def _emit(self, state: RequestOutputState, req, text: str, end: int) -> RequestOutput:
+        """The output showing ``text[:end]`` (the released text; never shorter than before)."""
+        if end < state.released:
+            raise RuntimeError(f"request {state.request_id!r}: the text would shrink from {state.released} to "
+                               f"{end} characters after being released")
+        state.released = end
+        finished = req.finish_reason is not None
+        if finished:
             del self.states[state.request_id]
         asked = req.sampling_params.logprobs is not None
+        new_text = text[state.sent_chars:end]
+        new_ids = state.token_ids[state.sent_tokens:]
+        if state.kind is RequestOutputKind.DELTA:
+            prompt_ids = [] if state.sent_any else state.prompt_token_ids
+            out_text, out_ids = new_text, list(new_ids)  # its own list: RequestOutput.add extends it
+            lps = req.logprobs[state.sent_logprobs:] if asked else None
+            tops = req.top_logprobs[state.sent_logprobs:] if asked else None
+        else:  # CUMULATIVE (a snapshot unless nothing will change it any more) or FINAL_ONLY
+            prompt_ids = state.prompt_token_ids  # never changes: shared, not copied
+            out_text = text[:end]
+            out_ids = state.token_ids if finished else list(state.token_ids)
+            lps = (req.logprobs if finished else list(req.logprobs)) if asked else None
+            tops = (req.top_logprobs if finished else list(req.top_logprobs)) if asked else None
+        state.sent_chars, state.sent_tokens, state.sent_any = end, len(state.token_ids), True
+        state.sent_logprobs = len(req.logprobs)
         return RequestOutput(
-            request_id=state.request_id, prompt=state.prompt, prompt_token_ids=list(state.prompt_token_ids),
-            text=text, token_ids=list(state.token_ids), finish_reason=req.finish_reason,
-            logprobs=list(req.logprobs) if asked else None,
-            top_logprobs=list(req.top_logprobs) if asked else None,
+            request_id=state.request_id, prompt=state.prompt, prompt_token_ids=prompt_ids,
+            text=out_text, token_ids=out_ids, finish_reason=req.finish_reason, logprobs=lps, top_logprobs=tops,
             error=getattr(req, "error", None), new_token_ids=new_ids, new_text=new_text,
         )

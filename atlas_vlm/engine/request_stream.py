@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from atlas_vlm.outputs import RequestOutput
+from atlas_vlm.sampling_params import RequestOutputKind
 
 SHUTDOWN = object()  # put in a stream's queue by ``AsyncLLM.shutdown``: end it now with "abort"
 
@@ -45,9 +46,10 @@ class RequestStreamState:
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     arrival: float
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # the request's SamplingParams.output_kind
     request: object = None  # the engine's Request (prefix-cache hits), set in the engine thread
     last_token_time: float | None = None
-    num_tokens_seen: int = 0
+    num_tokens_seen: int = 0  # generated tokens counted so far (metrics)
     finished: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -89,7 +91,8 @@ class RequestStream:
 async def iterate(request_id: str, stream: RequestStreamState,
                   release: Callable[[str, RequestStreamState], None]) -> AsyncIterator[RequestOutput]:
     """The outputs the engine thread puts in ``stream.queue`` until the finished one; an
-    error put there is raised; ``SHUTDOWN`` ends it at once with ``finish_reason="abort"``.
+    error put there is raised; ``SHUTDOWN`` ends it at once with ``finish_reason="abort"``
+    (a DELTA stream's abort output adds nothing; a CUMULATIVE one repeats the last output).
     ``release`` runs however the iteration ends."""
     last: RequestOutput | None = None
     try:
@@ -98,6 +101,9 @@ async def iterate(request_id: str, stream: RequestStreamState,
             if out is SHUTDOWN:  # end now, whatever the engine thread is doing
                 stream.finished = True
                 base = last or RequestOutput(request_id, None, [])
+                if last is not None and stream.output_kind is RequestOutputKind.DELTA:  # all was handed out
+                    base = RequestOutput(request_id, last.prompt, [], logprobs=None if last.logprobs is None else [],
+                                         top_logprobs=None if last.top_logprobs is None else [])
                 yield dataclasses.replace(base, finish_reason="abort", new_token_ids=[], new_text="")
                 return
             if isinstance(out, BaseException):
@@ -108,6 +114,29 @@ async def iterate(request_id: str, stream: RequestStreamState,
                 return
     finally:
         release(request_id, stream)
+
+
+def count_tokens(stat_logger, stream: RequestStreamState, out: RequestOutput | None, now: float) -> None:
+    """Report to ``stat_logger`` (``AsyncLLM``'s) the tokens ``stream``'s request generated
+    since the last step (the engine's request's count, so that a FINAL_ONLY request with no
+    output yet counts too; without one, the output's new ids) and its time to first token
+    (seconds since arrival, ``now`` from ``time.monotonic``)."""
+    req = stream.request
+    if req is not None:
+        total, num_prompt = req.num_output_tokens, req.num_prompt_tokens
+    elif out is not None:
+        total, num_prompt = stream.num_tokens_seen + len(out.new_token_ids), len(out.prompt_token_ids)
+    else:
+        return
+    n_new = total - stream.num_tokens_seen
+    if n_new <= 0:
+        return
+    if stream.last_token_time is None:
+        stat_logger.on_first_token(now - stream.arrival, num_prompt, getattr(req, "num_cached_tokens", 0))
+        stat_logger.on_new_tokens(n_new, None)
+    else:
+        stat_logger.on_new_tokens(n_new, (now - stream.last_token_time) / n_new)
+    stream.last_token_time, stream.num_tokens_seen = now, total
 
 
 def settle(future: asyncio.Future, error: BaseException | None) -> None:

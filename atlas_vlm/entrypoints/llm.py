@@ -6,6 +6,7 @@ engine through one ``OutputRouter`` (serialised stepping, each output to its own
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import queue
@@ -19,7 +20,7 @@ from atlas_vlm.engine import LLMEngine
 from atlas_vlm.engine.token_ids import is_token_id_sequence
 from atlas_vlm.entrypoints.router import OutputRouter
 from atlas_vlm.outputs import RequestOutput
-from atlas_vlm.sampling_params import SamplingParams
+from atlas_vlm.sampling_params import RequestOutputKind, SamplingParams
 from mm_token_pipeline import MultiModalOptions
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,26 @@ def _finish_chat(out: RequestOutput, reasoning_parser=None, tool_parser=None) ->
         if out.tool_calls and out.finish_reason == "stop":
             out.finish_reason = "tool_calls"
     return out
+
+
+def _final_only(params):
+    """``params`` (a ``SamplingParams`` or None) as a copy with ``output_kind=FINAL_ONLY``;
+    anything else unchanged (the engine names what is wrong with it)."""
+    if params is None:
+        return SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)
+    if isinstance(params, SamplingParams):  # a plain copy: its values are checked where the engine takes them
+        params = copy.copy(params)
+        object.__setattr__(params, "output_kind", RequestOutputKind.FINAL_ONLY)
+    return params
+
+
+def _check_chat_stream_kind(sampling_params, stream: bool) -> None:
+    """Raises ValueError: a streamed chat whose outputs get a reasoning / tool-call split asks
+    for DELTA outputs (the split needs the whole text; stream CUMULATIVE outputs instead)."""
+    params = sampling_params if isinstance(sampling_params, list) else [sampling_params]
+    if stream and any(getattr(p, "output_kind", None) is RequestOutputKind.DELTA for p in params):
+        raise ValueError("sampling_params.output_kind=DELTA cannot be streamed by LLM.chat with a reasoning "
+                         "parser or tools (the split needs the whole text); use CUMULATIVE")
 
 
 class LLM:
@@ -83,8 +104,11 @@ class LLM:
             rejected (bad image, too long, ...) gets ``finish_reason="error"`` and ``error``
             set while the others run; a single prompt's error is raised instead.
             With ``stream=True``: an iterator of ``RequestOutput`` per request per step
-            (``new_text`` / ``new_token_ids`` hold what the step added); closing it early
-            aborts its unfinished requests. A request aborted from anywhere
+            (``new_text`` / ``new_token_ids`` hold what the step added; with
+            ``SamplingParams(output_kind=RequestOutputKind.DELTA)`` every field holds only
+            the step's delta); closing it early aborts its unfinished requests. Without
+            ``stream`` only final outputs are made (``output_kind`` is FINAL_ONLY, as vLLM's
+            ``LLM.generate``). A request aborted from anywhere
             (``llm.engine.abort_request``) ends with ``finish_reason="abort"``.
 
         Thread-safe: calls from several threads (and several live streams) share the engine;
@@ -95,6 +119,8 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if not stream:  # only the final outputs are read: make no per-step output at all
+            params = [_final_only(p) for p in params]
         ids, outputs, q = [], {}, queue.SimpleQueue()
         for prompt, p in zip(prompts, params):
             try:
@@ -189,6 +215,8 @@ class LLM:
                     "chat_template_kwargs": chat_template_kwargs, "mm_options": mm_options,
                     **({"tools": tools} if tools else {})} for c in convs]
         parser = self.engine.reasoning_parser
+        if parser is not None or (tools and tool_choice != "none"):
+            _check_chat_stream_kind(sampling_params, stream)
         if not tools or tool_choice == "none":
             result = self.generate(prompts[0] if single else prompts, sampling_params, stream=stream, use_tqdm=use_tqdm)
             if parser is None:

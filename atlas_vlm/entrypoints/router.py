@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterable
 
 from atlas_vlm.outputs import RequestOutput
+from atlas_vlm.sampling_params import RequestOutputKind
 
 
 class OutputRouter:
@@ -28,6 +29,7 @@ class OutputRouter:
         self._lock = threading.Lock()  # one stepper at a time; step + dispatch stay in order
         self._owners: dict[str, queue.SimpleQueue] = {}
         self._last: dict[str, RequestOutput] = {}  # last output seen per routed request
+        self._delta: set[str] = set()  # routed requests whose outputs are DELTAs
 
     def add_request(self, prompt, sampling_params, q: queue.SimpleQueue) -> str:
         """``engine.add_request`` and route the request's outputs to ``q``, atomically (no
@@ -35,6 +37,8 @@ class OutputRouter:
         with self._lock:
             rid = self.engine.add_request(prompt, sampling_params)
             self._owners[rid] = q
+            if getattr(sampling_params, "output_kind", None) is RequestOutputKind.DELTA:
+                self._delta.add(rid)
             return rid
 
     def unregister(self, request_ids: Iterable[str]) -> None:
@@ -42,6 +46,7 @@ class OutputRouter:
             for rid in request_ids:
                 self._owners.pop(rid, None)
                 self._last.pop(rid, None)
+                self._delta.discard(rid)
 
     def next_output(self, q: queue.SimpleQueue, pending: set[str]) -> RequestOutput:
         """The next output for the call that owns ``q`` (whose unfinished ids are ``pending``),
@@ -75,5 +80,7 @@ class OutputRouter:
         last = self._last.get(rid)
         if last is None:
             return RequestOutput(rid, None, [], finish_reason="abort")
+        if rid in self._delta:  # everything was already handed out: an empty last delta
+            return RequestOutput(rid, last.prompt, [], finish_reason="abort")
         return RequestOutput(rid, last.prompt, last.prompt_token_ids, text=last.text,
                              token_ids=list(last.token_ids), finish_reason="abort")

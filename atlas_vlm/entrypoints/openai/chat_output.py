@@ -25,6 +25,8 @@ class ChatChoiceOutput:
         self.streamer = ToolCallStreamer(self.tool_parser)
         self.reasoning_sent = ""
         self.content_sent = ""
+        self.text = ""  # the text so far, from DELTA outputs (``feed_delta``)
+        self.initial = None  # the reasoning parser's state after the prompt (from the first DELTA)
 
     def _state(self, out) -> str:
         return self.reasoning_parser.initial_state(out.prompt_token_ids) if self.reasoning_parser else ENDED
@@ -45,13 +47,24 @@ class ChatChoiceOutput:
         return msg, _finish(out.finish_reason, bool(calls))
 
     def delta(self, out) -> tuple[dict, str | None]:
-        """``(delta fields, finish_reason)`` for the output so far: ``reasoning_content``,
-        ``content`` and ``tool_calls`` keys only where something new is shown."""
+        """``(delta fields, finish_reason)`` for a CUMULATIVE output (``out.text``: the text so
+        far): ``reasoning_content``, ``content`` and ``tool_calls`` keys only where something
+        new is shown."""
+        return self._delta(out.text, out, self._state(out))
+
+    def feed_delta(self, out) -> tuple[dict, str | None]:
+        """As :meth:`delta` for the next DELTA output of the choice (``out.text``: the step's new
+        text; the first one carries the prompt ids, which set the reasoning parser's state)."""
+        if self.initial is None:
+            self.initial = self._state(out)
+        self.text += out.text
+        return self._delta(self.text, out, self.initial)
+
+    def _delta(self, text: str, out, initial) -> tuple[dict, str | None]:
         finished = out.finished
-        text = out.text
         reasoning, content = "", text
         if self.reasoning_parser is not None:
-            reasoning, content = self.reasoning_parser.extract_reasoning_streaming(text, finished, self._state(out))
+            reasoning, content = self.reasoning_parser.extract_reasoning_streaming(text, finished, initial)
         delta: dict = {}
         if reasoning.startswith(self.reasoning_sent) and len(reasoning) > len(self.reasoning_sent):
             delta["reasoning_content"] = reasoning[len(self.reasoning_sent):]

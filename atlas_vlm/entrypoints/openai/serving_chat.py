@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 from atlas_vlm.entrypoints.openai.chat_output import ChatChoiceOutput
 from atlas_vlm.entrypoints.openai.media import to_engine_messages
 from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
-from atlas_vlm.entrypoints.openai.serving_common import (ServerContext, chat_logprobs, close_all, error_event,
-                                                         error_field, merge, new_id, sampling_params, sse,
-                                                         start_choices, until_error, usage)
+from atlas_vlm.entrypoints.openai.serving_common import (ServerContext, chat_logprobs, close_all, collect,
+                                                         error_event, error_field, merge, new_id, sampling_params,
+                                                         sse, start_choices, until_error, usage)
 from atlas_vlm.entrypoints.openai.structured import structured_outputs_from_request
 from atlas_vlm.tool_parsers import ToolParser, forced_tool_calls, resolve_tool_parser
 
@@ -104,11 +104,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest)
 
 
 async def _full(ctx, iters, first, rid, model, created, views) -> dict:
-    finals = [None] * len(iters)
     try:
-        async for i, out in merge(iters):
-            if out.finished:
-                finals[i] = out
+        finals = await collect(iters)
     finally:
         await close_all(iters + [first])
     choices = []
@@ -125,8 +122,10 @@ async def _full(ctx, iters, first, rid, model, created, views) -> dict:
 
 
 async def _stream(ctx, iters, first, rid, model, created, include_usage, views) -> AsyncIterator[str]:
+    """SSE chunks from each choice's DELTA outputs: the view (``ChatChoiceOutput``) turns the
+    new text into reasoning / content / tool-call deltas; logprobs are the step's new entries."""
     n = len(iters)
-    sent_chunks, sent_tokens = [0] * n, [0] * n
+    sent_chunks = [0] * n
     prompt_tokens, completion = 0, [0] * n
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     try:
@@ -135,9 +134,11 @@ async def _stream(ctx, iters, first, rid, model, created, include_usage, views) 
                 yield error_event(out)
                 yield sse("[DONE]")
                 return
-            new_ids = out.token_ids[sent_tokens[i]:]
-            prompt_tokens, completion[i] = len(out.prompt_token_ids), len(out.token_ids)
-            delta, finish_reason = views[i].delta(out)
+            new_ids = out.token_ids
+            if i == 0:  # the n choices share one prompt; only a request's first DELTA carries its ids
+                prompt_tokens += len(out.prompt_token_ids)
+            completion[i] += len(new_ids)
+            delta, finish_reason = views[i].feed_delta(out)
             if not delta and not out.finished and not (new_ids and out.logprobs is not None):
                 continue
             if "content" not in delta and "tool_calls" not in delta and "reasoning_content" not in delta:
@@ -146,10 +147,8 @@ async def _stream(ctx, iters, first, rid, model, created, include_usage, views) 
                 delta = {"role": "assistant", **delta}
             lp = None
             if out.logprobs is not None and new_ids:
-                s = sent_tokens[i]
-                lp = chat_logprobs(ctx.engine.tokenizer, new_ids, out.logprobs[s:], out.top_logprobs[s:])
+                lp = chat_logprobs(ctx.engine.tokenizer, new_ids, out.logprobs, out.top_logprobs)
             sent_chunks[i] += 1
-            sent_tokens[i] = len(out.token_ids)
             choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish_reason,
                       **error_field(out)}
             yield sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from atlas_vlm.engine.async_llm import AsyncLLM, EngineDeadError, EngineStepError, QueueFullError, RequestStream
 from atlas_vlm.entrypoints.openai.protocol import APIError, printable
-from atlas_vlm.sampling_params import SamplingParams
+from atlas_vlm.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -39,11 +39,30 @@ class ServerContext:
         return self.model_names[0]
 
 
+def output_kind(stream: bool, n: int, index: int) -> RequestOutputKind:
+    """What choice ``index`` of ``n`` needs from the engine: a stream formats each step's
+    DELTA; a whole answer needs the FINAL_ONLY output, except choice 0 of ``n > 1``, whose
+    first output (after its prefill) ``start_choices`` waits for, so DELTAs folded by ``collect``."""
+    if stream or (n > 1 and index == 0):
+        return RequestOutputKind.DELTA
+    return RequestOutputKind.FINAL_ONLY
+
+
+async def collect(iters: list[AsyncIterator]) -> list:
+    """The final ``RequestOutput`` of every stream (``merge``d), DELTA outputs folded together
+    (``RequestOutput.add``), so each holds the whole text, ids, logprobs and prompt ids."""
+    finals = [None] * len(iters)
+    async for i, out in merge(iters):
+        finals[i] = out if finals[i] is None else finals[i].add(out)
+    return finals
+
+
 def sampling_params(req, max_tokens: int | None, logprobs: int | None, index: int = 0,
                     structured_outputs=None) -> SamplingParams:
     """SamplingParams of choice ``index`` of ``req``; choice ``i > 0`` of a seeded request uses
     ``seed + i`` so the ``n`` choices differ when sampling (vLLM draws them from one generator).
-    ``structured_outputs``: the request's ``StructuredOutputsParams`` (or None).
+    ``structured_outputs``: the request's ``StructuredOutputsParams`` (or None). The output
+    kind follows ``req.stream`` and ``req.n`` (``output_kind``).
 
     Raises:
         APIError(400): a value out of range (the message names it).
@@ -55,6 +74,7 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None, index: in
             stop=req.stop if isinstance(req.stop, list) else [req.stop] if req.stop else [],
             stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs,
             structured_outputs=structured_outputs,
+            output_kind=output_kind(bool(req.stream), req.n, index),
         )
     except (ValueError, TypeError) as e:
         raise APIError(400, f"invalid sampling parameters: {e}", None, "invalid_value") from e

@@ -9,9 +9,9 @@ import time
 from collections.abc import AsyncIterator
 
 from atlas_vlm.entrypoints.openai.protocol import APIError, CompletionRequest
-from atlas_vlm.entrypoints.openai.serving_common import (ServerContext, close_all, completion_logprobs, engine_error,
-                                                         error_event, error_field, merge, new_id, sampling_params, sse,
-                                                         start_choices, until_error, usage)
+from atlas_vlm.entrypoints.openai.serving_common import (ServerContext, close_all, collect, completion_logprobs,
+                                                         engine_error, error_event, error_field, merge, new_id,
+                                                         sampling_params, sse, start_choices, until_error, usage)
 from atlas_vlm.entrypoints.openai.structured import structured_outputs_from_request
 
 
@@ -86,17 +86,14 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest):
     return await _full(ctx, iters, firsts, req.n, base, cached)
 
 
-def _usage(finals, n, cached) -> dict:
-    prompt_tokens = sum(len(finals[i].prompt_token_ids) for i in range(0, len(finals), n))
-    return usage(prompt_tokens, sum(len(o.token_ids) for o in finals), cached)
+def _usage(prompt_tokens: list[int], completion_tokens: list[int], n: int, cached) -> dict:
+    """Usage over every choice; each prompt's tokens counted once (``n`` choices per prompt)."""
+    return usage(sum(prompt_tokens[i] for i in range(0, len(prompt_tokens), n)), sum(completion_tokens), cached)
 
 
 async def _full(ctx, iters, firsts, n, base, cached) -> dict:
-    finals = [None] * len(iters)
     try:
-        async for i, out in merge(iters):
-            if out.finished:
-                finals[i] = out
+        finals = await collect(iters)
     finally:
         await close_all(iters + firsts)
     choices = []
@@ -106,35 +103,35 @@ async def _full(ctx, iters, firsts, n, base, cached) -> dict:
             lp = completion_logprobs(ctx.engine.tokenizer, out.token_ids, out.logprobs, out.top_logprobs, 0)
         choices.append({"index": i, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason,
                         **error_field(out)})
-    return {**base, "choices": choices, "usage": _usage(finals, n, cached())}
+    return {**base, "choices": choices, "usage": _usage([len(o.prompt_token_ids) for o in finals],
+                                                        [len(o.token_ids) for o in finals], n, cached())}
 
 
 async def _stream(ctx, iters, firsts, n, base, cached, include_usage) -> AsyncIterator[str]:
-    sent_chars, sent_tokens = [0] * len(iters), [0] * len(iters)
-    last = [None] * len(iters)
+    """SSE chunks from each choice's DELTA outputs (new text, ids and logprobs per step);
+    a step that shows nothing new (text held back for a stop string) sends no chunk."""
+    offsets = [0] * len(iters)  # text_offset of each choice's next token (as the whole answer counts them)
+    prompt_tokens, completion_tokens = [0] * len(iters), [0] * len(iters)
     try:
         async for i, out in until_error(merge(iters)):
             if isinstance(out, BaseException):  # the engine failed midway: say so, then end the stream
                 yield error_event(out)
                 yield sse("[DONE]")
                 return
-            last[i] = out
-            text = out.text[sent_chars[i]:] if len(out.text) > sent_chars[i] else ""
-            new_ids = out.token_ids[sent_tokens[i]:]
+            prompt_tokens[i] += len(out.prompt_token_ids)  # only a request's first DELTA carries them
+            completion_tokens[i] += len(out.token_ids)
+            text, new_ids = out.text, out.token_ids
             if not text and not out.finished and not (new_ids and out.logprobs is not None):
                 continue
             lp = None
             if out.logprobs is not None and new_ids:
-                s = sent_tokens[i]
-                lp = completion_logprobs(ctx.engine.tokenizer, new_ids, out.logprobs[s:], out.top_logprobs[s:],
-                                         sent_chars[i])
-            sent_chars[i] += len(text)
-            sent_tokens[i] = len(out.token_ids)
+                lp = completion_logprobs(ctx.engine.tokenizer, new_ids, out.logprobs, out.top_logprobs, offsets[i])
+                offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
             choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason,
                       **error_field(out)}
             yield sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
         if include_usage:
-            yield sse({**base, "choices": [], "usage": _usage(last, n, cached())})
+            yield sse({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens, n, cached())})
         yield sse("[DONE]")
     finally:
         await close_all(iters + firsts)
