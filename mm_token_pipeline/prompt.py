@@ -160,7 +160,11 @@ def _expand(ids: list[int], processed: list, tokenizer, *, video_timestamps: boo
         raise ValueError(f"processed items must follow the prompt's media order {pads}, got {given}")
     out: list[int] = []
     items = iter(processed)
-    for t in ids:
+    skip_end = False
+    for i, t in enumerate(ids):
+        if skip_end:  # the wrapper's <|vision_end|>, replaced with its video
+            skip_end = False
+            continue
         if t != image_id and t != video_id:
             out.append(t)
             continue
@@ -171,6 +175,9 @@ def _expand(ids: list[int], processed: list, tokenizer, *, video_timestamps: boo
             grid_t = int(item.grid_thw[0])
             if len(item.timestamps) != grid_t:
                 raise ValueError(f"video {item.source}: {len(item.timestamps)} timestamps for grid_t {grid_t}")
+            if out and out[-1] == start_id and i + 1 < len(ids) and ids[i + 1] == end_id:
+                out.pop()  # the whole <|vision_start|><|video_pad|><|vision_end|> is replaced
+                skip_end = True
             for seconds in item.timestamps:  # HF Qwen3VLProcessor.replace_video_token, per temporal group
                 out.extend(tokenizer(f"<{seconds:.1f} seconds>", add_special_tokens=False)["input_ids"])
                 out.extend([start_id] + [video_id] * (int(item.num_tokens) // grid_t) + [end_id])
@@ -193,12 +200,13 @@ def build_prompt_ids(tokenizer, messages: list[dict], processed: list[ProcessedI
     text (case C08). Pieces are tokenized separately: BPE never merges across a text boundary.
     ``video_url`` items are rendered as ``video`` items (the templates test the ``video`` key).
 
-    Expansion (transformers 5.24 replaces only the pad token, keeping the template's own
-    ``<|vision_start|>`` / ``<|vision_end|>`` around it, ``ProcessorMixin.get_text_with_replacements``):
-    an image or a Qwen2/2.5-VL video becomes ``num_tokens`` pads; with ``video_timestamps``
-    (Qwen3-VL) a video becomes, per temporal group ``i``, the text ``f"<{timestamps[i]:.1f} seconds>"``
-    then ``<|vision_start|>``, ``num_tokens // grid_t`` pads, ``<|vision_end|>``
-    (``Qwen3VLProcessor.replace_video_token``), all inside the template's wrapper.
+    Expansion: an image or a Qwen2/2.5-VL video becomes ``num_tokens`` pads inside the
+    template's ``<|vision_start|>`` / ``<|vision_end|>``; with ``video_timestamps`` (Qwen3-VL) a
+    video becomes, per temporal group ``i``, the text ``f"<{timestamps[i]:.1f} seconds>"`` then
+    ``<|vision_start|>``, ``num_tokens // grid_t`` pads, ``<|vision_end|>``, replacing the
+    template's whole ``<|vision_start|><|video_pad|><|vision_end|>`` (or a bare pad token), as
+    Qwen's own processor and transformers >= 5.25's ``Qwen3VLProcessor`` do (5.24 kept the
+    template's wrapper around the groups).
 
     Args:
         tokenizer: a HF Qwen2 tokenizer (e.g. ``AutoTokenizer.from_pretrained(qwen_tokenizer_dir())``).

@@ -36,8 +36,8 @@ QWEN3_VL_IMAGE_STD = (0.5, 0.5, 0.5)
 #: Qwen3-VL-Instruct chat template, reduced to what the engine uses (no tools): unlike
 #: Qwen2.5-VL there is NO default system prompt; one ``<|vision_start|><|image_pad|><|vision_end|>``
 #: per image item and, as the released template, one ``<|vision_start|><|video_pad|><|vision_end|>``
-#: per video item (``build_prompt_ids(..., video_timestamps=True)`` expands the pad to the
-#: per-group timestamps and runs inside that wrapper, as transformers 5.24 does).
+#: per video item (``build_prompt_ids(..., video_timestamps=True)`` replaces that whole wrapper
+#: with the per-group timestamps and runs, as Qwen's processor and transformers >= 5.25 do).
 QWEN3_VL_CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"

@@ -28,11 +28,11 @@ index / fps`` seconds) and one global-view image block ``<fake_token_around_imag
 ``_preprocess``). We pass HF the sampled frames with their metadata and
 ``do_sample_frames=False``, so HF writes the text and pixels from the same frames.
 
-HF quirk kept. In one call, HF pads every video to the longest one's frame count and
-writes that padded count ``T`` in every header (``pixel_values.shape[1]``), while the
-timestamps and image blocks follow each video's real frames. We reproduce HF's ids
-exactly (parity with HF ``generate``); a shorter video's header then overstates its frames.
-The padded (all-zero) frames get no tower item, as HF's model drops them.
+Several videos in one call: HF pads every video's pixels to the longest one's frame count;
+the text (headers, timestamps, image blocks) follows each video's real frames (transformers
+>= 5.25; 5.24 wrote the padded count in every header). The ids are HF's own either way
+(parity with HF ``generate``). The padded (all-zero) frames get no tower item, as HF's model
+drops them.
 
 Tower items. Each frame is one :class:`SmolVLMVideoFrame` (``modality = "video"``): one
 ``image_seq_len`` run of ``<image>`` tokens, the same token as image tiles, filled in prompt

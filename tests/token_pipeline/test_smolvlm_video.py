@@ -178,7 +178,7 @@ def test_video_and_image_in_one_prompt(proc, hf):
     assert [t.content_hash for t in alone] == [t.content_hash for t in tiles]
 
 
-def test_two_videos_ids_pixels_and_hf_padding_quirk(proc, hf):
+def test_two_videos_ids_pixels_and_hf_padding(proc, hf):
     content = [{"type": "video", "path": str(CLIP30)}, {"type": "text", "text": "and"},
                {"type": "video", "path": str(CLIP2)}]
     ref = hf(content)
@@ -193,9 +193,11 @@ def test_two_videos_ids_pixels_and_hf_padding_quirk(proc, hf):
         k = [i.frame_index for i in items if i.video_index == item.video_index].index(item.frame_index)
         assert torch.equal(item.pixel_values, ref["pixel_values"][item.video_index, k])
     assert not ref["pixel_values"][0, 3].any()  # the padding frame: no item, HF's model drops it
-    # HF writes the padded count in each header (pixel_values.shape[1]); we keep its ids
+    # each header names its own video's frames (3 and 4), the padding is pixels only
     text = proc.tokenizer.decode(ids)
-    assert text.count("series of four frames") == 2 and text.count("Frame from") == 7
+    assert text.count("series of three frames") == 1 and text.count("series of four frames") == 1
+    assert text.index("series of three frames") < text.index("series of four frames")
+    assert text.count("Frame from") == 7
 
 
 def test_items_fill_hf_image_features_in_order(proc, hf):

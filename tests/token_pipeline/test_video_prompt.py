@@ -101,10 +101,11 @@ def test_ids_equal_hf_processor(tokenizer, name, qwen3):
     if not qwen3:
         ref = out["second_per_grid_ts"]  # float32, as HF's model receives it
         assert torch.equal(ref, torch.tensor([p.second_per_grid_t for p in ours if p.modality == "video"]))
-    else:  # per temporal group: '<t seconds>' then a wrapped run; inside the template's own wrapper
+    else:  # per temporal group: '<t seconds>' then a wrapped run, in place of the template's wrapper
         video = next(p for p in ours if p.modality == "video")
         text = tokenizer.decode(ids)
-        assert f"<|vision_start|><{video.timestamps[0]:.1f} seconds><|vision_start|><|video_pad|>" in text
+        assert f"<{video.timestamps[0]:.1f} seconds><|vision_start|><|video_pad|>" in text
+        assert text.count("<|vision_start|>") == sum(p.grid_thw[0] if p.modality == "video" else 1 for p in ours)
         assert text.count("seconds>") == sum(p.grid_thw[0] for p in ours if p.modality == "video")
 
 
