@@ -50,7 +50,7 @@ if [ "${1:-}" = "--bench" ]; then
     cmake --build "$tmp/build" --target llama-quantize -j "$(nproc)" > "$tmp/build.log"
     rm -rf $tools && mkdir -p $tools/bin
     cp "$tmp/build/bin/llama-quantize" $tools/bin/
-    cp -r "$src/convert_hf_to_gguf.py" "$src/gguf-py" $tools/
+    cp -r "$src/convert_hf_to_gguf.py" "$src/conversion" "$src/gguf-py" $tools/
     echo "$args" > $tools/flags
     rm -rf "$tmp"
   fi
