@@ -54,4 +54,5 @@ if [ "${1:-}" = "--bench" ]; then
     echo "$args" > $tools/flags
     rm -rf "$tmp"
   fi
+  .venv/bin/python -m pip install -q sentencepiece  # the converter imports it for Qwen2 vocabularies
 fi
