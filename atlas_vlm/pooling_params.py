@@ -8,6 +8,14 @@ from dataclasses import dataclass
 POOLING_TYPES = ("last", "mean")
 
 
+class PoolingParamsError(ValueError):
+    """A pooling parameter the model cannot honour; ``param`` names it (the server's error field)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class PoolingParams:
     """How a prompt's final hidden states (after the decoder's final norm) become one vector.
@@ -42,6 +50,7 @@ class PoolingParams:
             raise ValueError(f"dimensions must be a positive integer, got {d!r}")
 
     def check_for_model(self, hidden_size: int) -> None:
-        """Raises ValueError: ``dimensions`` over the model's ``hidden_size``."""
+        """Raises PoolingParamsError (a ValueError): ``dimensions`` over the model's ``hidden_size``."""
         if self.dimensions is not None and self.dimensions > hidden_size:
-            raise ValueError(f"dimensions ({self.dimensions}) is over this model's hidden size ({hidden_size})")
+            raise PoolingParamsError(f"dimensions ({self.dimensions}) is over this model's hidden size ({hidden_size})",
+                                     "dimensions")
