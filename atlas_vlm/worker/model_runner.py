@@ -193,7 +193,8 @@ class ModelRunner:
         ``embedding`` is set instead, ``worker.pooler``), and those chunks' indices."""
         step = StepInputs(self, chunks)
         pooling = any(req.pooling_params is not None for req, _ in chunks)
-        for executor in self.executors[-1:] if pooling else self.executors:  # pooling: eager (hidden states)
+        executors = [e for e in self.executors if e.name == "eager"] if pooling else self.executors
+        for executor in executors:  # a pooling request needs the hidden states: only the eager one keeps them
             logits = executor.run(step)
             if logits is not None:
                 break

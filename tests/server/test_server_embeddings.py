@@ -91,6 +91,8 @@ def test_conversations_with_images_equal_library(vlm_server, vlm_llm):
     ({"input": "hi", "dimensions": 0}, "dimensions", "greater than or equal to 1"),
     ({"input": []}, "input", "must not be empty"),
     ({"input": ["ok", ""]}, "input.1", "empty"),
+    ({"input": [[]]}, "input", "empty"),
+    ({"input": "word " * 1100}, "input", "max_model_len"),
     ({"input": "hi", "encoding_format": "int8"}, "encoding_format", "float"),
     ({"input": "hi", "messages": [{"role": "user", "content": "x"}]}, None, "exactly one of input and messages"),
     ({"input": "hi", "pooling": "cls"}, "pooling", "not supported"),

@@ -116,7 +116,12 @@ async def create_embedding(ctx: ServerContext, req: EmbeddingRequest) -> dict:
                        f"{ctx.max_prompts_per_request} (--max-prompts-per-request)", "input", "too_many_prompts")
     params = PoolingParams(normalize=req.normalize, dimensions=req.dimensions)
     field = "messages" if req.messages is not None else "input"
-    prompts = await _validated(ctx, prompts, params, field)  # one bad input: 400, none of them started
+    try:
+        prompts = await _validated(ctx, prompts, params, field)  # one bad input: 400, none of them started
+    except APIError as e:
+        if e.param is None and e.status == 400:  # one input (or a request-wide limit): name the field
+            e.param = field
+        raise
     rid = new_id("embd")
     started = await asyncio.gather(*(start_choices(ctx, prompt, [params], f"{rid}-{i}")
                                      for i, prompt in enumerate(prompts)), return_exceptions=True)
