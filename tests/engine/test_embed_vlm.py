@@ -1,6 +1,7 @@
-"""Embedding requests with images on a tiny random Qwen2.5-VL: ``LLM.embed`` of a chat prompt
-with an image equals the HF model's final hidden states (after the final norm) for the same
-processed input ("last" and "mean"), and different images give different vectors."""
+"""Embedding requests with images on tiny random Qwen2.5-VL and Qwen3-VL (the stack of
+Qwen3-VL-Embedding, DeepStack included): ``LLM.embed`` of a chat prompt with an image equals
+the HF model's final hidden states (after the final norm) for the same processed input
+("last" and "mean"), and different images give different vectors."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from helpers import CPU_FP32, IMAGES, SMALL, conv, drop_unused, hf_inputs
+from tiny_vlms import QWEN3_VL_PIX, build_tiny_qwen3_vl
 from atlas_vlm import LLM, PoolingParams, SamplingParams
 
 pytestmark = pytest.mark.vlm
@@ -60,3 +62,17 @@ def test_image_embedding_chunked_and_mixed_with_generation(vl, llm):
                              use_tqdm=False)
     assert mixed[0].token_ids == alone[0].token_ids
     torch.testing.assert_close(torch.tensor(mixed[1].embedding), torch.tensor(whole.embedding), atol=1e-5, rtol=0)
+
+
+def test_qwen3_vl_image_embedding_equals_hf(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_qwen3_vl_embed")
+    hf = build_tiny_qwen3_vl(folder).eval()
+    q3 = LLM(str(folder), max_model_len=1024, num_kvcache_blocks=128, kvcache_block_size=16, **CPU_FP32)
+    prompts = [{"messages": conv(IMAGES / img, text="A picture."), "mm_options": {"max_pixels": 64 * QWEN3_VL_PIX}}
+               for img in ("chelsea.png", "grace_hopper.jpg")]
+    outs = q3.embed(prompts, use_tqdm=False)  # last token, normalised (Qwen3-VL-Embedding's defaults)
+    for prompt, out in zip(prompts, outs):
+        want = torch.nn.functional.normalize(hf_hidden(hf, q3, prompt)[-1], dim=0)
+        torch.testing.assert_close(torch.tensor(out.embedding), want, atol=1e-5, rtol=0)
+    assert torch.tensor(outs[0].embedding).sub(torch.tensor(outs[1].embedding)).abs().max() > 1e-3
+
