@@ -128,3 +128,32 @@ def test_bad_pooling_params_named(llm):
         llm.embed("hi", SamplingParams(), use_tqdm=False)
     outs = llm.embed(["fine", ""], use_tqdm=False)  # one bad prompt in a list fails alone
     assert outs[0].embedding is not None and outs[1].finish_reason == "error" and "empty" in outs[1].error
+
+
+def test_preempted_mean_request_recomputes_the_same_vector(tiny, llm):
+    """Generation that outgrows a 10-block cache preempts the embedding request midway
+    through its chunked prefill; it restarts from token 0 and its mean forgets the first pass."""
+    small = make_llm(tiny[0], num_kvcache_blocks=10, max_num_batched_tokens=8)
+    eng = small.engine
+    starts = []  # (request id, first token) of every chunk
+    eng.runner.observers.append(lambda chunks, *_: starts.extend((r.request_id, r.num_computed_tokens)
+                                                                 for r, _ in chunks))
+    gen = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    params = PoolingParams(pooling="mean", **RAW)
+    long_text = TEXTS[2] + " " + TEXTS[0] * 2
+    ids = [eng.add_request(p, gen) for p in ("Hello there", "One two three")]
+    for _ in range(20):
+        eng.step()
+    emb_id = eng.add_request(long_text, params)
+    finals = {}
+    for _ in range(1000):  # bounded: every request ends well before
+        for out in eng.step():
+            if out.finished:
+                finals[out.request_id] = out
+        if not eng.has_unfinished_requests():
+            break
+    assert [s for s in starts if s == (emb_id, 0)] == [(emb_id, 0)] * 2  # started twice from token 0
+    alone_gen = llm.generate(["Hello there", "One two three"], gen, use_tqdm=False)
+    (alone_emb,) = llm.embed(long_text, params, use_tqdm=False)
+    assert [finals[i].token_ids for i in ids] == [o.token_ids for o in alone_gen]
+    torch.testing.assert_close(vec(finals[emb_id]), vec(alone_emb), atol=1e-5, rtol=0)
