@@ -254,7 +254,7 @@ class InputProcessor:
         Raises (nothing is allocated):
             RequestTooLongError: prompt (+ ``max_tokens``) over ``max_model_len`` or the KV capacity.
             ValueError: empty prompt, or any malformed input (see :meth:`process_prompt`).
-            TypeError: not a prompt form, or ``params`` not a ``SamplingParams``.
+            TypeError: not a prompt form, or ``params`` not a ``SamplingParams`` or ``PoolingParams``.
         """
         params = SamplingParams() if params is None else params
         pooling = None

@@ -192,7 +192,7 @@ class ModelRunner:
         chunks that reach their request's end (pooling requests' excluded: their
         ``embedding`` is set instead, ``worker.pooler``), and those chunks' indices."""
         step = StepInputs(self, chunks)
-        pooling = any(req.pooling_params is not None for req, _ in chunks)
+        pooling = any(getattr(req, "pooling_params", None) is not None for req, _ in chunks)
         executors = [e for e in self.executors if e.name == "eager"] if pooling else self.executors
         for executor in executors:  # a pooling request needs the hidden states: only the eager one keeps them
             logits = executor.run(step)
