@@ -34,6 +34,8 @@ class RequestOutput:
     # and what follows it (the answer); ``text`` stays the whole generated text
     reasoning_content: str | None = None
     content: str | None = None
+    # a pooling request (LLM.embed, PoolingParams): the pooled vector (floats), set on its final output
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:

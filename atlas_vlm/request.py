@@ -1,6 +1,6 @@
 """``Request``: a request as the engine tracks it (the KV-side ``RequestState`` plus sampling,
 media items of any modality, whose placeholder ranges are ``mm_positions``, sampled tokens
-and how it finished). Text and stream deltas live in the ``OutputProcessor``'s per-request
+and how it finished; or, for an embedding request, ``pooling_params`` and its ``embedding``). Text and stream deltas live in the ``OutputProcessor``'s per-request
 state."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from atlas_vlm.pooling_params import PoolingParams
 from atlas_vlm.sampling_params import SamplingParams
 from mm_kv_cache_management import RequestState
 
@@ -26,6 +27,17 @@ class Request(RequestState):
     error: str | None = None  # why it failed (finish_reason == "error")
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    pooling_params: PoolingParams | None = None  # set: an embedding request (prompt only, no sampling)
+    pooled_sum: torch.Tensor | None = None  # "mean" pooling: fp32 [hidden] sum of the rows computed so far
+    embedding: list[float] | None = None  # the pooled vector once the prompt is computed (worker.pooler)
+
+    def block_hashes(self, block_size: int, num_tokens: int | None = None) -> list[bytes]:
+        """As ``RequestState.block_hashes``, but none for a "mean" pooling request: it needs
+        every prompt token's hidden state, so it never starts past a prefix-cache hit (nor
+        offers its blocks); vLLM likewise turns prefix caching off for mean pooling."""
+        if self.pooling_params is not None and self.pooling_params.pooling == "mean":
+            return []
+        return super().block_hashes(block_size, num_tokens)
 
     @property
     def output_token_ids(self) -> list[int]:

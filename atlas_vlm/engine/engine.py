@@ -20,6 +20,7 @@ from atlas_vlm.engine.output_processor import OutputProcessor
 from atlas_vlm.loader import eos_token_ids, load_model
 from atlas_vlm.worker.model_runner import ModelRunner
 from atlas_vlm.outputs import RequestOutput
+from atlas_vlm.pooling_params import PoolingParams
 from atlas_vlm.request import Request
 from atlas_vlm.sampling_params import SamplingParams, check_for_model
 from atlas_vlm.engine.scheduler import Scheduler
@@ -117,6 +118,8 @@ class LLMEngine:
             sampling_params = copy.deepcopy(sampling_params)  # the caller may change theirs later (vLLM clones too)
         req = self.input_processor.process(prompt, sampling_params, request_id)
         check_for_model(req.sampling_params, self.vocab_size)
+        if req.pooling_params is not None:
+            req.pooling_params.check_for_model(self.runner.model.arch.hidden_size)
         return req
 
     def validate_prompt(self, prompt, sampling_params: SamplingParams | None = None):
@@ -125,7 +128,9 @@ class LLMEngine:
         / ``process_request`` take as a prompt without processing it again. Thread-safe as
         ``process_request``. Raises: as ``add_request`` (nothing is queued or allocated)."""
         p = self.input_processor.validate(prompt, sampling_params)
-        if sampling_params is not None:
+        if isinstance(sampling_params, PoolingParams):
+            sampling_params.check_for_model(self.runner.model.arch.hidden_size)
+        elif sampling_params is not None:
             check_for_model(sampling_params, self.vocab_size)
         return p
 
@@ -134,6 +139,9 @@ class LLMEngine:
                     request_id: str | None = None) -> str:
         """Validate and queue one request; returns its id. ``prompt`` may be a ``Request``
         from ``process_request`` (then ``sampling_params`` and ``request_id`` are its own).
+        ``sampling_params`` may be a ``PoolingParams`` (vLLM's ``params``): an embedding
+        request, whose prompt runs in the same steps as generation and whose one final
+        output carries ``embedding``.
 
         Raises (nothing is queued or allocated):
             RequestTooLongError: prompt (+ ``max_tokens``) over ``max_model_len`` or the KV capacity.

@@ -20,7 +20,8 @@ import torch
 from atlas_vlm.engine.chat_input import ChatInput
 from atlas_vlm.engine.token_ids import as_token_ids, is_token_id_sequence
 from atlas_vlm.request import Request
-from atlas_vlm.sampling_params import SamplingParams
+from atlas_vlm.pooling_params import PoolingParams
+from atlas_vlm.sampling_params import RequestOutputKind, SamplingParams
 from mm_kv_cache_management import PlaceholderRange
 
 
@@ -247,13 +248,18 @@ class InputProcessor:
 
         ``max_tokens=None`` resolves to what is left of ``max_model_len``; a request with
         ``seed=None`` is seeded with ``config.seed + arrival index`` (reproducible runs).
+        ``params`` may be a ``PoolingParams``: an embedding request (its prompt only; the
+        prompt must leave room for one token below ``max_model_len``, as any prompt).
 
         Raises (nothing is allocated):
             RequestTooLongError: prompt (+ ``max_tokens``) over ``max_model_len`` or the KV capacity.
             ValueError: empty prompt, or any malformed input (see :meth:`process_prompt`).
-            TypeError: not a prompt form, or ``params`` not a ``SamplingParams``.
+            TypeError: not a prompt form, or ``params`` not a ``SamplingParams`` or ``PoolingParams``.
         """
         params = SamplingParams() if params is None else params
+        pooling = None
+        if isinstance(params, PoolingParams):  # prompt only: one output at the end, no sampling
+            pooling, params = params, SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
         p, max_tokens = self._checked(prompt, params)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(params.seed if params.seed is not None else self.config.seed + next(self._seeds))
@@ -261,7 +267,7 @@ class InputProcessor:
             request_id=request_id if request_id is not None else str(next(self._ids)),
             token_ids=list(p.prompt_token_ids), mm_positions=p.mm_positions, rope_delta=p.rope_delta,
             sampling_params=params, prompt=p.prompt, max_tokens=max_tokens, mm_items=p.mm_items,
-            mrope_positions=p.mrope_positions, generator=generator,
+            mrope_positions=p.mrope_positions, generator=generator, pooling_params=pooling,
         )
 
     def validate(self, prompt, params: SamplingParams | None = None) -> ProcessedPrompt:
@@ -270,8 +276,10 @@ class InputProcessor:
         return self._checked(prompt, SamplingParams() if params is None else params)[0]
 
     def _checked(self, prompt, params: SamplingParams) -> tuple[ProcessedPrompt, int]:
+        if isinstance(params, PoolingParams):
+            params = SamplingParams(max_tokens=1)
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"sampling_params must be a SamplingParams or PoolingParams, got {type(params).__name__}")
         p = self.process_prompt(prompt)
         try:
             return p, self._check_length(len(p.prompt_token_ids), params.max_tokens)

@@ -154,4 +154,5 @@ class OutputProcessor:
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=prompt_ids,
             text=out_text, token_ids=out_ids, finish_reason=req.finish_reason, logprobs=lps, top_logprobs=tops,
             error=getattr(req, "error", None), new_token_ids=new_ids, new_text=new_text,
+            embedding=getattr(req, "embedding", None),
         )

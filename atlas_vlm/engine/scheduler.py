@@ -243,8 +243,10 @@ class Scheduler:
 
         Returns:
             ``(request, new token ids)`` for every request that sampled a token or finished
-            in this step, in row order. A finished request is out of the queues, its blocks
-            freed and ``finish_reason`` set ("error" with ``error`` when its row failed).
+            in this step, in row order, then every pooling request whose prompt is now
+            computed (its ``embedding`` set by the runner; finished with "stop", no token).
+            A finished request is out of the queues, its blocks freed and ``finish_reason``
+            set ("error" with ``error`` when its row failed).
         """
         for req, n in scheduler_output.chunks:
             self.block_manager.commit_computed(req, n)
@@ -274,4 +276,8 @@ class Scheduler:
             if reason is not None:
                 self.finish(req, reason)
             updates.append((req, [token]))
+        for req, _ in scheduler_output.chunks:  # pooling requests end with their prompt (no decode)
+            if req.pooling_params is not None and req.num_computed_tokens == req.num_tokens:
+                self.finish(req, "stop")
+                updates.append((req, []))
         return updates

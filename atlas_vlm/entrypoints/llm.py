@@ -20,6 +20,7 @@ from atlas_vlm.engine import LLMEngine
 from atlas_vlm.engine.token_ids import is_token_id_sequence
 from atlas_vlm.entrypoints.router import OutputRouter
 from atlas_vlm.outputs import RequestOutput
+from atlas_vlm.pooling_params import PoolingParams
 from atlas_vlm.sampling_params import RequestOutputKind, SamplingParams
 from mm_token_pipeline import MultiModalOptions
 
@@ -165,6 +166,37 @@ class LLM:
             bar.close()
             self._abort(pending)  # the caller stopped a stream early
             self.router.unregister(ids)
+
+    def embed(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
+              use_tqdm: bool = True) -> list[RequestOutput]:
+        """Embed one prompt or a list of prompts (vLLM's ``LLM.embed``), batched together
+        and with any generation running on the same engine.
+
+        Args:
+            prompts: the prompt forms of :meth:`generate`: a str, token ids,
+                ``{"prompt": str}``, ``{"prompt_token_ids": [int]}`` or a chat prompt
+                ``{"messages": [...], "add_generation_prompt", "mm_options", ...}`` (images on a
+                VLM); the text goes in as given (no chat template unless ``messages``).
+            pooling_params: a ``PoolingParams`` for all, one per prompt, or None (last-token
+                pooling, L2-normalised, every dimension).
+
+        Returns:
+            one ``RequestOutput`` per prompt, in order, whose ``embedding`` is the vector (a
+            list of ``dimensions`` floats, or the hidden size) and ``prompt_token_ids`` the
+            ids it saw; with a list, a rejected prompt gets ``finish_reason="error"`` and
+            ``error`` (``embedding`` None) while the others run; a single prompt's error is raised.
+
+        Raises:
+            TypeError: ``pooling_params`` not a ``PoolingParams`` (or a list of them).
+            ValueError: as :meth:`generate`; ``dimensions`` over the model's hidden size.
+        """
+        params = pooling_params if isinstance(pooling_params, list) else [pooling_params]
+        for p in params:
+            if p is not None and not isinstance(p, PoolingParams):
+                raise TypeError(f"pooling_params must be a PoolingParams, got {type(p).__name__}")
+        if isinstance(pooling_params, list):
+            pooling_params = [p or PoolingParams() for p in pooling_params]
+        return self.generate(prompts, pooling_params or PoolingParams(), use_tqdm=use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, *,
              add_generation_prompt: bool = True, continue_final_message: bool = False,

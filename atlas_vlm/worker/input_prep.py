@@ -58,7 +58,8 @@ def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = Fal
         chunks: ``(request, num_new_tokens)`` pairs; the request computes tokens
             ``num_computed_tokens .. num_computed_tokens + num_new_tokens - 1``, whose slots
             its block table already reserves. A chunk that reaches ``request.num_tokens``
-            produces logits (its last token is sampled).
+            produces logits (its last token is sampled), unless its request is a pooling
+            request (``pooling_params`` set: it samples nothing).
         mrope: the model uses M-RoPE (positions ``[3, num_tokens]``).
         attention_backend: ``EngineConfig.attention_backend`` (the layout the metadata carries).
     """
@@ -76,7 +77,7 @@ def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = Fal
         tables.append(req.block_table.block_ids)
         q_lens.append(n)
         c_lens.append(end)
-        if end == req.num_tokens:
+        if end == req.num_tokens and getattr(req, "pooling_params", None) is None:  # pooling: no logits
             logits_index.append(base + n - 1)
             sampled.append(i)
         if req.mm_embeds is not None:

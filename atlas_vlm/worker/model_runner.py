@@ -19,6 +19,7 @@ from atlas_vlm.worker.input_prep import ModelInput
 from atlas_vlm.worker.step_executors import (CompiledDecodeExecutor, DecodeStepExecutor, EagerExecutor,
                                              StepInputs)
 from atlas_vlm.loader import LoadedModel
+from atlas_vlm.worker.pooler import pool_step
 from atlas_vlm.worker.sampler import SamplerOutput, sample
 from atlas_vlm.memory_plan import kv_cache_spec, num_kv_blocks
 from mm_kv_cache_management import ContiguousKVCache, PagedKVCache
@@ -186,15 +187,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, chunks) -> tuple[torch.Tensor, list[int]]:
-        """One batched forward through the first executor that serves it. Returns fp32 logits
-        ``[num_sampled, vocab]`` of the chunks that reach their request's end, and those
-        chunks' indices."""
+        """One batched forward through the first executor that serves it (the eager one when a
+        pooling request is in the step). Returns fp32 logits ``[num_sampled, vocab]`` of the
+        chunks that reach their request's end (pooling requests' excluded: their
+        ``embedding`` is set instead, ``worker.pooler``), and those chunks' indices."""
         step = StepInputs(self, chunks)
-        for executor in self.executors:
+        pooling = any(getattr(req, "pooling_params", None) is not None for req, _ in chunks)
+        executors = [e for e in self.executors if e.name == "eager"] if pooling else self.executors
+        for executor in executors:  # a pooling request needs the hidden states: only the eager one keeps them
             logits = executor.run(step)
             if logits is not None:
                 break
         self.executor_steps[executor.name] += 1
+        if pooling:
+            pool_step(chunks, step.hidden)
         inp = step.inp
         for observe in self.observers:
             observe(chunks, inp, logits, inp.sampled)

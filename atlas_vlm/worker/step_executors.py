@@ -7,7 +7,9 @@ runs it) instead of branching on each fast path:
   (``worker.compiled_decode``; CUDA graphs / ``torch.compile`` where resolved on);
 - ``DecodeStepExecutor``: decode-only steps of quantized models on CPU through every decoder
   layer in one C call (``kernels.decode_step``; the op-by-op bits);
-- ``EagerExecutor``: any step, layer by layer (the reference every other one is tested against).
+- ``EagerExecutor``: any step, layer by layer (the reference every other one is tested against);
+  the only one that keeps the step's final hidden states (``StepInputs.hidden``), so a step
+  with a pooling request (``PoolingParams``) runs through it.
 
 An executor's ``run(step)`` returns fp32 logits ``[num_sampled, vocab]`` or ``None`` (this step
 is not one it serves). ``StepInputs`` prepares the eager inputs once, only when an executor
@@ -32,6 +34,7 @@ class StepInputs:
     def __init__(self, runner, chunks):
         self.runner, self.chunks = runner, chunks
         self.inp: ModelInput | None = None
+        self.hidden: torch.Tensor | None = None  # final hidden states, set by the eager executor
 
     @cached_property
     def prepared(self) -> tuple[ModelInput, torch.Tensor, dict]:
@@ -93,4 +96,5 @@ class EagerExecutor:
     def run(self, step: StepInputs) -> torch.Tensor:
         inp, x, mm = step.prepared
         hidden = step.runner.model(x, inp.positions, step.runner.kv_cache, inp.meta, **mm)
+        step.hidden = hidden  # [num_tokens, hidden], for the pooling requests of the step
         return step.runner.model.compute_logits(hidden[inp.logits_index])  # [num_sampled, vocab]

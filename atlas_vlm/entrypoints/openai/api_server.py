@@ -37,6 +37,7 @@ from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionReques
 from atlas_vlm.entrypoints.openai.serving_chat import create_chat_completion
 from atlas_vlm.entrypoints.openai.serving_common import ServerContext, engine_error, until_disconnected
 from atlas_vlm.entrypoints.openai.serving_completion import create_completion
+from atlas_vlm.entrypoints.openai.serving_embedding import EmbeddingRequest, create_embedding
 
 logger = logging.getLogger(__name__)
 
@@ -239,6 +240,10 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
     @app.post("/v1/completions", responses=_responses(*errors, stream=True))
     async def completions(body: CompletionRequest, raw: Request):
         return _respond(await until_disconnected(create_completion(ctx, body), raw.receive))
+
+    @app.post("/v1/embeddings", responses=_responses(*errors))
+    async def embeddings(body: EmbeddingRequest, raw: Request):
+        return _respond(await until_disconnected(create_embedding(ctx, body), raw.receive))
 
     def openapi() -> dict:
         """FastAPI's schema, with the 422 it adds to every body route replaced by what the

@@ -97,7 +97,7 @@ def engine_error(e: Exception) -> APIError:
         return APIError(400, str(e), "messages", "invalid_image")
     if isinstance(e, VideoInputError):
         return APIError(400, str(e), "messages", "invalid_video")
-    return APIError(400, str(e), None, "invalid_value")
+    return APIError(400, str(e), getattr(e, "param", None), "invalid_value")  # param: e.g. PoolingParamsError
 
 
 async def start_choices(ctx: ServerContext, prompt, params: list[SamplingParams],

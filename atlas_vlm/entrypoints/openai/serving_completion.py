@@ -30,13 +30,13 @@ def split_prompts(prompt) -> list:
     return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
 
 
-async def _validated(ctx: ServerContext, prompts: list, params) -> list:
+async def _validated(ctx: ServerContext, prompts: list, params, field: str = "prompt") -> list:
     """Every prompt checked (``AsyncLLM.validate_prompts``) before any is admitted; the
     returned ``ProcessedPrompt``s are not tokenized again.
 
     Raises:
-        APIError: the first bad prompt's error (``engine_error``), naming its index when
-            the request has several prompts.
+        APIError: the first bad prompt's error (``engine_error``), naming its index (as
+            ``field.index``) when the request has several prompts.
     """
     validate = getattr(ctx.engine, "validate_prompts", None)
     if validate is None:  # RemoteEngine (--replicas): each replica checks its own; a failure closes the others
@@ -46,7 +46,8 @@ async def _validated(ctx: ServerContext, prompts: list, params) -> list:
     except (ValueError, TypeError, RuntimeError, OSError) as e:
         err = engine_error(e)
         if len(prompts) > 1 and getattr(e, "prompt_index", None) is not None:
-            err = APIError(err.status, f"prompt {e.prompt_index}: {err.message}", f"prompt.{e.prompt_index}", err.code)
+            err = APIError(err.status, f"{field} {e.prompt_index}: {err.message}", f"{field}.{e.prompt_index}",
+                           err.code)
         raise err from e
 
 
