@@ -84,10 +84,10 @@ def test_stream_event_order_and_text_equal_whole(text_server):
 
 def test_sdk_stream_helper_final_response(text_server):
     client = text_server.client()
-    with client.responses.stream(model="smollm2", input=ASK, max_output_tokens=8, temperature=0) as stream:
+    with client.responses.stream(model="smollm2", input=ASK, max_output_tokens=64, temperature=0) as stream:
         text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
-        final = stream.get_final_response()
-    assert final.output_text == text and text
+        final = stream.get_final_response()  # the SDK's helper needs response.completed: SmolLM2 ends in 64 tokens
+    assert final.status == "completed" and final.output_text == text and text
 
 
 def test_tool_call_round_trip(text_server):
