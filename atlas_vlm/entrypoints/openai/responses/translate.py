@@ -16,11 +16,14 @@ _PARAMS = {"response_format": "text.format", "max_tokens": "max_output_tokens",
 
 
 def responses_param(param: str | None) -> str | None:
-    """The Responses field behind a chat-request field named in an error (``messages.2`` ->
-    ``input.2``, ``response_format`` -> ``text.format``)."""
+    """The Responses field behind a chat-request field named in an error (``response_format``
+    -> ``text.format``; ``messages.2...`` -> ``input``: instructions, a previous response's
+    turns and merged function calls shift the chat indices, so none is claimed)."""
     if param is None:
         return None
     head, _, rest = param.partition(".")
+    if head == "messages":
+        return "input"
     return _PARAMS.get(head, head) + (f".{rest}" if rest else "")
 
 
