@@ -182,3 +182,27 @@ def test_unknown_model_is_a_404(text_server):
     with pytest.raises(openai.NotFoundError) as e:
         text_server.client().responses.create(model="nope", input=ASK)
     assert e.value.body["param"] == "model"
+
+
+def test_tool_result_after_previous_response_id_equals_stateless(text_server):
+    client = text_server.client()
+    question = "What is the weather in Rome?"
+    first = client.responses.create(model="smollm2", input=question, tools=FLAT_TOOLS, tool_choice="required",
+                                    max_output_tokens=80, temperature=0)
+    calls = [i for i in first.output if i.type == "function_call"]
+    assert calls
+    results = [{"type": "function_call_output", "call_id": c.call_id, "output": '{"temp_c": 18}'} for c in calls]
+    chained = client.responses.create(model="smollm2", previous_response_id=first.id, input=results,
+                                      max_output_tokens=10, temperature=0)
+    stateless = client.responses.create(model="smollm2", max_output_tokens=10, temperature=0, input=[
+        {"role": "user", "content": question}, *[c.model_dump(exclude_none=True) for c in calls], *results])
+    assert chained.output_text == stateless.output_text
+    assert chained.usage.input_tokens == stateless.usage.input_tokens
+
+
+def test_openapi_declares_the_responses_routes(text_server):
+    paths = httpx.get(f"{text_server.url}/openapi.json", timeout=30).json()["paths"]
+    assert set(paths["/v1/responses"]["post"]["responses"]["200"]["content"]) == {"application/json",
+                                                                                  "text/event-stream"}
+    assert "404" in paths["/v1/responses/{response_id}"]["get"]["responses"]
+    assert "404" in paths["/v1/responses/{response_id}"]["delete"]["responses"]
