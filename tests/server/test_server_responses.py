@@ -125,6 +125,16 @@ def test_streamed_tool_call_equals_whole(text_server):
     events = list(client.responses.create(stream=True, **ask))
     done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
     assert whole and [(i.name, i.arguments) for i in done] == whole
+    for item in done:  # per call: added, its argument fragments, arguments done, item done
+        mine = [e for e in events if getattr(e, "item_id", None) == item.id or getattr(
+            getattr(e, "item", None), "id", None) == item.id]
+        kinds = [e.type for e in mine]
+        fragments = kinds.count("response.function_call_arguments.delta")
+        assert fragments >= 1 and kinds == ["response.output_item.added",
+                                            *["response.function_call_arguments.delta"] * fragments,
+                                            "response.function_call_arguments.done", "response.output_item.done"]
+        assert "".join(e.delta for e in mine[1:-2]) == mine[-2].arguments == item.arguments
+        assert mine[0].item.status == "in_progress" and item.status == "completed"
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 

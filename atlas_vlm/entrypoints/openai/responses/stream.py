@@ -35,72 +35,80 @@ class _Events:
 
 
 class _Items:
-    """The output items so far; the open message (text streamed into it), the calls."""
+    """The output items so far and the one open now (a message taking text, or a function
+    call taking argument fragments); opening one closes the other, as OpenAI's stream does."""
 
     def __init__(self, ev: _Events):
-        self.ev, self.items, self.message, self.reasoning, self.calls = ev, [], None, "", {}
+        self.ev, self.items, self.open, self.reasoning = ev, [], None, ""
 
-    def _add_done(self, item: dict) -> list[str]:
-        """Events of an item complete at once (reasoning, a function call)."""
-        index = len(self.items)
+    def _add(self, item: dict, shown: dict) -> str:
         self.items.append(item)
-        added = {**item, "status": "in_progress"}
-        if item["type"] == "function_call":
-            added["arguments"] = ""
-        out = [self.ev("response.output_item.added", output_index=index, item=added)]
-        if item["type"] == "function_call":
-            ids = {"item_id": item["id"], "output_index": index}
-            out.append(self.ev("response.function_call_arguments.delta", **ids, delta=item["arguments"]))
-            out.append(self.ev("response.function_call_arguments.done", **ids, name=item["name"],
-                               arguments=item["arguments"]))
-        return out + [self.ev("response.output_item.done", output_index=index, item=item)]
+        return self.ev("response.output_item.added", output_index=len(self.items) - 1, item=shown)
+
+    def _ids(self) -> dict:
+        return {"item_id": self.open["id"], "output_index": self.items.index(self.open)}
 
     def _flush_reasoning(self) -> list[str]:
         text, self.reasoning = self.reasoning, ""
-        return self._add_done(reasoning_item(item_id("rs"), text)) if text else []
+        if not text:
+            return []
+        item = reasoning_item(item_id("rs"), text)
+        added = self._add(item, {**item, "status": "in_progress"})
+        return [added, self.ev("response.output_item.done", output_index=len(self.items) - 1, item=item)]
+
+    def _close_open(self) -> list[str]:
+        item, out = self.open, []
+        if item is None:
+            return out
+        if item["type"] == "message":
+            part = item["content"][0]
+            out.append(self.ev("response.output_text.done", **self._ids(), content_index=0, text=part["text"],
+                               logprobs=[]))
+            out.append(self.ev("response.content_part.done", **self._ids(), content_index=0, part=part))
+        else:
+            out.append(self.ev("response.function_call_arguments.done", **self._ids(), name=item["name"],
+                               arguments=item["arguments"]))
+        item["status"] = "completed"
+        out.append(self.ev("response.output_item.done", output_index=self.items.index(item), item=item))
+        self.open = None
+        return out
 
     def text(self, delta: str) -> list[str]:
-        """Events for new answer text (opening the message item first)."""
+        """Events for new answer text (closing an open call, opening a message first)."""
         out = []
-        if self.message is None:
+        if self.open is not None and self.open["type"] != "message":
+            out += self._close_open()
+        if self.open is None:
             out += self._flush_reasoning()
-            self.message = message_item(item_id("msg"), "")
-            self.items.append(self.message)
-            index = len(self.items) - 1
-            out.append(self.ev("response.output_item.added", output_index=index,
-                               item=message_item(self.message["id"], None, "in_progress")))
-            out.append(self.ev("response.content_part.added", item_id=self.message["id"], output_index=index,
-                               content_index=0, part=text_part("")))
-        self.message["content"][0]["text"] += delta
+            self.open = message_item(item_id("msg"), "")
+            out.append(self._add(self.open, message_item(self.open["id"], None, "in_progress")))
+            out.append(self.ev("response.content_part.added", **self._ids(), content_index=0, part=text_part("")))
+        self.open["content"][0]["text"] += delta
         if delta:
-            out.append(self.ev("response.output_text.delta", item_id=self.message["id"],
-                               output_index=self.items.index(self.message), content_index=0, delta=delta,
+            out.append(self.ev("response.output_text.delta", **self._ids(), content_index=0, delta=delta,
                                logprobs=[]))
         return out
 
-    def tool_call(self, tc: dict) -> None:
-        """Fold one chat tool-call delta (``{"index", "id"?, "function": {"name"?, "arguments"?}}``)."""
-        call = self.calls.setdefault(tc["index"], {"call_id": None, "name": None, "arguments": ""})
-        fn = tc.get("function") or {}
-        call["call_id"] = tc.get("id") or call["call_id"]
-        call["name"] = fn.get("name") or call["name"]
-        call["arguments"] += fn.get("arguments") or ""
+    def tool_call(self, tc: dict) -> list[str]:
+        """Events for one chat tool-call delta (``{"index", "id", "function": {"name"}}`` once
+        per call, then ``{"index", "function": {"arguments"}}`` fragments)."""
+        out, fn = [], tc.get("function") or {}
+        if tc.get("id"):  # a new call: close what is open, open its item
+            out += self._close_open() + self._flush_reasoning()
+            self.open = function_call_item(item_id("fc"), tc["id"], fn.get("name") or "", "", "in_progress")
+            out.append(self._add(self.open, dict(self.open)))
+        if self.open is not None and self.open["type"] == "function_call" and fn.get("arguments"):
+            self.open["arguments"] += fn["arguments"]
+            out.append(self.ev("response.function_call_arguments.delta", **self._ids(), delta=fn["arguments"]))
+        return out
 
     def close(self) -> list[str]:
-        """Events closing the message (an empty one when there is neither text nor a call) and
-        adding the calls."""
+        """Events closing the open item (after an empty message when there is neither text
+        nor a call)."""
         out = self._flush_reasoning()
-        if self.message is None and not self.calls:
+        if not any(i["type"] in ("message", "function_call") for i in self.items):
             out += self.text("")
-        if self.message is not None:
-            index, part = self.items.index(self.message), self.message["content"][0]
-            ids = {"item_id": self.message["id"], "output_index": index}
-            out.append(self.ev("response.output_text.done", **ids, content_index=0, text=part["text"], logprobs=[]))
-            out.append(self.ev("response.content_part.done", **ids, content_index=0, part=part))
-            out.append(self.ev("response.output_item.done", output_index=index, item=self.message))
-        for _, c in sorted(self.calls.items()):
-            out += self._add_done(function_call_item(item_id("fc"), c["call_id"], c["name"], c["arguments"]))
-        return out
+        return out + self._close_open()
 
 
 async def response_events(it: AsyncIterator, first, view, finisher) -> AsyncIterator[str]:
@@ -130,7 +138,8 @@ async def response_events(it: AsyncIterator, first, view, finisher) -> AsyncIter
                 for e in items.text(delta["content"]):
                     yield e
             for tc in delta.get("tool_calls", []):
-                items.tool_call(tc)
+                for e in items.tool_call(tc):
+                    yield e
         for e in items.close():
             yield e
         response = finisher.finish(final, items.items, first.num_cached_tokens)
