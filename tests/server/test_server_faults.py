@@ -1,7 +1,8 @@
 """One request never takes the server down (issue 16), on a tiny random Qwen2 served by
 ``tests/server/fault_server.py`` (``atlas-vlm serve`` with test-only faults keyed on the
 prompt): an unexpected step fault ends the stream in flight with an error event and
-``[DONE]``, answers the non-streamed ones 500 with OpenAI's JSON, gives every block back, and
+``[DONE]`` (a ``/v1/responses`` stream: ``error``, then ``response.failed``), answers the
+non-streamed ones 500 with OpenAI's JSON, gives every block back, and
 the next request is answered exactly; three faults in a row stop the process with exit
 code 1 (no zombie answering 503); SIGTERM during a long prefill step ends every stream with
 ``abort`` and ``[DONE]`` and exits 0; clients that hang up while queued are dropped before
@@ -89,6 +90,31 @@ def test_step_fault_fails_in_flight_requests_cleanly_and_the_server_serves_on(fa
     assert httpx.get(fault_server.url + "/health").status_code == 200
     after = httpx.post(url, json=body("The reference prompt"), timeout=LIMIT_S).json()["choices"][0]
     assert after["text"] == ref["text"] and after["finish_reason"] == ref["finish_reason"]
+
+
+def test_step_fault_ends_a_responses_stream_with_error_and_response_failed(fault_server):
+    """/v1/responses: the stream in flight gets an ``error`` event (``engine_step_failed``)
+    and then ``response.failed``; every block comes back. A ``SLOW-DECODE`` completion in the
+    same batch keeps every step slow, so the stream is still running when the fault comes."""
+    req = {"model": NAME, "input": "A long stream", "max_output_tokens": 400, "temperature": 0, "stream": True}
+    slow = body("SLOW-DECODE Hello", max_tokens=1000, ignore_eos=True, stream=True)
+    with httpx.stream("POST", fault_server.url + "/v1/completions", json=slow, timeout=LIMIT_S) as slow_resp, \
+            httpx.stream("POST", fault_server.url + "/v1/responses", json=req, timeout=LIMIT_S) as resp:
+        slow_lines = slow_resp.iter_lines()
+        next(x for x in slow_lines if x.startswith("data: "))
+        lines = resp.iter_lines()
+        first = [json.loads(next(x for x in lines if x.startswith("data: "))[6:])["type"] for _ in range(5)]
+        assert first[:2] == ["response.created", "response.in_progress"] and "response.output_text.delta" in first
+        r = httpx.post(fault_server.url + "/v1/completions", json=body("FAULT-STEP now"), timeout=LIMIT_S)
+        rest = [json.loads(x[6:]) for x in events(lines)]
+        assert events(slow_lines)[-1] == "data: [DONE]"
+    assert r.status_code == 500
+    assert [e["type"] for e in rest[-2:]] == ["error", "response.failed"]
+    assert rest[-2]["code"] == "engine_step_failed" and "injected step fault" in rest[-2]["message"]
+    assert rest[-1]["response"]["status"] == "failed"
+    assert [e["sequence_number"] for e in rest] == list(range(5, 5 + len(rest)))
+    wait_for(lambda: (lambda m: m["atlas:num_kv_blocks_free"] == m["atlas:num_kv_blocks_total"])(
+        fault_server.metrics()), "every block free")
 
 
 def test_queued_clients_that_hang_up_are_dropped_before_prefill(tiny_models):

@@ -23,7 +23,7 @@ schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402 - after the importorskip
 
 NAME = "tiny-qwen2"
-FUZZ_EXAMPLES = 60  # per operation (6 operations; 3 take a body)
+FUZZ_EXAMPLES = 60  # per operation (9 operations; 4 take a body)
 SOAK_CLIENTS, SOAK_S = 16, 30
 MAX_TOKENS, MAX_N = 8, 2
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "Hello, my name is"]
@@ -74,11 +74,13 @@ def _cap(case) -> None:
     """Bound the work one case asks for (the fuzzer would ask for long generations)."""
     body = case.body
     if isinstance(body, dict):
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if isinstance(body.get(key), int) and not isinstance(body.get(key), bool):
                 body[key] = max(1, min(body[key], MAX_TOKENS))
         if "max_tokens" not in body and "messages" in body:
             body["max_tokens"] = MAX_TOKENS
+        if "max_output_tokens" not in body and "input" in body:  # /v1/responses
+            body["max_output_tokens"] = MAX_TOKENS
         if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool):
             body["n"] = max(1, min(body["n"], MAX_N))
         if isinstance(body.get("prompt"), list) and len(body["prompt"]) > 4:

@@ -108,3 +108,22 @@ def test_free_text_reasoning_and_answer(thinking_server):
     msg = r.choices[0].message.model_dump()
     assert msg["reasoning_content"] == " let me see"
     assert "</think>" not in (msg["content"] or "") and r.usage.completion_tokens <= 12
+
+
+def test_responses_reasoning_item_before_the_message(thinking_server):
+    """/v1/responses: the thought is a ``reasoning`` item before the ``message``, whole and
+    streamed (the reasoning item done before the message is added); the text equals chat's."""
+    ask = dict(model="tiny-qwen3", input=ASK, max_output_tokens=30, temperature=0,
+               text={"format": {"type": "json_schema", "name": "answer", "schema": SIMPLE}})
+    r = thinking_server.responses.create(**ask)
+    assert [i.type for i in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == " let me see"
+    jsonschema.validate(json.loads(r.output_text), SIMPLE)
+    chat = thinking_server.chat.completions.create(model="tiny-qwen3", messages=ASK, max_tokens=30, temperature=0,
+                                                   response_format=FORMAT)
+    assert r.output_text == chat.choices[0].message.content
+    events = list(thinking_server.responses.create(stream=True, **ask))
+    items = [(e.type, e.item.type) for e in events if e.type.startswith("response.output_item.")]
+    assert items == [("response.output_item.added", "reasoning"), ("response.output_item.done", "reasoning"),
+                     ("response.output_item.added", "message"), ("response.output_item.done", "message")]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text

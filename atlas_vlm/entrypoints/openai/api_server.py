@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException
 
 from atlas_vlm.engine.request_stream import EngineDeadError, EngineStepError
 from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from atlas_vlm.entrypoints.openai.responses.routes import add_responses_routes
 from atlas_vlm.entrypoints.openai.serving_chat import create_chat_completion
 from atlas_vlm.entrypoints.openai.serving_common import ServerContext, engine_error, until_disconnected
 from atlas_vlm.entrypoints.openai.serving_completion import create_completion
@@ -244,6 +245,8 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
     @app.post("/v1/embeddings", responses=_responses(*errors))
     async def embeddings(body: EmbeddingRequest, raw: Request):
         return _respond(await until_disconnected(create_embedding(ctx, body), raw.receive))
+
+    add_responses_routes(app, ctx, _respond, _responses)
 
     def openapi() -> dict:
         """FastAPI's schema, with the 422 it adds to every body route replaced by what the

@@ -279,6 +279,8 @@ class CompletionRequest(_SamplingFields):
 
 
 _TYPE_STEPS = {"str", "int", "float", "bool", "none", "list", "dict"}  # union branch names in pydantic locs
+# /v1/responses' item and part tags (pydantic puts a tagged union's tag in the loc; not field names)
+_TYPE_STEPS |= {"message", "function_call", "function_call_output", "input_text", "input_image", "output_text"}
 
 
 def validation_error(errors: list[dict]) -> APIError:

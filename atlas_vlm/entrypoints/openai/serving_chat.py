@@ -87,13 +87,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest)
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs", "invalid_value")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options needs stream=true", "stream_options", "invalid_value")
-    k = (req.top_logprobs or 0) if req.logprobs else None
-    max_tokens = req.max_completion_tokens or req.max_tokens
-    constraint = _constraint(ctx, req)
-    params = [sampling_params(req, max_tokens, k, i, constraint) for i in range(req.n)]
-    prompt = await _prompt(ctx, req)
-    views = [ChatChoiceOutput(ctx.reasoning_parser, parser is not None, parser)
-             for parser in (_tool_parser(ctx, req) for _ in range(req.n))]
+    params, prompt, views = await prepare_chat(ctx, req)
     rid = new_id("chatcmpl")
     iters, first = await start_choices(ctx, prompt, params, rid)
     created = int(time.time())
@@ -101,6 +95,24 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _stream(ctx, iters, first, rid, model, created, include_usage, views)
     return await _full(ctx, iters, first, rid, model, created, views)
+
+
+async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[list, dict, list[ChatChoiceOutput]]:
+    """What a chat request becomes for the engine (shared with ``/v1/responses``, which
+    translates its requests to chat requests): one ``SamplingParams`` per choice, the chat
+    prompt dict, and one output view (``ChatChoiceOutput``) per choice.
+
+    Raises:
+        APIError(400): bad tools / tool_choice / structured output / sampling values, a bad image.
+    """
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    constraint = _constraint(ctx, req)
+    params = [sampling_params(req, max_tokens, k, i, constraint) for i in range(req.n)]
+    prompt = await _prompt(ctx, req)
+    views = [ChatChoiceOutput(ctx.reasoning_parser, parser is not None, parser)
+             for parser in (_tool_parser(ctx, req) for _ in range(req.n))]
+    return params, prompt, views
 
 
 async def _full(ctx, iters, first, rid, model, created, views) -> dict:

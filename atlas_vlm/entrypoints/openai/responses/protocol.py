@@ -1,0 +1,140 @@
+"""Request models of ``POST /v1/responses`` (OpenAI's Responses API), pydantic.
+
+Scope: what the ``openai`` SDK's ``client.responses.create`` sends for text and image
+conversations: ``input`` (a string, or items: messages with ``input_text`` / ``input_image``
+/ ``output_text`` parts, ``function_call`` and ``function_call_output``), ``instructions``,
+``max_output_tokens``, ``temperature``, ``top_p``, ``stream``, function ``tools`` (the flat
+Responses shape) and ``tool_choice``, ``text.format`` (structured output), ``store`` and
+``previous_response_id``. Unknown fields are refused (400 naming the field), as the chat
+models do. Field names and defaults follow OpenAI's API reference for ``responses.create``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic_core import PydanticCustomError
+
+from atlas_vlm.entrypoints.openai.protocol import _find_surrogate, _Strict
+
+
+class InputText(_Strict):
+    type: Literal["input_text"]
+    text: str
+
+
+class InputImage(_Strict):
+    """An image by URL or ``data:`` URI (``file_id`` uploads are not supported)."""
+
+    type: Literal["input_image"]
+    image_url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] = "auto"
+
+
+class OutputText(_Strict):
+    """An assistant turn's text in the history (as the server returned it)."""
+
+    type: Literal["output_text"]
+    text: str
+    annotations: list = []
+    logprobs: list | None = None
+
+
+InputPart = Annotated[InputText | InputImage | OutputText, Field(discriminator="type")]
+
+
+class MessageItem(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputPart]
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallItem(_Strict):
+    """A call the model made (an output item fed back as history)."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallOutputItem(_Strict):
+    """The result of a call: becomes a ``role: "tool"`` message."""
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+def _item_type(value) -> str:
+    return value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
+
+
+InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")], Discriminator(_item_type)]
+
+
+class FunctionTool(_Strict):
+    """Responses' flat function tool: ``{"type": "function", "name", "parameters", ...}``."""
+
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class NamedFunctionChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Strict):
+    """``text.format``: plain text, any JSON object, or JSON following ``schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ResponsesRequest(_Strict):
+    """``POST /v1/responses`` body (OpenAI defaults: temperature 1, top_p 1, store true)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        bad = _find_surrogate(data, "") if isinstance(data, dict) else None
+        if bad is not None:
+            raise PydanticCustomError("lone_surrogate", "{param}: a string holds a lone surrogate (not valid Unicode)",
+                                      {"param": bad})
+        return data
+
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None

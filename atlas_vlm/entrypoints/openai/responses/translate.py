@@ -1,0 +1,126 @@
+"""A Responses request as the chat-completions request it means (the same prompt, sampling
+and constraints: ``/v1/responses`` runs on the chat machinery), and the chat message a
+finished answer adds to a stored conversation."""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, validation_error
+from atlas_vlm.entrypoints.openai.responses.protocol import (FunctionCallItem, FunctionCallOutputItem, MessageItem,
+                                                             ResponsesRequest)
+
+# chat-request fields named in errors, as the Responses request names them
+_PARAMS = {"response_format": "text.format", "max_tokens": "max_output_tokens",
+           "max_completion_tokens": "max_output_tokens", "messages": "input"}
+
+
+def responses_param(param: str | None) -> str | None:
+    """The Responses field behind a chat-request field named in an error (``response_format``
+    -> ``text.format``; ``messages.2...`` -> ``input``: instructions, a previous response's
+    turns and merged function calls shift the chat indices, so none is claimed)."""
+    if param is None:
+        return None
+    head, _, rest = param.partition(".")
+    if head == "messages":
+        return "input"
+    return _PARAMS.get(head, head) + (f".{rest}" if rest else "")
+
+
+def _content(item: MessageItem) -> str | list[dict]:
+    if isinstance(item.content, str):
+        return item.content
+    parts = []
+    for p in item.content:
+        if p.type == "input_image":
+            parts.append({"type": "image_url", "image_url": {"url": p.image_url, "detail": p.detail}})
+        else:
+            parts.append({"type": "text", "text": p.text})
+    if item.role == "assistant" or all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts if p["type"] == "text")  # templates render text history as a string
+    return parts
+
+
+def input_messages(req: ResponsesRequest) -> list[dict]:
+    """Chat messages of ``req.input`` (without ``instructions``): message items as they are
+    (``developer`` as ``system``),
+    ``function_call`` items as an assistant turn's ``tool_calls`` (consecutive calls in one
+    turn), ``function_call_output`` items as ``role: "tool"`` messages.
+
+    Raises:
+        APIError(400, param ``input.N``): an image part in an assistant message.
+    """
+    if isinstance(req.input, str):
+        return [{"role": "user", "content": req.input}]
+    messages: list[dict] = []
+    for i, item in enumerate(req.input):
+        if isinstance(item, MessageItem):
+            if item.role == "assistant" and not isinstance(item.content, str) and any(
+                    p.type == "input_image" for p in item.content):
+                raise APIError(400, f"input.{i}: an assistant message cannot hold an input_image", f"input.{i}",
+                               "invalid_value")
+            # the prompt pipeline knows no "developer" role; OpenAI treats it as the system's instructions
+            role = "system" if item.role == "developer" else item.role
+            messages.append({"role": role, "content": _content(item)})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+    return messages
+
+
+def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest:
+    """The chat request ``req`` means: ``instructions`` as a system message first, then
+    ``history`` (a previous response's conversation), then ``req.input``; the flat tools as
+    chat tools; ``text.format`` as ``response_format``.
+
+    Raises:
+        APIError(400): the translated request is invalid (the param named as Responses names it).
+    """
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions is not None else [])
+    messages += history + input_messages(req)
+    if not messages:
+        raise APIError(400, "input: no messages to answer", "input", "invalid_value")
+    body: dict = {"messages": messages, "stream": req.stream, "parallel_tool_calls": req.parallel_tool_calls}
+    if req.model is not None:
+        body["model"] = req.model
+    for name in ("temperature", "top_p"):
+        if getattr(req, name) is not None:
+            body[name] = getattr(req, name)
+    if req.max_output_tokens is not None:
+        body["max_completion_tokens"] = req.max_output_tokens
+    if req.tools:
+        body["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
+                         for t in req.tools]
+    choice = req.tool_choice
+    if choice is not None:
+        body["tool_choice"] = choice if isinstance(choice, str) else {"type": "function",
+                                                                      "function": {"name": choice.name}}
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type != "text":
+        body["response_format"] = {"type": fmt.type}
+        if fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise APIError(400, "text.format: json_schema needs a schema", "text.format.schema", "invalid_value")
+            body["response_format"]["json_schema"] = {"name": fmt.name or "response", "schema": fmt.json_schema,
+                                                      **({"strict": fmt.strict} if fmt.strict is not None else {})}
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        err = validation_error(list(e.errors()))
+        raise APIError(400, err.message, responses_param(err.param), err.code) from e
+
+
+def assistant_message(text: str | None, calls: list[dict]) -> dict:
+    """The chat message an answer adds to its conversation (for ``previous_response_id``)."""
+    msg: dict = {"role": "assistant", "content": text}
+    if calls:
+        msg["tool_calls"] = [{"id": c["call_id"], "type": "function",
+                              "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+    return msg
