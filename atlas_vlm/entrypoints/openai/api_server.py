@@ -33,6 +33,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from atlas_vlm.engine.request_stream import EngineDeadError, EngineStepError
+from atlas_vlm.entrypoints.anthropic.protocol import error_body
+from atlas_vlm.entrypoints.anthropic.routes import add_anthropic_routes
 from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 from atlas_vlm.entrypoints.openai.serving_chat import create_chat_completion
 from atlas_vlm.entrypoints.openai.serving_common import ServerContext, engine_error, until_disconnected
@@ -50,11 +52,16 @@ def default_max_request_body_bytes(max_image_bytes: int) -> int:
     return (max_image_bytes + 2) // 3 * 4 + DEFAULT_BODY_MARGIN_BYTES
 
 
-def _error(e: APIError) -> JSONResponse:
+ANTHROPIC_PREFIX = "/v1/messages"  # routes answering Anthropic's error JSON
+
+
+def _error(e: APIError, path: str = "") -> JSONResponse:
+    """The error response: OpenAI's JSON, or Anthropic's under ``ANTHROPIC_PREFIX``."""
     headers = dict(e.headers)
     if e.status == 503:
         headers.setdefault("Retry-After", str(RETRY_AFTER_S))
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    anthropic = path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+    return JSONResponse(error_body(e) if anthropic else e.body(), status_code=e.status, headers=headers)
 
 
 class _BodyTooLarge(HTTPException):
@@ -80,7 +87,8 @@ class _BodyLimitMiddleware:
             return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
-            await _error(APIError(413, self._message(int(length)), None, _BodyTooLarge.code))(scope, receive, send)
+            await _error(APIError(413, self._message(int(length)), None, _BodyTooLarge.code),
+                         scope["path"])(scope, receive, send)
             return
         seen = 0
 
@@ -98,13 +106,14 @@ class _BodyLimitMiddleware:
 
 class _APIKeyMiddleware:
     """Plain ASGI middleware (not ``BaseHTTPMiddleware``, which wraps ``receive`` and hides a
-    client's disconnect from the routes): 401 on guarded paths without ``Bearer KEY``
-    (``hmac.compare_digest``: the time taken says nothing about the key)."""
+    client's disconnect from the routes): 401 on guarded paths without ``Bearer KEY`` or
+    (Anthropic's clients) ``x-api-key: KEY`` (``hmac.compare_digest``: the time taken says
+    nothing about the key)."""
 
     DOCS_AND_METRICS = ("/docs", "/redoc", "/openapi.json", "/metrics")
 
     def __init__(self, app, api_key: str, protect_docs_metrics: bool = False):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected, self.key = app, f"Bearer {api_key}".encode(), api_key.encode()
         self.protect_docs_metrics = protect_docs_metrics
 
     def _guarded(self, path: str) -> bool:
@@ -114,11 +123,13 @@ class _APIKeyMiddleware:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self._guarded(scope["path"]):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                err = APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')", None,
-                               "invalid_api_key")
-                await _error(err)(scope, receive, send)
+            headers = dict(scope["headers"])
+            bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+            x_api_key = hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)
+            if not (bearer or x_api_key):
+                err = APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY' or "
+                               "'x-api-key: KEY')", None, "invalid_api_key")
+                await _error(err, scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -164,28 +175,30 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return _error(e)
+        return _error(e, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
-        return _error(validation_error(list(e.errors())))
+        return _error(validation_error(list(e.errors())), request.url.path)
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, e: EngineDeadError):
-        return _error(engine_error(e))
+        return _error(engine_error(e), request.url.path)
 
     @app.exception_handler(EngineStepError)
     async def _step_failed(request: Request, e: EngineStepError):
-        return _error(engine_error(e))
+        return _error(engine_error(e), request.url.path)
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, e: HTTPException):
-        return _error(APIError(e.status_code, str(e.detail), None, getattr(e, "code", None), headers=e.headers))
+        return _error(APIError(e.status_code, str(e.detail), None, getattr(e, "code", None), headers=e.headers),
+                      request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):
         logger.exception("unexpected error in %s %s", request.method, request.url.path)
-        return _error(APIError(500, f"internal server error ({type(e).__name__})", None, "internal_error"))
+        return _error(APIError(500, f"internal server error ({type(e).__name__})", None, "internal_error"),
+                      request.url.path)
 
     if api_key is not None:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key, protect_docs_metrics=protect_docs_metrics)
@@ -239,6 +252,8 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
     @app.post("/v1/completions", responses=_responses(*errors, stream=True))
     async def completions(body: CompletionRequest, raw: Request):
         return _respond(await until_disconnected(create_completion(ctx, body), raw.receive))
+
+    add_anthropic_routes(app, ctx, _respond, _responses(*errors, stream=True))
 
     def openapi() -> dict:
         """FastAPI's schema, with the 422 it adds to every body route replaced by what the

@@ -1,0 +1,23 @@
+"""The Anthropic routes on the server's FastAPI app (kept apart so ``api_server`` stays small)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+
+from atlas_vlm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
+from atlas_vlm.entrypoints.anthropic.serving import count_tokens, create_message
+from atlas_vlm.entrypoints.openai.serving_common import ServerContext, until_disconnected
+
+
+def add_anthropic_routes(app: FastAPI, ctx: ServerContext, respond, responses: dict) -> None:
+    """Add ``POST /v1/messages`` (JSON or SSE through ``respond``, as chat completions) and
+    ``POST /v1/messages/count_tokens``; ``responses``: their OpenAPI responses. Errors on
+    these paths are Anthropic's JSON (``api_server._error``)."""
+
+    @app.post("/v1/messages", responses=responses)
+    async def messages(body: MessagesRequest, raw: Request):
+        return respond(await until_disconnected(create_message(ctx, body), raw.receive))
+
+    @app.post("/v1/messages/count_tokens", responses=responses)
+    async def messages_count_tokens(body: CountTokensRequest, raw: Request):
+        return respond(await until_disconnected(count_tokens(ctx, body), raw.receive))
