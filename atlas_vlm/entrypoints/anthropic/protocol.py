@@ -117,6 +117,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: int = Field(default=0, ge=0)  # 0: off
     stream: bool = False
     metadata: dict | None = None  # e.g. {"user_id": ...}: accepted, recorded by nobody
+    cache_control: dict | None = None  # automatic prompt caching hint: accepted, ignored
 
 
 def _text(blocks: str | list[TextBlock] | None) -> str:

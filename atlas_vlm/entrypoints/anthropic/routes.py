@@ -9,10 +9,26 @@ from atlas_vlm.entrypoints.anthropic.serving import count_tokens, create_message
 from atlas_vlm.entrypoints.openai.serving_common import ServerContext, until_disconnected
 
 
+ERROR_SCHEMA = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+        "type": {"type": "string"}, "message": {"type": "string"}}}}}
+
+
+def _anthropic_errors(responses: dict) -> dict:
+    """``responses`` (the chat route's OpenAPI responses) with Anthropic's error JSON as the
+    schema of every error status."""
+    out = dict(responses)
+    for status in out:
+        if status != 200:
+            out[status] = {**out[status], "content": {"application/json": {"schema": ERROR_SCHEMA}}}
+    return out
+
+
 def add_anthropic_routes(app: FastAPI, ctx: ServerContext, respond, responses: dict) -> None:
     """Add ``POST /v1/messages`` (JSON or SSE through ``respond``, as chat completions) and
-    ``POST /v1/messages/count_tokens``; ``responses``: their OpenAPI responses. Errors on
-    these paths are Anthropic's JSON (``api_server._error``)."""
+    ``POST /v1/messages/count_tokens``; ``responses``: the chat route's OpenAPI responses,
+    declared here with Anthropic's error JSON, which these paths answer (``api_server._error``)."""
+    responses = _anthropic_errors(responses)
 
     @app.post("/v1/messages", responses=responses)
     async def messages(body: MessagesRequest, raw: Request):
