@@ -166,6 +166,12 @@ def test_errors_in_anthropic_shape_naming_the_field(text_server):
     with pytest.raises(anthropic.BadRequestError) as e:  # missing max_tokens (the SDK insists on it)
         c.post("/v1/messages", body={"model": "smollm2", "messages": ASK}, cast_to=object)
     assert "max_tokens" in _error(e)["message"]
+    convo = [*ASK, {"role": "assistant", "content": "Red."},
+             {"role": "user", "content": [{"type": "text", "text": "And this?"},
+                                          {"type": "image", "source": {"type": "url", "url": "ftp://x/a.png"}}]}]
+    with pytest.raises(anthropic.BadRequestError) as e:  # the Anthropic block is named, not the chat part
+        c.messages.create(model="smollm2", system=SYSTEM, messages=convo, max_tokens=2)
+    assert _error(e)["message"].startswith("messages.2.content.1.source: unsupported image URL scheme")
     # the bad requests left the server serving
     ok = c.messages.create(model="smollm2", messages=ASK, max_tokens=2, **GREEDY)
     assert ok.usage.output_tokens == 2

@@ -163,6 +163,34 @@ def _turns(i: int, m: Message) -> list[dict]:
     return out
 
 
+def anthropic_error(e: APIError, req: CountTokensRequest) -> APIError:
+    """``e`` (raised on the chat request of ``req``) with a ``messages.I.content.J`` location
+    in its param and message rewritten to the Anthropic request's own message and block
+    (the chat request has a system message first and ``tool`` messages of its own)."""
+    import re
+
+    m = re.match(r"messages\.(\d+)\.content\.(\d+)", e.param or "")
+    if m is None:
+        return e
+    where = {}  # chat (message, part) -> Anthropic (message, block), as ``_turns`` lays them out
+    k = 1 if req.system else 0
+    for i, msg in enumerate(req.messages):
+        if isinstance(msg.content, str):
+            k += 1
+            continue
+        kinds = [b.type for b in msg.content]
+        k += kinds.count("tool_result")
+        parts = [j for j, t in enumerate(kinds) if t in ("text", "image")]
+        where.update({(k, n): (i, j) for n, j in enumerate(parts)})
+        k += 1 if parts or "tool_use" in kinds or "tool_result" not in kinds else 0
+    found = where.get((int(m.group(1)), int(m.group(2))))
+    if found is None:
+        return e
+    old, new = m.group(0), f"messages.{found[0]}.content.{found[1]}"
+    param = new + e.param[len(old):].replace(".image_url", ".source")
+    return APIError(e.status, e.message.replace(e.param, param), param, e.code, e.headers)
+
+
 def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     """The OpenAI chat request that ``req`` means (the same prompt, sampling and tools), so
     the route runs the chat-completions pipeline. ``tool_choice``: ``auto`` -> "auto",

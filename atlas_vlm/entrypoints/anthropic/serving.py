@@ -14,7 +14,8 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 
-from atlas_vlm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest, error_body, to_chat_request
+from atlas_vlm.entrypoints.anthropic.protocol import (CountTokensRequest, MessagesRequest, anthropic_error, error_body,
+                                                      to_chat_request)
 from atlas_vlm.entrypoints.openai.chat_output import ChatChoiceOutput
 from atlas_vlm.entrypoints.openai.protocol import APIError, printable
 from atlas_vlm.entrypoints.openai.serving_chat import _constraint, _prompt, _tool_parser
@@ -61,12 +62,20 @@ def _tool_use(call: dict) -> dict:
             "input": value if isinstance(value, dict) else {"value": value}}
 
 
+async def _chat_prompt(ctx: ServerContext, req, chat) -> dict:
+    """Chat completions' prompt dict; a media error names the Anthropic block at fault."""
+    try:
+        return await _prompt(ctx, chat)
+    except APIError as e:
+        raise anthropic_error(e, req) from e
+
+
 async def _start(ctx: ServerContext, req: MessagesRequest):
     chat = to_chat_request(req)
     model = ctx.check_model(chat.model)
     constraint = _constraint(ctx, chat)
     params = [sampling_params(chat, chat.max_tokens, None, 0, constraint)]
-    prompt = await _prompt(ctx, chat)
+    prompt = await _chat_prompt(ctx, req, chat)
     parser = _tool_parser(ctx, chat)
     view = ChatChoiceOutput(ctx.reasoning_parser, parser is not None, parser)
     rid = f"msg_{uuid.uuid4().hex}"
@@ -195,7 +204,7 @@ async def count_tokens(ctx: ServerContext, req: CountTokensRequest) -> dict:
     """
     chat = to_chat_request(req)
     ctx.check_model(chat.model)
-    prompt = await _prompt(ctx, chat)
+    prompt = await _chat_prompt(ctx, req, chat)
     try:
         processed = (await ctx.engine.validate_prompts([prompt], SamplingParams(max_tokens=1)))[0]
     except (ValueError, TypeError, RuntimeError, OSError) as e:
