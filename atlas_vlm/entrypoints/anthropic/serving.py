@@ -129,9 +129,11 @@ class _Blocks:
                                                         "content_block": block})]
 
     def open_text(self) -> list[str]:
+        """Events that open an (empty) text block, closing the open one."""
         return self._open("text", {"type": "text", "text": ""})
 
     def close(self) -> list[str]:
+        """The ``content_block_stop`` of the open block, if one is open."""
         if self.kind is None:
             return []
         self.kind = None
