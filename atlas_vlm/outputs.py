@@ -36,6 +36,7 @@ class RequestOutput:
     content: str | None = None
     # a pooling request (LLM.embed, PoolingParams): the pooled vector (floats), set on its final output
     embedding: list[float] | None = None
+    stop_reason: str | None = None  # the stop string that ended the request (vLLM's ``stop_reason``), else None
 
     @property
     def finished(self) -> bool:
@@ -60,6 +61,6 @@ class RequestOutput:
                 if getattr(self, name) is None:
                     setattr(self, name, [])
                 getattr(self, name).extend(entries)
-        self.finish_reason, self.error = delta.finish_reason, delta.error
+        self.finish_reason, self.error, self.stop_reason = delta.finish_reason, delta.error, delta.stop_reason
         self.new_text, self.new_token_ids = delta.new_text, delta.new_token_ids
         return self

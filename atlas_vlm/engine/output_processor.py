@@ -60,6 +60,7 @@ class RequestOutputState:
     sent_tokens: int = 0  # generated ids handed out
     sent_logprobs: int = 0  # logprob entries handed out
     sent_any: bool = False  # an output was handed out (DELTA: the prompt ids went with it)
+    stop_reason: str | None = None  # the stop string that ended the request, if one did
     token_ids: list[int] = field(default_factory=list)  # generated ids so far (one growing list)
 
 
@@ -103,9 +104,10 @@ class OutputProcessor:
             # search only the new text plus a look-back of the longest stop minus one
             window = max(0, committed_before - state.max_stop_len + 1)
             recent = state.cleanup.committed[window:] + state.cleanup.tail_text(pending)
-            hits = [at for at in (recent.find(s) for s in state.stops) if at != -1]
+            hits = [(at, s) for s in state.stops if (at := recent.find(s)) != -1]
             if hits:
-                cut = window + min(hits)
+                at, state.stop_reason = min(hits, key=lambda h: h[0])
+                cut = window + at
                 stopped = not was_finished
                 req.finish_reason = "stop"
         committed = state.cleanup.committed
@@ -155,4 +157,5 @@ class OutputProcessor:
             text=out_text, token_ids=out_ids, finish_reason=req.finish_reason, logprobs=lps, top_logprobs=tops,
             error=getattr(req, "error", None), new_token_ids=new_ids, new_text=new_text,
             embedding=getattr(req, "embedding", None),
+            stop_reason=state.stop_reason if finished else None,
         )

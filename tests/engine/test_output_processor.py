@@ -40,13 +40,15 @@ def decode(tok, ids):
 
 def reference(tok, ids, stops):
     """What the final output must be: the first step whose decoded text holds a stop ends
-    the request, the text cut where the earliest stop starts."""
+    the request, the text cut where the earliest stop starts (that stop, the first listed
+    of those starting there, is its ``stop_reason``)."""
     for n in range(1, len(ids) + 1):
         text = decode(tok, ids[:n])
-        hits = [text.find(s) for s in stops if s in text]
+        hits = [(text.find(s), s) for s in stops if s in text]
         if hits:
-            return ids[:n], text[:min(hits)], "stop"
-    return ids, decode(tok, ids), "length"
+            at, stop = min(hits, key=lambda h: h[0])
+            return ids[:n], text[:at], "stop", stop
+    return ids, decode(tok, ids), "length", None
 
 
 def run(tok, ids, stops, logprobs=None):
@@ -70,11 +72,12 @@ def run(tok, ids, stops, logprobs=None):
 
 def check(tok, ids, stops):
     outs = run(tok, ids, stops)
-    ref_ids, ref_text, ref_reason = reference(tok, ids, stops)
+    ref_ids, ref_text, ref_reason, ref_stop = reference(tok, ids, stops)
     final = outs[-1]
     assert final.token_ids == ref_ids and len(outs) == len(ref_ids)
     assert final.text == ref_text, (ids, stops)
-    assert final.finish_reason == ref_reason
+    assert final.finish_reason == ref_reason and final.stop_reason == ref_stop
+    assert all(o.stop_reason is None for o in outs[:-1])
     joined = ""
     for out in outs:
         joined += out.new_text

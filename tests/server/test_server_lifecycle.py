@@ -1,7 +1,8 @@
 """Server guards and lifecycle on a tiny random Qwen2 (fast steps): ``--api-key`` (401 on
-``/v1/*``, ``/health`` and ``/metrics`` open), ``--max-waiting-requests`` (503 while the
-queue is full, served again after), and SIGTERM in the middle of a stream (the stream
-ends with ``abort``, the process exits 0 and the port is free)."""
+``/v1/*``, ``/health`` and ``/metrics`` open; ``Bearer`` or Anthropic's ``x-api-key``),
+``--max-waiting-requests`` (503 while the queue is full, served again after), and SIGTERM
+in the middle of a stream (the stream ends with ``abort``, the process exits 0 and the port
+is free)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from server_process import ServerProcess, port_is_free
 pytestmark = [pytest.mark.server, pytest.mark.text]
 
 KEY = "sk-test-123"
+GREEDY = {"extra_body": {"temperature": 0}}  # the anthropic SDK has no sampling arguments
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +56,23 @@ def test_api_key_guards_v1_only(guarded_server):
     r = guarded_server.client(api_key=KEY).completions.create(model="tiny-qwen2", prompt="Hi", max_tokens=3)
     assert len(r.choices[0].text) > 0 and r.usage.completion_tokens == 3
 
+
+
+def test_api_key_as_x_api_key_and_anthropic_401(guarded_server):
+    import anthropic
+
+    url = guarded_server.url
+    assert httpx.get(url + "/v1/models", headers={"x-api-key": KEY}).status_code == 200
+    c = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=120)  # sends x-api-key
+    reply = c.messages.create(model="tiny-qwen2", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                              **GREEDY)
+    assert reply.usage.output_tokens == 2
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.create(
+            model="tiny-qwen2", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    body = e.value.response.json()
+    assert e.value.status_code == 401 and body["type"] == "error"
+    assert body["error"]["type"] == "authentication_error" and "x-api-key" in body["error"]["message"]
 
 def test_503_when_the_waiting_queue_is_full(guarded_server):
     auth = {"Authorization": f"Bearer {KEY}"}

@@ -127,3 +127,25 @@ def test_responses_reasoning_item_before_the_message(thinking_server):
     assert items == [("response.output_item.added", "reasoning"), ("response.output_item.done", "reasoning"),
                      ("response.output_item.added", "message"), ("response.output_item.done", "message")]
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+
+
+def test_anthropic_messages_thinking_block_whole_and_streamed(thinking_server):
+    """``/v1/messages``: the thought is a ``thinking`` block before the ``text`` block, the
+    same whole and streamed (``thinking_delta`` then ``text_delta`` events, one block each)."""
+    import anthropic
+
+    c = anthropic.Anthropic(base_url=str(thinking_server.base_url).removesuffix("/").removesuffix("/v1"),
+                            api_key="none", max_retries=0, timeout=120)
+    ask = dict(model="tiny-qwen3", messages=ASK, max_tokens=12, extra_body={"temperature": 0})
+    ref = thinking_server.chat.completions.create(model="tiny-qwen3", messages=ASK, max_tokens=12,
+                                                  temperature=0).choices[0].message
+    whole = c.messages.create(**ask)
+    assert [b.type for b in whole.content] == ["thinking", "text"]
+    assert whole.content[0].thinking == " let me see" and whole.content[1].text == ref.content
+    events = list(c.messages.create(stream=True, **ask))
+    starts = [e.content_block.type for e in events if e.type == "content_block_start"]
+    assert starts == ["thinking", "text"]
+    thought = "".join(e.delta.thinking for e in events if e.type == "content_block_delta" and e.index == 0)
+    text = "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.index == 1)
+    assert thought == " let me see" and text == ref.content
+    assert [e.type for e in events].count("content_block_stop") == 2 and events[-1].type == "message_stop"

@@ -19,7 +19,6 @@ stop admitting, end every stream at once with ``finish_reason: "abort"`` and ``[
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import signal
@@ -33,7 +32,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from atlas_vlm.engine.request_stream import EngineDeadError, EngineStepError
+from atlas_vlm.entrypoints.anthropic.routes import add_anthropic_routes
 from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from atlas_vlm.entrypoints.openai.middleware import (APIKeyMiddleware, BodyLimitMiddleware, error_response,
+                                                     default_max_request_body_bytes)
 from atlas_vlm.entrypoints.openai.responses.routes import add_responses_routes
 from atlas_vlm.entrypoints.openai.serving_chat import create_chat_completion
 from atlas_vlm.entrypoints.openai.serving_common import ServerContext, engine_error, until_disconnected
@@ -41,89 +43,6 @@ from atlas_vlm.entrypoints.openai.serving_completion import create_completion
 from atlas_vlm.entrypoints.openai.serving_embedding import EmbeddingRequest, create_embedding
 
 logger = logging.getLogger(__name__)
-
-RETRY_AFTER_S = 1  # seconds a 503 asks the client to wait
-DEFAULT_BODY_MARGIN_BYTES = 1 << 20  # JSON around one image at the byte cap
-
-
-def default_max_request_body_bytes(max_image_bytes: int) -> int:
-    """Default ``--max-request-body-bytes``: one image at ``max_image_bytes`` as a base64
-    ``data:`` URI (4/3 of its bytes) plus 1 MiB for the rest of the JSON."""
-    return (max_image_bytes + 2) // 3 * 4 + DEFAULT_BODY_MARGIN_BYTES
-
-
-def _error(e: APIError) -> JSONResponse:
-    headers = dict(e.headers)
-    if e.status == 503:
-        headers.setdefault("Retry-After", str(RETRY_AFTER_S))
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
-
-
-class _BodyTooLarge(HTTPException):
-    """Raised while the body is read (FastAPI lets ``HTTPException`` through its body parsing)."""
-
-    code = "request_too_large"
-
-
-class _BodyLimitMiddleware:
-    """413 for a request body over ``limit`` bytes: at once from ``Content-Length``, else
-    (chunked) as soon as the bytes read pass it. Plain ASGI, so disconnects stay visible."""
-
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
-
-    def _message(self, size: int | None) -> str:
-        got = f" ({size} bytes)" if size is not None else ""
-        return f"request body is over the {self.limit}-byte limit{got} (--max-request-body-bytes)"
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            await _error(APIError(413, self._message(int(length)), None, _BodyTooLarge.code))(scope, receive, send)
-            return
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _BodyTooLarge(413, self._message(None))
-            return message
-
-        await self.app(scope, limited_receive, send)
-
-
-class _APIKeyMiddleware:
-    """Plain ASGI middleware (not ``BaseHTTPMiddleware``, which wraps ``receive`` and hides a
-    client's disconnect from the routes): 401 on guarded paths without ``Bearer KEY``
-    (``hmac.compare_digest``: the time taken says nothing about the key)."""
-
-    DOCS_AND_METRICS = ("/docs", "/redoc", "/openapi.json", "/metrics")
-
-    def __init__(self, app, api_key: str, protect_docs_metrics: bool = False):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-        self.protect_docs_metrics = protect_docs_metrics
-
-    def _guarded(self, path: str) -> bool:
-        if path.startswith("/v1"):
-            return True
-        return self.protect_docs_metrics and any(path == p or path.startswith(p + "/") for p in self.DOCS_AND_METRICS)
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self._guarded(scope["path"]):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                err = APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')", None,
-                               "invalid_api_key")
-                await _error(err)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
 
 def _error_schema() -> dict:
     return {"type": "object", "required": ["error"], "properties": {"error": {
@@ -166,33 +85,35 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return _error(e)
+        return error_response(e, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
-        return _error(validation_error(list(e.errors())))
+        return error_response(validation_error(list(e.errors())), request.url.path)
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, e: EngineDeadError):
-        return _error(engine_error(e))
+        return error_response(engine_error(e), request.url.path)
 
     @app.exception_handler(EngineStepError)
     async def _step_failed(request: Request, e: EngineStepError):
-        return _error(engine_error(e))
+        return error_response(engine_error(e), request.url.path)
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, e: HTTPException):
-        return _error(APIError(e.status_code, str(e.detail), None, getattr(e, "code", None), headers=e.headers))
+        return error_response(APIError(e.status_code, str(e.detail), None, getattr(e, "code", None), headers=e.headers),
+                      request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):
         logger.exception("unexpected error in %s %s", request.method, request.url.path)
-        return _error(APIError(500, f"internal server error ({type(e).__name__})", None, "internal_error"))
+        return error_response(APIError(500, f"internal server error ({type(e).__name__})", None, "internal_error"),
+                      request.url.path)
 
     if api_key is not None:
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key, protect_docs_metrics=protect_docs_metrics)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, protect_docs_metrics=protect_docs_metrics)
     if max_request_body_bytes is not None:
-        app.add_middleware(_BodyLimitMiddleware, limit=max_request_body_bytes)
+        app.add_middleware(BodyLimitMiddleware, limit=max_request_body_bytes)
 
     def _card(name: str) -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "atlas-vlm",
@@ -207,7 +128,7 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
     async def health():
         if ctx.engine.alive:
             return JSONResponse({"status": "ok"})
-        return _error(APIError(503, "the engine is not serving (shutting down or dead)", None, "engine_unavailable"))
+        return error_response(APIError(503, "the engine is not serving (shutting down or dead)", None, "engine_unavailable"))
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"description": "Prometheus text format", "content": {"text/plain": {
@@ -247,6 +168,8 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
         return _respond(await until_disconnected(create_embedding(ctx, body), raw.receive))
 
     add_responses_routes(app, ctx, _respond, _responses)
+
+    add_anthropic_routes(app, ctx, _respond, _responses(*errors, stream=True))
 
     def openapi() -> dict:
         """FastAPI's schema, with the 422 it adds to every body route replaced by what the
