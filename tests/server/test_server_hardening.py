@@ -55,6 +55,24 @@ def test_lone_surrogates_are_a_400_naming_the_field(server, raw, param):
     assert err["param"] == param and "lone surrogate" in err["message"]
 
 
+@pytest.mark.parametrize(("route", "raw", "param"), [
+    ("/v1/responses", b'{"model": "tiny-qwen2", "input": "\\ud800"}', "input"),
+    ("/v1/embeddings", b'{"model": "tiny-qwen2", "input": ["ok", "\\udfff"]}', "input.1"),
+])
+def test_lone_surrogates_on_the_other_openai_routes(server, route, raw, param):
+    err = error_of(post(server, route, content=raw), 400)
+    assert err["param"] == param and "lone surrogate" in err["message"]
+
+
+def test_lone_surrogates_on_the_anthropic_routes(server):
+    for route in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = post(server, route, content=b'{"model": "tiny-qwen2", "max_tokens": 4, "system": "\\ud800", '
+                                        b'"messages": [{"role": "user", "content": "Hi"}]}')
+        assert r.status_code == 400, r.text
+        body = r.json()
+        assert body["type"] == "error" and "system: a string holds a lone surrogate" in body["error"]["message"]
+
+
 def test_bytes_that_are_not_json_or_not_utf8(server):
     err = error_of(post(server, COMPL, content=b'{"model": "tiny-qwen2", "prompt": "Hi",}'), 400)
     assert err["param"] is None and err["code"] == "invalid_json" and "invalid JSON body at byte" in err["message"]

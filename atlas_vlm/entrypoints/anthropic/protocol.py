@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, _SamplingFields, _Strict, printable
+from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, UnicodeBody, _Strict, printable
 
 # Anthropic's error ``type`` per HTTP status (https://docs.anthropic.com/en/api/errors)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -94,10 +94,8 @@ class ToolChoice(_Strict):
     disable_parallel_tool_use: bool | None = None
 
 
-class CountTokensRequest(_Strict):
+class CountTokensRequest(UnicodeBody):
     """``POST /v1/messages/count_tokens``: the prompt fields of a Messages request."""
-
-    _valid_unicode = model_validator(mode="before")(_SamplingFields._valid_unicode.__func__)  # lone surrogates: 400
 
     model: str | None = None
     system: str | list[TextBlock] | None = None

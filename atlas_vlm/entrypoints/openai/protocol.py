@@ -192,8 +192,9 @@ class MMProcessorKwargs(_Strict):
     total_pixels: int | None = Field(default=None, ge=1)
 
 
-class _SamplingFields(_Strict):
-    """Fields shared by chat and completions (OpenAI defaults: temperature 1, top_p 1)."""
+class UnicodeBody(_Strict):
+    """A request body whose strings must be valid Unicode: a lone surrogate anywhere is a 400
+    naming where it sits (every route's body model derives from this)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -203,6 +204,10 @@ class _SamplingFields(_Strict):
             raise PydanticCustomError("lone_surrogate", "{param}: a string holds a lone surrogate (not valid Unicode)",
                                       {"param": bad})
         return data
+
+
+class _SamplingFields(UnicodeBody):
+    """Fields shared by chat and completions (OpenAI defaults: temperature 1, top_p 1)."""
 
     model: str | None = None
     temperature: float = 1.0

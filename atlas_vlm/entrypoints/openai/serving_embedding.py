@@ -25,9 +25,8 @@ from types import SimpleNamespace
 from typing import Literal
 
 from pydantic import Field, model_validator
-from pydantic_core import PydanticCustomError
 
-from atlas_vlm.entrypoints.openai.protocol import APIError, ChatMessage, MMProcessorKwargs, _find_surrogate, _Strict
+from atlas_vlm.entrypoints.openai.protocol import APIError, ChatMessage, MMProcessorKwargs, UnicodeBody, _Strict
 from atlas_vlm.entrypoints.openai.serving_chat import _prompt as chat_prompt
 from atlas_vlm.entrypoints.openai.serving_common import ServerContext, close_all, collect, new_id, start_choices
 from atlas_vlm.entrypoints.openai.serving_completion import _validated, split_prompts
@@ -40,18 +39,9 @@ class MessagesInput(_Strict):
     messages: list[ChatMessage] = Field(min_length=1)
 
 
-class EmbeddingRequest(_Strict):
+class EmbeddingRequest(UnicodeBody):
     """OpenAI's embeddings request plus vLLM's extras (``messages``, ``add_generation_prompt``,
     ``continue_final_message``, ``chat_template_kwargs``, ``mm_processor_kwargs``, ``normalize``)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data):
-        bad = _find_surrogate(data, "") if isinstance(data, dict) else None
-        if bad is not None:
-            raise PydanticCustomError("lone_surrogate", "{param}: a string holds a lone surrogate (not valid Unicode)",
-                                      {"param": bad})
-        return data
 
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]] | list[MessagesInput] | None = None

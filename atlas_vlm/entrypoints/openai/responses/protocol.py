@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Discriminator, Field, Tag, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import Discriminator, Field, Tag
 
-from atlas_vlm.entrypoints.openai.protocol import _find_surrogate, _Strict
+from atlas_vlm.entrypoints.openai.protocol import UnicodeBody, _Strict
 
 
 class InputText(_Strict):
@@ -111,17 +110,8 @@ class TextConfig(_Strict):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(UnicodeBody):
     """``POST /v1/responses`` body (OpenAI defaults: temperature 1, top_p 1, store true)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data):
-        bad = _find_surrogate(data, "") if isinstance(data, dict) else None
-        if bad is not None:
-            raise PydanticCustomError("lone_surrogate", "{param}: a string holds a lone surrogate (not valid Unicode)",
-                                      {"param": bad})
-        return data
 
     model: str | None = None
     input: str | list[InputItem]
