@@ -8,6 +8,7 @@ import json
 import re
 
 from atlas_vlm.tool_parsers.abstract import ToolParser, ToolParserManager, marker_blocks
+from atlas_vlm.tool_parsers.json_calls import call_object
 
 START, END = "<tool_call>", "</tool_call>"
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
@@ -18,11 +19,8 @@ def split_json_call(body: str) -> tuple[str, str] | None:
     ``"parameters"`` as Llama writes it), or None if it is not a call. The arguments string
     is the model's own text of the value when it is the last key (so a stream of fragments
     adds up to it), else ``json.dumps`` of the value."""
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    obj = call_object(body)
+    if obj is None:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):

@@ -1,6 +1,7 @@
-"""What the JSON-object formats (Llama 3, Mistral) share: cutting a run of JSON values into
-blocks with ``json.JSONDecoder.raw_decode`` (a value that decodes is closed; the rest of the
-text, when it does not decode, is one open block: being written, cut, or not JSON)."""
+"""What the JSON-object formats (Hermes' block bodies, Llama 3, Mistral) share: reading a call
+object, and cutting a run of JSON values into blocks with ``json.JSONDecoder.raw_decode`` (a
+value that decodes is closed; the rest of the text, when it does not decode, is one open
+block: being written, cut, or not JSON)."""
 
 from __future__ import annotations
 
@@ -28,14 +29,20 @@ def json_value(text: str, pos: int) -> tuple[str, bool, int]:
     return text[pos:end], True, end
 
 
-def call_of(body: str, keys: tuple[str, ...]) -> tuple[str, str] | None:
-    """``(name, arguments JSON text)`` of a ``{"name": str, KEY: {...}}`` object for the
-    first of ``keys`` present (a missing one: ``{}``), or None if ``body`` is not such a call."""
+def call_object(body: str) -> dict | None:
+    """``body`` decoded as a call object (a JSON object with a string ``"name"``), or None."""
     try:
         obj = json.loads(body)
     except json.JSONDecodeError:
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    return obj if isinstance(obj, dict) and isinstance(obj.get("name"), str) else None
+
+
+def call_of(body: str, keys: tuple[str, ...]) -> tuple[str, str] | None:
+    """``(name, arguments JSON text)`` of a ``{"name": str, KEY: {...}}`` object for the
+    first of ``keys`` present (a missing one: ``{}``), or None if ``body`` is not such a call."""
+    obj = call_object(body)
+    if obj is None:
         return None
     args = next((obj[k] for k in keys if k in obj), {})
     text = dump_arguments(args)

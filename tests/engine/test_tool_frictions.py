@@ -12,7 +12,8 @@ import pytest
 
 from atlas_vlm import LLM, SamplingParams
 from atlas_vlm.entrypoints.openai.chat_output import ChatChoiceOutput
-from atlas_vlm.entrypoints.openai.tool_parsers import END, START, extract_tool_calls
+from atlas_vlm.structured_output.tool_calls import tool_call_structured_outputs
+from atlas_vlm.tool_parsers.hermes import END, START, HermesToolParser
 
 from test_tools_reasoning import ASK, KW, SCHEMAS, WEATHER, ZOOM  # the same tools and question
 
@@ -85,8 +86,6 @@ def test_the_model_may_end_after_any_complete_call(llm):
 
 
 def test_trailing_newline_then_end_and_parser_edge_cases(llm):
-    from atlas_vlm.entrypoints.openai.tool_parsers import tool_call_structured_outputs
-
     backend = llm.engine.structured_output_manager.backend
     call = '<tool_call>\n{"name": "zoom", "arguments": {"factor": 2}}\n</tool_call>'
     for parallel in (True, False):
@@ -96,10 +95,10 @@ def test_trailing_newline_then_end_and_parser_edge_cases(llm):
     one = backend.compile_grammar(tool_call_structured_outputs(TOOLS, "required", False, True))
     assert not all(one.accept_token(t) for t in llm.tokenizer.encode(call + "\n" + call, add_special_tokens=False))
     # a cut last block is dropped; an unparsable closed block keeps the hermes rule (all content)
-    assert extract_tool_calls("hi " + call + "\n<tool_call>\n{\"na")[0] == "hi "
-    assert len(extract_tool_calls(call + "\n<tool_call>\n{\"na")[1]) == 1
-    assert extract_tool_calls(START + "oops" + END + call) == (START + "oops" + END + call, [])
-    assert extract_tool_calls("<tool_call>\n{\"na") == (None, [])
+    assert HermesToolParser().extract("hi " + call + "\n<tool_call>\n{\"na")[0] == "hi "
+    assert len(HermesToolParser().extract(call + "\n<tool_call>\n{\"na")[1]) == 1
+    assert HermesToolParser().extract(START + "oops" + END + call) == (START + "oops" + END + call, [])
+    assert HermesToolParser().extract("<tool_call>\n{\"na") == (None, [])
 
 
 # ChatML without any tools support (as SmolLM2's template)
