@@ -12,7 +12,6 @@ reads really come from DRAM. ``--quick``: the 0.5B model only, short runs.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,8 +45,7 @@ def bytes_per_token(path: Path) -> int:
 
 def _worker(system: str, path: Path, quick: bool) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.chain_worker", system, str(path)] + (["--quick"] if quick else [])
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ},
-                          cwd=Path(__file__).resolve().parent.parent)
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
     return json.loads(done.stdout.strip().splitlines()[-1])
