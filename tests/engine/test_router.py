@@ -154,7 +154,10 @@ def test_abort_inside_the_stream_loop_ends_the_stream(llm):
 
 
 def test_abort_from_another_thread(llm):
-    first = threading.Event()
+    # The stream is pull-driven (the engine steps only when a caller needs an output), so the
+    # consumer holds still after its first output until the other thread's abort has landed:
+    # the request cannot finish on its own first, whatever the two threads' timing.
+    first, aborted_done = threading.Event(), threading.Event()
     rids = []
 
     def stream():
@@ -163,11 +166,15 @@ def test_abort_from_another_thread(llm):
             rids.append(o.request_id)
             first.set()
             out.append(o)
+            assert aborted_done.wait(LIMIT_S)
         return out
 
     def abort():
         assert first.wait(LIMIT_S)
-        return llm.engine.abort_request(rids[0])
+        try:
+            return llm.engine.abort_request(rids[0])
+        finally:
+            aborted_done.set()
 
     chunks, aborted = bounded(stream, abort)
     assert aborted is not None and aborted.finish_reason == "abort"
