@@ -110,6 +110,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an int >= 1 (pixels) or None (the checkpoint's), got {value!r}")
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels ({self.min_pixels}) must be <= max_pixels ({self.max_pixels})")
+        from atlas_vlm.quantization import check_quantization
+
+        check_quantization(self.quantization)  # ValueError naming the known methods, before any load
 
     def image_bounds(self, settings) -> MultiModalOptions:
         """The engine's image bounds: the checkpoint's ``settings``
@@ -132,9 +135,6 @@ class EngineConfig:
                              f"min_pixels {lo} ({origin(self.min_pixels, 'min_pixels / --min-pixels')}); "
                              "set both so that min_pixels <= max_pixels")
         return MultiModalOptions(min_pixels=lo, max_pixels=hi)
-        from atlas_vlm.quantization import check_quantization
-
-        check_quantization(self.quantization)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -120,6 +120,7 @@ def test_valid_sampling_params_edges():
     (dict(max_model_len=0), "max_model_len must be >= 1"),
     (dict(min_pixels=10, max_pixels=5), r"min_pixels \(10\) must be <= max_pixels \(5\)"),
     (dict(max_pixels=0), "max_pixels must be an int >= 1"),
+    (dict(quantization="fp8"), r"quantization must be None or one of .*got 'fp8'"),
 ])
 def test_invalid_engine_config(kwargs, cause):
     with pytest.raises(ValueError, match=cause):
