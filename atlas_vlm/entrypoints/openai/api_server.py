@@ -41,6 +41,7 @@ from atlas_vlm.entrypoints.openai.serving_chat import create_chat_completion
 from atlas_vlm.entrypoints.openai.serving_common import ServerContext, engine_error, until_disconnected
 from atlas_vlm.entrypoints.openai.serving_completion import create_completion
 from atlas_vlm.entrypoints.openai.serving_embedding import EmbeddingRequest, create_embedding
+from atlas_vlm.entrypoints.web import add_web_routes
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +171,8 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
     add_responses_routes(app, ctx, _respond, _responses)
 
     add_anthropic_routes(app, ctx, _respond, _responses(*errors, stream=True))
+
+    add_web_routes(app)  # the chat page at / (its requests go to the guarded /v1 routes)
 
     def openapi() -> dict:
         """FastAPI's schema, with the 422 it adds to every body route replaced by what the
