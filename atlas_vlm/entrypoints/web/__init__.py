@@ -27,7 +27,7 @@ def add_web_routes(app) -> None:
         raise RuntimeError(f"the chat page is missing from the installed package: {index} not found "
                            "(reinstall atlas-vlm; pyproject's package data lists entrypoints/web/static)")
 
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def chat_page():
         return FileResponse(index, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
 

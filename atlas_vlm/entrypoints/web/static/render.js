@@ -34,7 +34,7 @@ export function addToolCallDeltas(calls, deltas) {
 function meta(msg) {
   const parts = [];
   if (msg.usage) parts.push(`${msg.usage.completion_tokens} tokens`);
-  if (msg.usage && msg.seconds > 0) parts.push(`${(msg.usage.completion_tokens / msg.seconds).toFixed(1)} tokens/s`);
+  if (msg.seconds > 0) parts.push(`${msg.seconds.toFixed(1)} s`);
   if (msg.finish && msg.finish !== "stop") parts.push(`finish: ${msg.finish}`);
   if (msg.stopped) parts.push("stopped");
   return parts.join(" · ");

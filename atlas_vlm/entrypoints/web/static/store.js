@@ -5,7 +5,7 @@
 
 const CONVERSATIONS = "atlas-vlm.conversations";
 const SETTINGS = "atlas-vlm.settings";
-export const DEFAULT_SETTINGS = { system: "", temperature: 0.8, maxTokens: 512, markdown: true, apiKey: "" };
+export const DEFAULT_SETTINGS = { system: "", temperature: 0.8, maxTokens: "", markdown: true, apiKey: "" };
 
 function read(key, fallback) {
   try {
