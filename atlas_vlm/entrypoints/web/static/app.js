@@ -28,17 +28,18 @@ function persist() {
   }
 }
 
+// Ask the server for its model name; resolves to null, or to the error message (also shown).
 async function refreshModel() {
   try {
     const names = await listModels(state.settings.apiKey);
     state.model = names[0] || null;
     $("model-name").textContent = state.model || "no model served";
-    return true;
+    return state.model ? null : "the server serves no model";
   } catch (e) {
     state.model = null;
     $("model-name").textContent = "model unknown";
     showError(e.message);
-    return false;
+    return e.message;
   }
 }
 
@@ -106,7 +107,6 @@ function requestBody(conv) {
 // Stream an answer to the conversation's messages into a new assistant message.
 async function generate(conv) {
   showError("");
-  if (!state.model && !(await refreshModel())) return;
   const answer = { role: "assistant", content: "", reasoning: "", toolCalls: [] };
   conv.messages.push(answer);
   conv.updated = Date.now();
@@ -122,6 +122,8 @@ async function generate(conv) {
   };
   const started = performance.now();
   try {
+    const noModel = state.model ? null : await refreshModel();
+    if (noModel) throw new Error(noModel);
     answer.finish = await streamChat(requestBody(conv), state.settings.apiKey, state.controller.signal, (d) => {
       if (d.content) answer.content += d.content;
       if (d.reasoning_content) answer.reasoning += d.reasoning_content;
