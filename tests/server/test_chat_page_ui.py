@@ -188,3 +188,26 @@ def test_pasted_and_dropped_media_become_image_and_video_parts(browser, key_serv
     assert [len(m.get("attachments", [])) for m in stored(page)[0]["messages"]] == [2, 0]
     assert page.errors == []
     context.close()
+
+
+@needs_chromium
+def test_import_refuses_attachments_that_are_not_media_data_urls(browser, key_server, tmp_path):
+    context = browser.new_context()
+    page = open_page(context, key_server)
+    png = "data:image/png;base64," + base64.b64encode((IMAGES / "aspect_200.png").read_bytes()).decode()
+    for url, kind, ok in (("javascript:alert(1)", "image", False), (png, "video", False), (png, "image", True)):
+        export = tmp_path / "export.json"
+        export.write_text(json.dumps({"conversations": [{"title": "T", "updated": 1, "messages": [
+            {"role": "user", "content": "see", "attachments": [{"kind": kind, "url": url, "name": "a.png"}]}]}]}))
+        page.set_input_files("#import-file", str(export))
+        if ok:
+            page.click("#conversations .title >> text=T")
+            page.wait_for_selector(".msg.user img")
+            assert page.get_attribute(".msg.user img", "src") == png and page.is_hidden("#error")
+        else:
+            page.wait_for_selector("#error:not([hidden])")
+            assert "conversation 0, message 0: an attachment needs" in page.inner_text("#error")
+            assert stored(page) == []
+            page.evaluate("document.getElementById('error').hidden = true")
+    assert [c["title"] for c in stored(page)] == ["T"] and page.errors == []
+    context.close()

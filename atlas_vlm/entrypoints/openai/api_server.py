@@ -7,8 +7,8 @@ whatever the input's bytes: a malformed body is 400 (never FastAPI's 422), an un
 failed engine step 500, busy or unavailable 503 with ``Retry-After``, anything unexpected
 500. ``--api-key`` guards ``/v1/*`` (401; compared in constant time); with
 ``protect_docs_metrics`` also ``/docs``, ``/redoc``, ``/openapi.json`` and ``/metrics``;
-``/health`` stays open. The OpenAPI schema declares what the routes answer (JSON or SSE,
-the error statuses, ``text/plain`` metrics).
+``/health`` and the chat page at ``/`` (``entrypoints/web``) stay open. The OpenAPI schema
+declares what the routes answer (JSON or SSE, the error statuses, ``text/plain`` metrics).
 
 Faults and shutdown: a client gone while its request is prepared or queued drops it before
 prefill; a failed engine step fails the requests in flight and the engine is reset; an engine

@@ -59,6 +59,7 @@ function drawMessage(conv, i, el) {
 }
 
 function drawAll() {
+  state.conversations.sort((a, b) => b.updated - a.updated);  // the latest first, as on a reload
   const conv = current();
   const box = $("messages");
   box.replaceChildren(...(conv ? conv.messages.map((_, i) => drawMessage(conv, i)) : []));

@@ -68,6 +68,12 @@ export function parseExport(text, existing) {
       if (!m || !["user", "assistant"].includes(m.role) || typeof m.content !== "string") {
         throw new Error(`conversation ${i}, message ${j}: needs role "user" or "assistant" and a string content`);
       }
+      for (const a of m.attachments || []) {  // only media data: URLs are shown and sent again
+        if (!a || !["image", "video"].includes(a.kind) || typeof a.url !== "string" || !a.url.startsWith(`data:${a.kind}/`)) {
+          throw new Error(`conversation ${i}, message ${j}: an attachment needs kind "image" or "video" `
+                          + "and a data:image/... or data:video/... url of that kind");
+        }
+      }
     }
     const fresh = newConversation();
     const id = typeof c.id === "string" && !taken.has(c.id) ? c.id : fresh.id;
