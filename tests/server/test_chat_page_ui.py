@@ -113,6 +113,8 @@ def test_markdown_reasoning_tool_calls_and_a_stream_error_are_drawn(browser, key
     assert page.evaluate(render, "**b** *i* `<t>` $x^2$\n- one\n- two\n```py\nx = 1 < 2\n```") == (
         '<p><strong>b</strong> <em>i</em> <code>&lt;t&gt;</code> <span class="math">$x^2$</span></p>\n'
         '<ul><li>one</li><li>two</li></ul>\n<pre><code class="language-py">x = 1 &lt; 2</code></pre>')
+    assert page.evaluate(render, "from $5 to $10, \\(a+b\\)") == (
+        '<p>from $5 to $10, <span class="math">\\(a+b\\)</span></p>')
     assert page.evaluate(render, "[doc](https://example.org/a?b=1&c=2)") == (
         '<p><a href="https://example.org/a?b=1&amp;c=2" target="_blank" rel="noopener noreferrer">doc</a></p>')
 

@@ -16,7 +16,8 @@ function inline(text) {
   const kept = [];
   const keep = (html) => `\u0000${kept.push(html) - 1}\u0000`;
   let s = text.replace(/`([^`]+)`/g, (_, code) => keep(`<code>${code}</code>`));
-  s = s.replace(/\$([^$\n]+?)\$|\\\((.+?)\\\)/g, (m) => keep(`<span class="math">${m}</span>`));
+  // $...$ hugs its text and is not followed by a digit, so "$5 and $10" stay prices
+  s = s.replace(/\$(?=\S)[^$\n]+?(?<=\S)\$(?!\d)|\\\((.+?)\\\)/g, (m) => keep(`<span class="math">${m}</span>`));
   s = s.replace(/\[([^\]\n]+)\]\(([^)\s]+)\)/g, (m, label, url) => SAFE_URL.test(url)
     ? keep(`<a href="${url}" target="_blank" rel="noopener noreferrer">${label}</a>`) : m);
   s = s.replace(/\*\*(\S(?:.*?\S)?)\*\*|__(\S(?:.*?\S)?)__/g, (_, a, b) => `<strong>${a ?? b}</strong>`);

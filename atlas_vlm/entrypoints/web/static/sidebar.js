@@ -17,12 +17,14 @@ export function renderSidebar(ul, list, currentId, on) {
     const rename = document.createElement("button");
     rename.type = "button";
     rename.className = "rename";
-    rename.textContent = "Rename";
+    rename.textContent = "✎";
+    rename.title = "Rename";
     rename.addEventListener("click", () => startRename(li, title, conv, on.rename));
     const remove = document.createElement("button");
     remove.type = "button";
     remove.className = "delete";
-    remove.textContent = "Delete";
+    remove.textContent = "×";
+    remove.title = "Delete";
     remove.addEventListener("click", () => {
       if (window.confirm(`Delete the conversation "${conv.title}"?`)) on.remove(conv.id);
     });
