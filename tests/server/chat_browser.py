@@ -6,6 +6,7 @@ tests need them. Every wait is bounded."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,13 @@ def answer_texts(page) -> list[str]:
 def stored(page) -> list[dict]:
     """The conversations the page keeps in localStorage."""
     return json.loads(page.evaluate("localStorage.getItem('atlas-vlm.conversations') || '[]'"))
+
+
+def wait_for(pred, what: str, limit_s: float = WAIT_MS / 1000) -> None:
+    """Poll ``pred()`` every 0.1 s until true; AssertionError naming ``what`` after ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")

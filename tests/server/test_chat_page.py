@@ -1,7 +1,7 @@
 """The chat page at ``/`` in a real browser (Debian's Chromium through Playwright) against
 the text server (SmolLM2): what it streams equals the API's greedy answer for the same
 request (system prompt, multi-line message, regenerate, edit and resend, a second turn);
-Stop ends a stream midway and the server serves on; conversations survive a reload, are
+Stop ends a stream midway, the server aborts that request and serves on; conversations survive a reload, are
 renamed, deleted, exported and imported."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from chat_browser import answer_texts, browser, needs_chromium, open_page, send, set_settings, stored, wait_answers  # noqa: F401
+from chat_browser import (answer_texts, browser, needs_chromium, open_page, send, set_settings, stored,  # noqa: F401
+                          wait_answers, wait_for)
 
 pytestmark = [pytest.mark.server, pytest.mark.text, needs_chromium]
 
@@ -70,6 +71,8 @@ def test_stop_ends_the_stream_midway_and_the_server_serves_on(browser, text_serv
     page = open_page(context, text_server)
     set_settings(page, temperature=0, max_tokens=200, markdown=False)
     story = "Write a long story about a knight and a dragon."
+    aborted = "atlas:request_success_total{finished_reason=abort}"
+    aborts = text_server.metrics().get(aborted, 0)
     page.fill("#input", story)
     page.press("#input", "Enter")
     page.wait_for_function("() => (document.querySelector('.msg.assistant .content') || {}).textContent")
@@ -77,6 +80,8 @@ def test_stop_ends_the_stream_midway_and_the_server_serves_on(browser, text_serv
     wait_answers(page, 1)
     partial = stored(page)[0]["messages"][1]
     assert partial["stopped"] is True and "stopped" in page.inner_text(".msg.assistant .meta")
+    wait_for(lambda: text_server.metrics().get(aborted, 0) == aborts + 1, "the server to abort the stopped request")
+    assert text_server.metrics()["atlas:num_requests_running"] == 0
     full = api_answer(text_server, [{"role": "user", "content": story}], 200)
     assert partial["content"] and full.startswith(partial["content"]) and len(partial["content"]) < len(full)
     assert answer_texts(page) == [partial["content"]]
