@@ -36,9 +36,11 @@ IMAGE_SHARE_OF_L = 0.75  # the largest usable image leaves a quarter of L for th
 TORCH_DTYPES = {2: torch.bfloat16, 4: torch.float32}
 
 
-def kv_cache_spec(num_layers: int, num_kv_heads_: int, head_dim_: int, dtype: torch.dtype) -> KVCacheSpec:
-    """The KV shape of one token (``bytes_per_token`` = 2 * layers * kv_heads * head_dim * elem)."""
-    return KVCacheSpec(num_layers, num_kv_heads_, head_dim_, dtype)
+def kv_cache_spec(num_layers: int, num_kv_heads_: int, head_dim_: int, dtype: torch.dtype,
+                  kv_cache_dtype: str = "auto") -> KVCacheSpec:
+    """The KV shape of one token (``bytes_per_token`` = 2 * layers * kv_heads * head_dim * elem,
+    plus a 2-byte scale per head with an 8-bit ``kv_cache_dtype``)."""
+    return KVCacheSpec(num_layers, num_kv_heads_, head_dim_, dtype, kv_cache_dtype)
 
 
 def num_kv_blocks(budget_bytes: int, spec: KVCacheSpec, block_size: int) -> int:
