@@ -161,3 +161,23 @@ def test_real_smollm2_teacher_forced_top1_agreement():
         top2 = a.topk(2).values
         assert top2[0] - top2[1] < 0.25  # a near-tie, not a wrong answer
     assert max((a - q).abs().max().item() for a, q in pairs) < 2.0
+
+
+@pytest.mark.vlm
+def test_an_image_prompt_on_an_8bit_cache(tiny_models):
+    """Visual tokens' K/V go through the same 8-bit path: the kernel and the reference backend
+    give the same greedy tokens, and prefix-cache hits on the image read the stored codes."""
+    from helpers import IMAGES, SMALL, conv, record
+
+    folder = str(tiny_models["qwen2_5_vl"][0])
+    msgs = [conv(IMAGES / "chelsea.png", text="What is in the picture?")] * 2  # the second hits the cache
+    runs = {}
+    for backend in ("auto", "reference"):
+        llm = LLM(folder, dtype="float32", kv_cache_dtype="int8", attention_backend=backend, num_kvcache_blocks=64,
+                  max_model_len=512, **SMALL)
+        with record(llm) as rec:
+            outs = [llm.chat(m, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0] for m in msgs]
+        first_chunk = rec.by_request[outs[1].request_id][0]
+        assert first_chunk["start"] >= 16 and outs[0].token_ids == outs[1].token_ids  # a prefix-cache hit
+        runs[backend] = outs[0].token_ids
+    assert runs["auto"] == runs["reference"]
