@@ -22,6 +22,9 @@ class EngineConfig:
     model: str  # HF model folder, .gguf file or Hugging Face Hub id ORG/NAME
     revision: str | None = None  # Hub branch / tag / commit when model is a Hub id (None: main)
     kv_cache: str = "paged"  # "paged" (blocks) or "contiguous" (one max_model_len strip per request)
+    # K/V storage: "auto" (the model dtype), "int8" or "fp8_e4m3" (8-bit codes with one scale per
+    # token and KV head: mm_kv_cache_management.kv_quant)
+    kv_cache_dtype: str = "auto"
     kvcache_block_size: int = 16  # tokens per KV block
     num_kvcache_blocks: int = -1  # -1: derive from memory (below)
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the engine may use
@@ -77,6 +80,9 @@ class EngineConfig:
             from atlas_vlm.tool_parsers import ToolParserManager
 
             ToolParserManager.get_tool_parser(self.tool_call_parser)  # ValueError listing the known names
+        from mm_kv_cache_management.kv_quant import check_kv_cache_dtype
+
+        check_kv_cache_dtype(self.kv_cache_dtype)  # ValueError naming the known formats
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_KINDS}, got {self.kv_cache!r}")
         for name in ("kvcache_block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):

@@ -36,9 +36,11 @@ IMAGE_SHARE_OF_L = 0.75  # the largest usable image leaves a quarter of L for th
 TORCH_DTYPES = {2: torch.bfloat16, 4: torch.float32}
 
 
-def kv_cache_spec(num_layers: int, num_kv_heads_: int, head_dim_: int, dtype: torch.dtype) -> KVCacheSpec:
-    """The KV shape of one token (``bytes_per_token`` = 2 * layers * kv_heads * head_dim * elem)."""
-    return KVCacheSpec(num_layers, num_kv_heads_, head_dim_, dtype)
+def kv_cache_spec(num_layers: int, num_kv_heads_: int, head_dim_: int, dtype: torch.dtype,
+                  kv_cache_dtype: str = "auto") -> KVCacheSpec:
+    """The KV shape of one token (``bytes_per_token`` = 2 * layers * kv_heads * head_dim * elem,
+    plus a 2-byte scale per head with an 8-bit ``kv_cache_dtype``)."""
+    return KVCacheSpec(num_layers, num_kv_heads_, head_dim_, dtype, kv_cache_dtype)
 
 
 def num_kv_blocks(budget_bytes: int, spec: KVCacheSpec, block_size: int) -> int:
@@ -226,6 +228,7 @@ class MemoryPlan:
     usable_max_pixels: int = 0  # largest image <= max_pixels within IMAGE_SHARE_OF_L of L (0: text-only / none)
     note: str = ""  # what the caller changed (plan_model: planned at usable_max_pixels), for the user
     bound_image_tokens: int = 0  # then: visual tokens of one image at the checkpoint's own bound (over L)
+    kv_cache_dtype: str = "auto"  # K/V storage ("int8" / "fp8_e4m3": 8-bit codes + a 2-byte scale per head)
 
     @property
     def blocks_per_seq(self) -> int:
@@ -243,7 +246,8 @@ def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_u
          max_model_len: int | None = None, max_pixels: int | None = None, dtype: str = "bf16",
          block_size: int = 16, image_settings=None, quantization: str | None = None,
          video_seconds: float = 10.0, video_sampling: dict | None = None, video_fps: float | None = None,
-         video_max_frames: int | None = None, video_frames: int | None = None) -> MemoryPlan:
+         video_max_frames: int | None = None, video_frames: int | None = None,
+         kv_cache_dtype: str = "auto") -> MemoryPlan:
     """Plan one model on one GPU (see the module docstring for every formula).
 
     Args:
@@ -257,6 +261,8 @@ def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_u
         video_seconds: the planned clip (``video_tokens_per_clip``); ``video_sampling``: a
             SmolVLM2 checkpoint's ``video_sampling`` (its processor config), if any;
             ``video_fps`` / ``video_max_frames`` / ``video_frames``: the clip's own options.
+        kv_cache_dtype: the engine's K/V storage ("auto": ``dtype``; "int8" / "fp8_e4m3": one
+            byte per element plus a 2-byte scale per token and KV head).
 
     Raises:
         ValueError: unknown ``dtype`` or ``quantization``, or a vision tower without a formula.
@@ -277,7 +283,7 @@ def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_u
     max_pixels = max_pixels if vis else 0
     weights = text_weight_bytes(hf_config, quantization, b) + vis
     peak = vision_activation_peak(hf_config, max_pixels, b)
-    spec = kv_cache_spec(text.num_hidden_layers, num_kv_heads(text), head_dim(text), TORCH_DTYPES[b])
+    spec = kv_cache_spec(text.num_hidden_layers, num_kv_heads(text), head_dim(text), TORCH_DTYPES[b], kv_cache_dtype)
     budget = kv_cache_budget(gpu_memory, gpu_memory_utilization, weights + RUNTIME_OVERHEAD_BYTES,
                              ACTIVATION_RESERVE_BYTES + peak)
     blocks = num_kv_blocks(budget, spec, block_size)
@@ -291,4 +297,4 @@ def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_u
     return MemoryPlan(model, b, weights, vis, peak, spec.bytes_per_token, spec.bytes_per_token * block_size,
                       block_size, gpu_memory, gpu_memory_utilization, budget, blocks, length, max_pixels,
                       image_tokens, seqs, source, video_seconds, frames, frame_pixels, video_tokens, quantization,
-                      usable)
+                      usable, kv_cache_dtype=kv_cache_dtype)

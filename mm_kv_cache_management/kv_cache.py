@@ -3,7 +3,9 @@
 Both expose the same surface, used by ``atlas_vlm``'s single ``paged_attention`` function:
 ``write(layer, slot_mapping, k, v)`` stores new tokens' K/V through flat slots, and
 ``gather_kv_for_attention(layer, block_tables, max_len)`` returns each request's K/V as one
-padded tensor for SDPA with a length mask.
+padded tensor for SDPA with a length mask. With ``KVCacheSpec.kv_cache_dtype`` "int8" /
+"fp8_e4m3" both store 8-bit codes plus one float16 scale per (token, KV head) (``kv_quant``):
+``write`` quantizes, ``gather_kv_for_attention`` returns values in the model dtype.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from mm_kv_cache_management.block_table import BlockTable
+from mm_kv_cache_management.kv_quant import (SCALE_DTYPE, STORAGE_DTYPES, check_kv_cache_dtype,
+                                             dequantize_per_token_head, quantize_per_token_head)
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,13 +26,27 @@ class KVCacheSpec:
     num_layers: int  # decoder layers
     num_kv_heads: int  # key/value heads (GQA)
     head_dim: int  # channels per head
-    dtype: torch.dtype  # storage dtype
+    dtype: torch.dtype  # the model's dtype: what attention reads (and stores, with kv_cache_dtype "auto")
+    kv_cache_dtype: str = "auto"  # "auto" | "int8" | "fp8_e4m3" (kv_quant: 8-bit codes + per-token-head scales)
+
+    def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.kv_cache_dtype)
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_cache_dtype != "auto"
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype of ``k_cache`` / ``v_cache``."""
+        return STORAGE_DTYPES[self.kv_cache_dtype] if self.quantized else self.dtype
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V bytes of one token across all layers."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        """K and V bytes of one token across all layers (8-bit codes: plus their scales)."""
+        elem = torch.empty((), dtype=self.storage_dtype).element_size()
+        per_head = self.head_dim * elem + (SCALE_DTYPE.itemsize if self.quantized else 0)
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
 
 def _as_block_table_tensor(block_tables, device) -> torch.Tensor:
@@ -45,7 +63,9 @@ def _as_block_table_tensor(block_tables, device) -> torch.Tensor:
 class PagedKVCache:
     """K/V of every layer in fixed-size blocks.
 
-    ``k_cache``, ``v_cache``: ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``.
+    ``k_cache``, ``v_cache``: ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``
+    in ``spec.storage_dtype``; with 8-bit storage also ``k_scale``, ``v_scale``:
+    ``[num_layers, num_blocks, block_size, num_kv_heads]`` float16 (else None).
     Token ``t`` of a request is stored at flat slot ``block_table.slot(t)``.
     """
 
@@ -59,8 +79,12 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.k_cache = torch.zeros(shape, dtype=spec.storage_dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=spec.storage_dtype, device=device)
+        self.k_scale = self.v_scale = None
+        if spec.quantized:
+            self.k_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
+            self.v_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
 
     @classmethod
     def num_blocks_for_budget(cls, budget_bytes: int, spec: KVCacheSpec, block_size: int = 16) -> int:
@@ -69,8 +93,9 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes reserved by the K and V tensors."""
-        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+        """Bytes reserved by the K and V tensors (and their scales)."""
+        scales = 0 if self.k_scale is None else 2 * self.k_scale.numel() * self.k_scale.element_size()
+        return 2 * self.k_cache.numel() * self.k_cache.element_size() + scales
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V of new tokens.
@@ -80,8 +105,28 @@ class PagedKVCache:
             k, v: ``[num_tokens, num_kv_heads, head_dim]``.
         """
         kvh, hd = self.spec.num_kv_heads, self.spec.head_dim
+        if self.spec.quantized:
+            for codes, scales, x in ((self.k_cache, self.k_scale, k), (self.v_cache, self.v_scale, v)):
+                q, s = quantize_per_token_head(x, self.spec.kv_cache_dtype)  # [T, kvh, hd], [T, kvh]
+                codes[layer].view(-1, kvh, hd).index_copy_(0, slot_mapping, q)
+                scales[layer].view(-1, kvh).index_copy_(0, slot_mapping, s)
+            return
         self.k_cache[layer].view(-1, kvh, hd).index_copy_(0, slot_mapping, k.to(self.spec.dtype))
         self.v_cache[layer].view(-1, kvh, hd).index_copy_(0, slot_mapping, v.to(self.spec.dtype))
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """One layer's stored ``(k, v, k_scale, v_scale)`` as kernels read them: codes / values
+        ``[num_blocks, block_size, kv_heads, head_dim]``, scales ``[num_blocks, block_size,
+        kv_heads]`` (None without 8-bit storage)."""
+        if self.k_scale is None:
+            return self.k_cache[layer], self.v_cache[layer], None, None
+        return self.k_cache[layer], self.v_cache[layer], self.k_scale[layer], self.v_scale[layer]
+
+    def _values(self, codes: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        """Stored rows ``[..., kv_heads, head_dim]`` (and their scales) -> the model dtype."""
+        if scales is None:
+            return codes
+        return dequantize_per_token_head(codes, scales, self.spec.kv_cache_dtype, self.spec.dtype)
 
     def gather_kv_for_attention(self, layer: int, block_tables, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's K/V as one padded tensor.
@@ -102,6 +147,9 @@ class PagedKVCache:
         # [num_seqs * max_blocks, block_size, kv_heads, head_dim] -> [num_seqs, max_blocks * block_size, ...]
         k = self.k_cache[layer].index_select(0, flat).view(num_seqs, -1, kvh, hd)[:, :max_len]
         v = self.v_cache[layer].index_select(0, flat).view(num_seqs, -1, kvh, hd)[:, :max_len]
+        if self.spec.quantized:  # scales: [num_seqs, max_len, kv_heads]
+            k = self._values(k, self.k_scale[layer].index_select(0, flat).view(num_seqs, -1, kvh)[:, :max_len])
+            v = self._values(v, self.v_scale[layer].index_select(0, flat).view(num_seqs, -1, kvh)[:, :max_len])
         return k, v
 
 
@@ -123,4 +171,7 @@ class ContiguousKVCache(PagedKVCache):
         strips = _as_block_table_tensor(block_tables, self.k_cache.device)[:, 0].tolist()
         k = torch.stack([self.k_cache[layer, s, :max_len] for s in strips])  # [num_seqs, max_len, kv_heads, head_dim]
         v = torch.stack([self.v_cache[layer, s, :max_len] for s in strips])
+        if self.spec.quantized:  # scales: [num_seqs, max_len, kv_heads]
+            k = self._values(k, torch.stack([self.k_scale[layer, s, :max_len] for s in strips]))
+            v = self._values(v, torch.stack([self.v_scale[layer, s, :max_len] for s in strips]))
         return k, v

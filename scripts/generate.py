@@ -36,6 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--kv-cache", choices=["paged", "contiguous"], default="paged")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
+                   help="K/V storage: auto (the model dtype), int8 or fp8_e4m3 (8 bits + one scale per token and KV head: ~1.9x the tokens in the same memory)")
     p.add_argument("--max-model-len", type=int, default=None, help="tokens per request (prompt + output)")
     p.add_argument("--max-pixels", type=int, default=None, help="per-image pixel bound after resize: one visual token per 28x28 px on "
                    "Qwen2.5-VL, 32x32 on Qwen3-VL; SmolVLM2: longest edge floor(sqrt(P)) in whole tiles")
@@ -76,7 +78,8 @@ def _generate(args: argparse.Namespace, streaming: list) -> int:
         print(RANDOM_VLM_NOTICE, file=sys.stderr)
         model = default_vlm_model()
     kwargs = dict(kv_cache=args.kv_cache, kvcache_block_size=args.block_size, revision=args.revision,
-                  dtype=args.dtype, device=args.device, quantization=args.quantization)
+                  dtype=args.dtype, device=args.device, quantization=args.quantization,
+                  kv_cache_dtype=args.kv_cache_dtype)
     if args.max_model_len:
         kwargs["max_model_len"] = args.max_model_len
     for name in ("max_pixels", "min_pixels"):

@@ -66,7 +66,7 @@ def plan_model(model: str, args, **overrides) -> MemoryPlan:
                   quantization=getattr(args, "quantization", None),
                   video_seconds=getattr(args, "video_seconds", 10.0), video_sampling=_video_sampling(folder),
                   video_fps=getattr(args, "fps", None), video_max_frames=getattr(args, "max_frames", None),
-                  video_frames=getattr(args, "frames", None))
+                  video_frames=getattr(args, "frames", None), kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     kwargs.update(overrides)
     p = plan(cfg, **kwargs)
     if p.image_tokens > p.max_model_len and kwargs["max_pixels"] is None and p.usable_max_pixels:
@@ -122,7 +122,8 @@ def format_plan(p: MemoryPlan) -> str:
                         if p.image_tokens else "none (text-only model)"),
         ("video bound", _video_row(p)),
         ("vision activation peak", f"{_gib(p.vision_peak_bytes)}" if p.image_tokens else "none"),
-        ("KV per token", f"{p.kv_bytes_per_token:,} bytes"),
+        ("KV per token", f"{p.kv_bytes_per_token:,} bytes"
+                         + (f" ({p.kv_cache_dtype} K/V + scales)" if p.kv_cache_dtype != "auto" else "")),
         (f"KV per block ({p.block_size} tokens)", f"{p.kv_bytes_per_block:,} bytes"),
         ("GPU memory", f"{_gib(p.gpu_memory)} x gpu_memory_utilization {p.gpu_memory_utilization}"),
         ("KV budget", f"{_gib(p.kv_budget_bytes)} ({p.kv_budget_bytes:,} bytes)"),
@@ -151,7 +152,7 @@ def format_matrix(args) -> str:
     ``sequences (blocks)`` for sequences of ``max_model_len`` tokens with one image each."""
     length = args.max_model_len or 4096
     bound = f"max_pixels={args.max_pixels:,}" if args.max_pixels else "each model's own max_pixels"
-    head = (f"{'model':<45} {'weights':>10} {'KV/token':>9} {'image tok':>9} "
+    head = (f"{'model':<50} {'weights':>10} {'KV/token':>9} {'image tok':>9} "
             + " ".join(f"{f'{g} GiB':>14}" for g in MATRIX_GIB) + f" {'usable px':>10} {'video tok':>9}")
     lines = [f"sequences of L={length} tokens (one image at {bound}) held at once (KV blocks of "
              f"{args.block_size}), {args.dtype}, gpu_memory_utilization={args.gpu_memory_utilization}; "
@@ -160,21 +161,25 @@ def format_matrix(args) -> str:
              f"image (usable px: max_pixels of at most {IMAGE_SHARE_OF_L:.0%} of L in visual tokens); 'img>L': the "
              f"--max-pixels image is longer than L; video tok: a {args.video_seconds:g} s clip at each family's "
              "default sampling ('-': no video, or none stated)", head]
-    quants = [getattr(args, "quantization", None)]
-    if quants[0] is None:
-        quants.append("int4")  # the int4 rows (group 128) beside the dense ones
-    for quant in quants:
+    kv = getattr(args, "kv_cache_dtype", "auto")
+    rows = [(getattr(args, "quantization", None), kv)]
+    if rows[0][0] is None:
+        rows.append(("int4", kv))  # the int4 rows (group 128) beside the dense ones
+    if kv == "auto":
+        rows += [(quant, "int8") for quant, _ in rows]  # and both again with an 8-bit KV cache
+    for quant, kv in rows:
         for model in CHAIN:
             cells, first = [], None
             for g in MATRIX_GIB:
-                p = plan_model(model, args, gpu_memory=g * GiB, max_model_len=length, quantization=quant)
+                p = plan_model(model, args, gpu_memory=g * GiB, max_model_len=length, quantization=quant,
+                               kv_cache_dtype=kv)
                 first = first or p
                 seqs = "-" if not p.num_blocks else "img>L" if p.image_tokens > length else \
                     f"{p.max_num_seqs}*" if p.note else f"{p.max_num_seqs}"
                 cells.append(f"{seqs:>5} {f'({p.num_blocks})':>8}")
-            name = model if quant is None else f"{model} {quant}"
+            name = " ".join([model, *([quant] if quant else []), *([f"kv {kv}"] if kv != "auto" else [])])
             usable = f"{first.usable_max_pixels:,}" if first.note or first.image_tokens > length else "-"
-            lines.append(f"{name:<45} {_gib(first.weight_bytes):>10} {first.kv_bytes_per_token:>9,} "
+            lines.append(f"{name:<50} {_gib(first.weight_bytes):>10} {first.kv_bytes_per_token:>9,} "
                          f"{_image_tokens(first):>9} " + " ".join(cells) + f" {usable:>10} {first.video_tokens or '-':>9}")
     return "\n".join(lines)
 
@@ -205,6 +210,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--frames", type=int, default=None,
                    help="exactly this many frames (a video item's nframes; wins over --fps)")
     p.add_argument("--block-size", type=int, default=16, help="kvcache_block_size")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
+                   help="as the engine's: auto (the dtype's bytes), int8 / fp8_e4m3 (1 byte + a 2-byte scale per "
+                        "token and KV head); --matrix adds 'kv int8' rows when not given")
     p.add_argument("--matrix", action="store_true",
                    help="Qwen3-VL-4B, Qwen2.5-VL-3B, SmolVLM2-2.2B and Qwen2.5-0.5B on 8/12/16/24/48/80 GiB GPUs "
                         "(dense and int4 rows unless --quantization is given)")

@@ -10,7 +10,8 @@ chunks, CUDA) keeps PyTorch's SDPA. Tested against the reference backend
 The source is compiled on first use (``kernels/cbuild.py``): ``-O3 -fno-math-errno -fopenmp``,
 ``-march`` from ``hardware.cpu_features().kernel_march`` (``x86-64-v4`` where the CPU has
 AVX-512 F/BW/CD/DQ/VL, ``x86-64-v3`` where it has AVX2 + FMA + F16C, else the compiler's default target: plain C, it builds for any CPU), and glibc's vector
-``expf`` (libmvec) when it links. Without a compiler (or if the build fails) ``available()`` is
+``expf`` (libmvec) when it links. An 8-bit cache (``kv_cache_dtype`` "int8" / "fp8_e4m3")
+is read by ``csrc/paged_decode_q8.c``: the same loop over codes and per-token-head scales. Without a compiler (or if the build fails) ``available()`` is
 False, the reason is logged once, and the engine uses SDPA.
 """
 
@@ -25,6 +26,7 @@ import torch
 from atlas_vlm.kernels import cbuild
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+SOURCE_Q8 = SOURCE.with_name("paged_decode_q8.c")
 MAX_HEAD_DIM, MAX_GROUP = 256, 16  # as the C source
 
 
@@ -46,15 +48,37 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def available() -> bool:
-    """Whether the kernel is built and loaded (builds it on the first call)."""
-    return _library() is not None
+@functools.cache
+def _library_q8() -> ctypes.CDLL | None:
+    """The 8-bit-cache kernel (built once per source + flags); None (logged) when impossible."""
+    lib = cbuild.load(SOURCE_Q8, _compile_flags(), cbuild.LIBMVEC_ATTEMPTS, "8-bit KV decode attention uses SDPA")
+    if lib is None:
+        return None
+    args = [ctypes.c_void_p] * 7 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + \
+        [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    for name in ("paged_decode_q8_f32", "paged_decode_q8_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, ctypes.c_int
+    return lib
+
+
+@functools.cache
+def _code_table(kv_cache_dtype: str) -> torch.Tensor:
+    """``[256]`` fp32: the value of each 8-bit code (int8: the signed byte; fp8_e4m3: its float)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    values = codes.view(torch.float8_e4m3fn) if kv_cache_dtype == "fp8_e4m3" else codes.view(torch.int8)
+    return values.float().contiguous()
+
+
+def available(kv_cache_dtype: str = "auto") -> bool:
+    """Whether the kernel for this cache format is built and loaded (builds it on the first call)."""
+    return (_library() if kv_cache_dtype == "auto" else _library_q8()) is not None
 
 
 def unsupported_reason(device: torch.device | str, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-                       head_dim: int) -> str | None:
-    """Why the kernel cannot serve a model with these sizes on ``device``; None when it can
-    (builds the kernel on the first call)."""
+                       head_dim: int, kv_cache_dtype: str = "auto") -> str | None:
+    """Why the kernel cannot serve a model with these sizes on ``device`` (and this
+    ``kv_cache_dtype``); None when it can (builds the kernel on the first call)."""
     if torch.device(device).type != "cpu":
         return f"it runs on CPU only, not {torch.device(device).type}"
     if dtype not in (torch.float32, torch.bfloat16):
@@ -62,19 +86,23 @@ def unsupported_reason(device: torch.device | str, dtype: torch.dtype, num_heads
     if head_dim > MAX_HEAD_DIM or num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
         return (f"it takes head_dim <= {MAX_HEAD_DIM} and <= {MAX_GROUP} query heads per KV head, got "
                 f"head_dim {head_dim}, {num_heads} / {num_kv_heads} heads")
-    if not available():
+    if not available(kv_cache_dtype):
         return "it could not be built here (no C compiler, or the build failed: see the log)"
     return None
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           kv_cache_dtype: str = "auto") -> torch.Tensor:
     """Attention of one new token per request over its cached context.
 
     Args:
         q: ``[num_seqs, num_heads, head_dim]`` (RoPE applied), the cache's dtype.
         k_cache, v_cache: one layer, ``[num_blocks, block_size, num_kv_heads, head_dim]``,
-            holding each request's context including the new token.
+            holding each request's context including the new token; with ``kv_cache_dtype``
+            "int8" / "fp8_e4m3", 8-bit codes and ``k_scale`` / ``v_scale`` ``[num_blocks,
+            block_size, num_kv_heads]`` float16 (``mm_kv_cache_management.kv_quant``).
         block_tables: ``[num_seqs, max_blocks]`` int64 (padding entries are never read).
         context_lens: ``[num_seqs]`` int64, tokens in cache per request (>= 1).
         scale: softmax scale.
@@ -87,6 +115,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         RuntimeError: the kernel is not available, or refused the sizes (a context longer
             than its block table, head_dim > 256, more than 16 query heads per KV head).
     """
+    if kv_cache_dtype != "auto":
+        return _paged_decode_q8(q, k_cache, v_cache, k_scale, v_scale, kv_cache_dtype, block_tables,
+                                context_lens, scale)
     lib = _library()
     if lib is None:
         raise RuntimeError("the decode attention kernel is not available (see the log)")
@@ -94,11 +125,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if cache.dtype != q.dtype or cache.device.type != "cpu" or q.device.type != "cpu" or not cache.is_contiguous():
             raise ValueError(f"decode kernel: {name} must be a contiguous CPU tensor of q's dtype {q.dtype}, "
                              f"got {cache.dtype} on {cache.device} (contiguous: {cache.is_contiguous()})")
-    q = q.contiguous()
-    tables = block_tables if block_tables.dtype == torch.int64 and block_tables.is_contiguous() else \
-        block_tables.to(torch.int64).contiguous()
-    lens = context_lens if context_lens.dtype == torch.int64 and context_lens.is_contiguous() else \
-        context_lens.to(torch.int64).contiguous()
+    q, tables, lens = _prepared(q, block_tables, context_lens)
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -106,7 +133,46 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     status = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
                 lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(),
                 torch.get_num_threads())
+    _check(status, q, num_kv_heads, tables, lens)
+    return out
+
+
+def _prepared(q, block_tables, context_lens):
+    """q contiguous; block tables and context lengths as contiguous int64."""
+    q = q.contiguous()
+    tables = block_tables if block_tables.dtype == torch.int64 and block_tables.is_contiguous() else \
+        block_tables.to(torch.int64).contiguous()
+    lens = context_lens if context_lens.dtype == torch.int64 and context_lens.is_contiguous() else \
+        context_lens.to(torch.int64).contiguous()
+    return q, tables, lens
+
+
+def _check(status: int, q, num_kv_heads: int, tables, lens) -> None:
     if status != 0:
-        raise RuntimeError(f"decode attention kernel refused the sizes: heads {num_heads}/{num_kv_heads}, "
-                           f"head_dim {head_dim}, block tables {tuple(tables.shape)}, contexts up to {int(lens.max())}")
+        raise RuntimeError(f"decode attention kernel refused the sizes: heads {q.shape[1]}/{num_kv_heads}, "
+                           f"head_dim {q.shape[2]}, block tables {tuple(tables.shape)}, contexts up to {int(lens.max())}")
+
+
+def _paged_decode_q8(q, k_cache, v_cache, k_scale, v_scale, kv_cache_dtype, block_tables, context_lens, scale):
+    """``paged_decode_attention`` over an 8-bit cache (same arguments, same result)."""
+    lib = _library_q8()
+    if lib is None:
+        raise RuntimeError("the 8-bit KV decode attention kernel is not available (see the log)")
+    if q.dtype not in (torch.float32, torch.bfloat16) or q.device.type != "cpu":
+        raise ValueError(f"decode kernel: q must be a float32 / bfloat16 CPU tensor, got {q.dtype} on {q.device}")
+    for name, t, want in (("k_cache", k_cache, 1), ("v_cache", v_cache, 1), ("k_scale", k_scale, 2),
+                          ("v_scale", v_scale, 2)):
+        if t is None or t.element_size() != want or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"decode kernel ({kv_cache_dtype} KV): {name} must be a contiguous CPU tensor of "
+                             f"{want}-byte elements, got {None if t is None else (t.dtype, t.device)}")
+    q, tables, lens = _prepared(q, block_tables, context_lens)
+    out = torch.empty_like(q)
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    fn = lib.paged_decode_q8_bf16 if q.dtype == torch.bfloat16 else lib.paged_decode_q8_f32
+    status = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
+                _code_table(kv_cache_dtype).data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+                num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(),
+                torch.get_num_threads())
+    _check(status, q, num_kv_heads, tables, lens)
     return out

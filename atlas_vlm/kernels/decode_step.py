@@ -111,7 +111,8 @@ class DecodeStep:
         if arch.hidden_act != "silu" or dtype not in (torch.float32, torch.bfloat16):
             return None, f"hidden_act {arch.hidden_act} / dtype {dtype} (needs SwiGLU, fp32 or bf16)"
         if attention_backend != "decode_kernel" or kv_cache.k_cache.dtype != dtype:
-            return None, f"attention backend {attention_backend} (needs the decode kernel, the cache in {dtype})"
+            return None, (f"attention backend {attention_backend}, KV stored as {kv_cache.k_cache.dtype} "
+                          f"(needs the decode kernel, the cache in {dtype}: not an 8-bit kv_cache_dtype)")
         if max(arch.hidden_size, arch.intermediate_size) > fused.MAX_NORM_DIM:
             return None, f"hidden / intermediate size over {fused.MAX_NORM_DIM} (the C kernels' row bound)"
         if not fused.available():

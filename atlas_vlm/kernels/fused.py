@@ -130,6 +130,21 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # ---- RoPE + K/V write ----------------------------------------------------------------------------
 
+class _ScratchKV:
+    """One layer of ``t`` K/V rows in ``like``'s dtype, shaped as a cache of one-token blocks
+    (``k_cache`` ``[1, t, 1, kv_heads, head_dim]``): where the fused op writes before an 8-bit
+    cache quantizes."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, t: int, like: torch.Tensor):
+        self.spec = None
+        self.k_cache = like.new_empty(1, t, 1, num_kv_heads, head_dim)
+        self.v_cache = like.new_empty(1, t, 1, num_kv_heads, head_dim)
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_cache[layer].view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k.to(self.k_cache.dtype))
+        self.v_cache[layer].view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v.to(self.v_cache.dtype))
+
+
 def rope_write_kv_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                             num_kv_heads: int, head_dim: int, kv_cache, layer: int, slot_mapping: torch.Tensor,
                             q_norm=None, k_norm=None) -> torch.Tensor:
@@ -150,7 +165,17 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_h
                   head_dim: int, kv_cache, layer: int, slot_mapping: torch.Tensor, q_norm=None,
                   k_norm=None) -> torch.Tensor:
     """:func:`rope_write_kv_reference` in one C call where it serves (the cache in ``qkv``'s
-    dtype, ``head_dim`` even and <= 1024)."""
+    dtype, ``head_dim`` even and <= 1024). An 8-bit cache (``kv_cache_dtype``): the C call
+    writes K/V into scratch rows in ``qkv``'s dtype, which ``kv_cache.write`` then quantizes,
+    so RoPE's arithmetic is the same whatever the cache stores."""
+    if getattr(kv_cache.spec, "quantized", False):
+        t = qkv.shape[0]
+        scratch = _ScratchKV(kv_cache.spec.num_kv_heads, head_dim, t, qkv)
+        q = rope_write_kv(qkv, cos, sin, num_heads, num_kv_heads, head_dim, scratch, 0,
+                          torch.arange(t, device=qkv.device), q_norm, k_norm)
+        kv_cache.write(layer, slot_mapping, scratch.k_cache[0].view(t, num_kv_heads, head_dim),
+                       scratch.v_cache[0].view(t, num_kv_heads, head_dim))
+        return q
     k_cache, v_cache = kv_cache.k_cache[layer], kv_cache.v_cache[layer]
     norms = [] if q_norm is None else [q_norm.weight, k_norm.weight]
     if not _fast(qkv, cos, sin, k_cache, v_cache, *norms) or head_dim > MAX_HEAD_DIM or head_dim % 2:

@@ -41,7 +41,7 @@ class AttentionMetadata:
 
 
 def resolve_attention_backend(requested: str, device: torch.device | str, dtype: torch.dtype, num_heads: int,
-                              num_kv_heads: int, head_dim: int) -> str:
+                              num_kv_heads: int, head_dim: int, kv_cache_dtype: str = "auto") -> str:
     """``EngineConfig.attention_backend`` -> the backend a model runs with.
 
     ``"auto"``: ``"decode_kernel"`` where the C decode kernel serves the model (CPU, fp32 or
@@ -56,7 +56,7 @@ def resolve_attention_backend(requested: str, device: torch.device | str, dtype:
         raise ValueError(f"attention backend must be 'auto' or one of {ATTENTION_BACKENDS}, got {requested!r}")
     if requested not in ("auto", "decode_kernel"):
         return requested
-    why_not = decode_kernel.unsupported_reason(device, dtype, num_heads, num_kv_heads, head_dim)
+    why_not = decode_kernel.unsupported_reason(device, dtype, num_heads, num_kv_heads, head_dim, kv_cache_dtype)
     if why_not is None:
         return "decode_kernel"
     if requested == "decode_kernel":

@@ -152,6 +152,13 @@ def build_bucketed_layout(query_lens: list[int], context_lens: list[int], block_
     return BucketedLayout(decode_buckets=buckets, prefills=prefills, decode_batch=batch)
 
 
+def _kernel_decode(q: torch.Tensor, kv_cache, layer: int, d, scale: float) -> torch.Tensor:
+    """The C decode kernel over one layer of ``kv_cache`` (its 8-bit variant for an 8-bit cache)."""
+    k, v, k_scale, v_scale = kv_cache.layer_kv(layer)
+    return decode_kernel.paged_decode_attention(q, k, v, d.block_tables, d.context_lens, scale, k_scale, v_scale,
+                                                kv_cache.spec.kv_cache_dtype)
+
+
 def bucketed_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, layer: int,
                              layout: BucketedLayout, scale: float) -> torch.Tensor:
     """``attention.paged_attention`` over a ``BucketedLayout`` (same arguments and result:
@@ -169,12 +176,10 @@ def bucketed_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if kv_cache is None and (layout.decode_buckets or layout.decode_batch is not None):
         raise ValueError("without a KV cache every request must be a full prefill")
     if (d := layout.decode_batch) is not None and d.all_tokens:  # decode only: one kernel call is the answer
-        return decode_kernel.paged_decode_attention(q, kv_cache.k_cache[layer], kv_cache.v_cache[layer],
-                                                    d.block_tables, d.context_lens, scale)
+        return _kernel_decode(q, kv_cache, layer, d, scale)
     out = q.new_empty(num_tokens, num_heads, head_dim)
     if d is not None:
-        o = decode_kernel.paged_decode_attention(q[d.token_index], kv_cache.k_cache[layer], kv_cache.v_cache[layer],
-                                                 d.block_tables, d.context_lens, scale)  # [D, heads, head_dim]
+        o = _kernel_decode(q[d.token_index], kv_cache, layer, d, scale)  # [D, heads, head_dim]
         out.index_copy_(0, d.token_index, o)
     for b in layout.decode_buckets:
         k_ctx, v_ctx = kv_cache.gather_kv_for_attention(layer, b.block_tables, b.max_len)  # [B, L, kv_heads, hd]

@@ -144,10 +144,12 @@ def inductor_available() -> str | None:
     return None
 
 
-def resolve_compile_decode(requested, device: torch.device | str) -> tuple[bool, str]:
+def resolve_compile_decode(requested, device: torch.device | str, kv_cache_dtype: str = "auto") -> tuple[bool, str]:
     """``EngineConfig.compile_decode`` -> (on, why).
 
-    ``True`` / ``False``: as asked (``True`` where inductor cannot build runs eager, logged).
+    ``True`` / ``False``: as asked (``True`` where inductor cannot build runs eager, logged;
+    so does any request with an 8-bit ``kv_cache_dtype``: the compiled step writes K/V in the
+    model dtype).
     ``"auto"``: on for CUDA where inductor works, off on CPU: measured on this project's
     AVX512-BF16 CPU with SmolLM2-135M (``benchmarks/compiled_decode.py``,
     docs/performance-quantized.md), the compiled step did not pay (see the figures there), so CPU stays on
@@ -156,6 +158,8 @@ def resolve_compile_decode(requested, device: torch.device | str) -> tuple[bool,
     dev = torch.device(device)
     if requested is False:
         return False, "compile_decode=False"
+    if kv_cache_dtype != "auto":
+        return False, f"kv_cache_dtype={kv_cache_dtype}: the compiled step stores K/V in the model dtype; decode runs eager"
     if requested == "auto" and dev.type == "cpu":
         return False, "auto: off on CPU (the compiled step does not pay there, docs/performance-quantized.md)"
     why_not = inductor_available()

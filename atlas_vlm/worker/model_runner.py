@@ -74,7 +74,8 @@ class ModelRunner:
         self.mrope = self.model.arch.mrope_section is not None
         arch = self.model.arch
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device, self.dtype,
-                                                           arch.num_heads, arch.num_kv_heads, arch.head_dim)
+                                                           arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                                                           config.kv_cache_dtype)
         self.vision = None  # built before the KV cache so the CUDA budget sees its weights
         if loaded.vision_state_dict is not None:
             from atlas_vlm.models.registry import import_named, resolve_family
@@ -84,7 +85,7 @@ class ModelRunner:
                                                dtype=self.dtype, device=self.device)
             if pack:
                 self.num_packed_linears += pack_linears(self.vision)
-        spec = kv_cache_spec(arch.num_layers, arch.num_kv_heads, arch.head_dim, self.dtype)
+        spec = kv_cache_spec(arch.num_layers, arch.num_kv_heads, arch.head_dim, self.dtype, config.kv_cache_dtype)
         contiguous = config.kv_cache == "contiguous"
         self.block_size = max_model_len if contiguous else config.kvcache_block_size
         from atlas_vlm.memory_plan import engine_max_pixels
@@ -108,7 +109,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         from atlas_vlm.worker.compiled_decode import CompiledDecode, resolve_compile_decode
 
-        on, self.compile_decode_reason = resolve_compile_decode(config.compile_decode, self.device)
+        on, self.compile_decode_reason = resolve_compile_decode(config.compile_decode, self.device,
+                                                                config.kv_cache_dtype)
         compiled = CompiledDecode(
             self.model, self.kv_cache, self.block_size, max_model_len, config.max_num_seqs, self.mrope,
             use_kernel=self.attention_backend == "decode_kernel") if on else None  # None: eager decode

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 
 from helpers import IMAGES, REPO
 from atlas_vlm import LLM, RequestOutput, SamplingParams
@@ -138,3 +139,15 @@ def test_default_model_runs_a_video_and_a_bad_video_is_a_clear_error(capsys, tmp
     rc = _cli().main(["--video", str(VIDEOS / "not_a_video.mp4"), "--prompt", "hi"])
     err = capsys.readouterr().err
     assert rc == 1 and "not_a_video.mp4" in err and "not a video" in err
+
+
+@pytest.mark.text
+def test_kv_cache_dtype_flag_equals_the_library(tiny_models, capsys):
+    folder = tiny_models["qwen2"][0]
+    rc = _cli().main([*FP32, "--model", str(folder), "--prompt", "Hello there", "--max-tokens", "8", "--no-chat",
+                      "--kv-cache-dtype", "int8"])
+    out = capsys.readouterr()
+    llm = LLM(str(folder), num_kvcache_blocks=64, dtype="float32", kv_cache_dtype="int8")
+    assert llm.engine.runner.kv_cache.k_cache.dtype == torch.int8
+    expected = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=8))
+    assert rc == 0 and out.out == expected[0].text + "\n"

@@ -82,7 +82,7 @@ def test_matrix_with_an_explicit_bound(capsys):
     rows = {line.split()[0]: line.split() for line in lines[2:6]}
     assert rows["Qwen/Qwen2.5-VL-3B-Instruct"][4] == "1280" and rows["Qwen/Qwen2.5-VL-3B-Instruct"][11] != "img>L"
     # then the same four with int4 decoder projections (group 128, bf16 scales and zeros)
-    int4 = {line.split()[0]: line.split()[1:] for line in lines[6:]}
+    int4 = {line.split()[0]: line.split()[1:] for line in lines[6:10]}
     assert list(int4) == list(CHAIN) and all(r[0] == "int4" for r in int4.values())
     assert int4["Qwen/Qwen2.5-VL-3B-Instruct"][5:7] == ["19", "(5004)"]  # 8 GiB: >= 8 sequences of 1,280-token images
     assert int4["Qwen/Qwen3-VL-4B-Instruct"][1:3] == ["3.30", "GiB"] and int4["Qwen/Qwen3-VL-4B-Instruct"][5] == "4"
@@ -187,3 +187,29 @@ def test_per_video_options_count_the_clip(capsys):
         assert f"10 s clip: {frames} frames x 602,112 pixels = {frames // 2 * 768:,} visual tokens" in out
     assert main([*model, "--frames", "0"]) == 1
     assert "--frames must be > 0, got 0" in capsys.readouterr().err
+
+
+def test_an_8bit_kv_cache_is_planned_and_in_the_matrix(capsys):
+    assert main(["plan", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--gpu-memory", "24GiB",
+                 "--kv-cache-dtype", "int8"]) == 0
+    out = capsys.readouterr().out
+    # 24 layers x (K, V) x 2 KV heads x (64 one-byte codes + one 2-byte scale)
+    assert "KV per token                    6,336 bytes (int8 K/V + scales)" in out
+    assert "blocks (num_kvcache_blocks=-1)  208,441 " in out  # 1.94x the 107,477 of bf16 K/V
+    assert main(["plan", "--matrix"]) == 0
+    # after the name: weights (2 words), KV/token, image tok, 6 x "seqs (blocks)", usable px, video tok
+    rows = {" ".join(line.split()[:-18]): line.split()[-18:] for line in capsys.readouterr().out.splitlines()[2:]}
+    dense, q8 = rows["Qwen/Qwen2.5-0.5B-Instruct"], rows["Qwen/Qwen2.5-0.5B-Instruct kv int8"]
+    assert (dense[2], q8[2]) == ("12,288", "6,336") and q8[10:12] == ["814", "(208441)"]  # 24 GiB
+    assert "Qwen/Qwen2.5-VL-3B-Instruct int4 kv int8" in rows
+
+
+def test_serve_takes_kv_cache_dtype():
+    from atlas_vlm.entrypoints import cli
+    from atlas_vlm.entrypoints.openai.cli_args import engine_config_from_args
+
+    args = cli.build_parser().parse_args(["serve", "m", "--kv-cache-dtype", "int8"])
+    assert engine_config_from_args(args).kv_cache_dtype == "int8"
+    assert engine_config_from_args(cli.build_parser().parse_args(["serve", "m"])).kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "m", "--kv-cache-dtype", "int4"])
