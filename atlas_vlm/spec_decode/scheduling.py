@@ -7,14 +7,15 @@ prefill chunk) with their slots reserved. Drafts never cause a preemption: if th
 not fit, the request decodes without drafts this step.
 
 After the forward (``take_verified``): the drafts leave ``token_ids`` again and the rows to
-take are chosen (Leviathan et al. 2023, greedy case): row ``j`` holds the target's choice
-after draft ``j``; rows are taken while the previous draft equals the target's choice, plus the
-target's own next token. Taking those rows one by one reproduces, token for token, what
-decoding without drafts would have done. The scheduler then commits only the K/V of the
+take are chosen (Leviathan et al. 2023): row ``j`` holds the target's choice after draft
+``j`` (greedy: its argmax; sampled: the draft if ``spec_decode.rejection`` accepted it, else
+the replacement it drew); rows are taken while the previous draft equals the row's token,
+plus the target's own next token. For greedy requests, taking those rows one by one
+reproduces, token for token, what decoding without drafts would have done. The scheduler then commits only the K/V of the
 accepted tokens and gives back the rejected drafts' slots (``free_uncomputed_tail``).
 
-Which requests get drafts: greedy ones without a structured-output grammar and not pooling;
-the others decode one token per step as without speculation.
+Which requests get drafts: those without a structured-output grammar and not pooling; the
+others decode one token per step as without speculation.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from mm_kv_cache_management import NoFreeBlocksError
 
 
 def can_draft(req) -> bool:
-    """Whether ``req`` decodes with drafts: speculation on for it (``spec_decode`` set),
-    greedy, no structured-output grammar, not a pooling request."""
-    p = req.sampling_params
-    return (req.spec_decode is not None and p.greedy and p.structured_outputs is None
+    """Whether ``req`` decodes with drafts: speculation on for it (``spec_decode`` set), no
+    structured-output grammar, not a pooling request. Greedy and sampled requests both do
+    (sampled ones are verified by ``spec_decode.rejection``)."""
+    return (req.spec_decode is not None and req.sampling_params.structured_outputs is None
             and req.pooling_params is None)
 
 

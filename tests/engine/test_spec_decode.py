@@ -193,14 +193,13 @@ def test_off_by_default_and_config_errors(folder, plain):
             EngineConfig(model=str(folder), **kw)
 
 
-def test_sampled_and_grammar_requests_run_without_drafts(folder):
+def test_grammar_requests_run_without_drafts_beside_drafted_ones(folder, plain):
     llm = spec_llm(folder, 4)
-    params = [SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=12, structured_outputs={"choice": ["yes", "no"]})]
+    params = [greedy(16), SamplingParams(temperature=0, max_tokens=12, structured_outputs={"choice": ["yes", "no"]})]
     outs = llm.generate([PROMPTS[0], PROMPTS[0]], params, use_tqdm=False)
-    for o in outs:
-        assert o.finish_reason in ("length", "stop") and o.spec_decode["proposed"] == 0
-    assert outs[1].text in ("yes", "no")
+    assert outs[0].spec_decode["proposed"] > 0 and outs[1].spec_decode["proposed"] == 0
+    assert outs[1].text in ("yes", "no") and outs[1].finish_reason == "stop"
+    assert_same(plain.generate(PROMPTS[0], greedy(16), use_tqdm=False)[0], outs[0])
 
 
 @pytest.mark.vlm
