@@ -198,8 +198,8 @@ class Scheduler:
             if remaining == 1:
                 if not self._reserve_decode_slot(req, out):
                     break
-                if self.proposer is not None:
-                    remaining += add_drafts(self, req, budget)
+                if self.proposer is not None:  # drafts leave one token for each running request after it
+                    remaining += add_drafts(self, req, budget - (len(self.running) - i - 1))
             n, cost = self._fit_encoder_budget(req, min(remaining, budget), encoder_budget,
                                                encoder_budget == self.max_num_encoder_tokens)
             i += 1

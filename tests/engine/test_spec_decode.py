@@ -149,6 +149,26 @@ def test_streamed_deltas_add_up_to_the_plain_output(folder, plain):
     assert (text, ids) == (ref.text, ref.token_ids)
 
 
+def test_drafts_never_starve_the_other_decodes_of_a_tight_budget(folder):
+    kw = dict(max_num_batched_tokens=6, max_num_seqs=4)
+    prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[1], PROMPTS[0]]
+    ref = LLM(str(folder), **{**BASE, **kw}).generate(prompts, greedy(20), use_tqdm=False)
+    llm = spec_llm(folder, 4, **kw)
+    decode_steps = []
+
+    def observe(chunks, inp, logits, sampled):
+        running = llm.engine.scheduler.running
+        if all(r.num_computed_tokens >= r.num_prompt_tokens for r in running):
+            decode_steps.append((len(chunks), len(running)))
+
+    llm.engine.runner.observers.append(observe)
+    out = llm.generate(prompts, greedy(20), use_tqdm=False)
+    for r, o in zip(ref, out):
+        assert_same(r, o)
+    assert decode_steps and all(n == running for n, running in decode_steps)
+    assert llm.engine.scheduler.spec_decode_stats["accepted"] > 0
+
+
 def test_n_copies_of_one_prompt_and_preemption(folder, plain):
     prompts = [PROMPTS[0]] * 3 + [PROMPTS[3]] * 2
     ref = plain.generate(prompts, greedy(40), use_tqdm=False)
