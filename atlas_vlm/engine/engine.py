@@ -246,7 +246,11 @@ class LLMEngine:
             del self.requests[req.request_id]
         if sched.is_empty:
             return outputs
-        runner_output = self.runner.run(sched.chunks, grammar_bitmask=sched.grammar_bitmask)
+        try:
+            runner_output = self.runner.run(sched.chunks, grammar_bitmask=sched.grammar_bitmask)
+        except BaseException:
+            self.scheduler.undo_drafts(sched)  # the step did not happen: drafts are no tokens to compute
+            raise
         for req, new_token_ids in self.scheduler.update_from_output(sched, runner_output):
             out, stopped = self.output_processor.process(req, new_token_ids)
             if stopped:  # a stop string: the output processor ended it

@@ -113,14 +113,19 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def undo_drafts(self, scheduler_output: SchedulerOutput) -> None:
+        """Take the drafts of a step whose forward raised out of their requests' ``token_ids``
+        (their slots stay reserved; the next step re-drafts)."""
+        for req, _ in scheduler_output.chunks:
+            if req.spec_token_ids:
+                del req.token_ids[-len(req.spec_token_ids):]
+                req.spec_token_ids = []
+
     def finish(self, req: Request, reason: str | None = None) -> None:
         """Drop a finished or aborted request and free its blocks (idempotent); ``reason``
         sets ``finish_reason`` if given."""
         if reason is not None:
             req.finish_reason = reason
-        if req.spec_token_ids:  # drafts still in token_ids (a step that raised midway)
-            del req.token_ids[-len(req.spec_token_ids):]
-            req.spec_token_ids = []
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:

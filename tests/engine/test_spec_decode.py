@@ -252,3 +252,51 @@ def test_quantized_model_mixes_the_c_decode_step_and_drafted_steps(folder):
     steps = llm.engine.runner.executor_steps
     assert steps["decode_step"] > 0 and steps["eager"] > 1  # the prefill plus drafted steps
     assert plain_q.engine.runner.executor_steps["eager"] == 1  # without speculation: every decode in C
+
+
+def test_a_step_that_raises_leaves_no_draft_behind(folder, plain):
+    llm = spec_llm(folder, 4)
+    eng, fault = llm.engine, {"armed": False}
+
+    def observe(chunks, inp, logits, sampled):
+        if fault["armed"] and any(req.spec_token_ids for req, _ in chunks):
+            fault["armed"] = False
+            raise RuntimeError("injected fault")
+
+    eng.runner.observers.append(observe)
+    rid = eng.add_request(PROMPTS[0], greedy(30))
+    eng.step()
+    fault["armed"] = True
+    with pytest.raises(RuntimeError, match="injected"):
+        while fault["armed"]:
+            eng.step()
+    req = eng.requests[rid]
+    assert not req.spec_token_ids and req.num_tokens == req.num_computed_tokens + 1
+    final = None
+    while eng.has_unfinished_requests():
+        final = next((o for o in eng.step() if o.finished), final)
+    assert_same(plain.generate(PROMPTS[0], greedy(30), use_tqdm=False)[0], final)
+
+
+def test_non_finite_logits_in_a_drafted_row_fail_that_request_alone(folder, plain):
+    llm = spec_llm(folder, 4)
+    victim = {}
+
+    def observe(chunks, inp, logits, sampled):
+        for row, index in enumerate(sampled):
+            req = chunks[index][0]
+            if req.spec_token_ids and req.request_id == victim.get("id"):
+                logits[row] = float("nan")  # its first verified row (always taken)
+                victim["id"] = None
+                return
+
+    llm.engine.runner.observers.append(observe)
+    ids = [llm.engine.add_request(p, greedy(30)) for p in PROMPTS[:2]]
+    victim["id"] = ids[0]
+    finals = {}
+    while llm.engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in llm.engine.step() if o.finished})
+    assert victim["id"] is None, "no drafted step of the victim was seen"
+    assert finals[ids[0]].finish_reason == "error" and "not finite" in finals[ids[0]].error
+    assert_same(plain.generate(PROMPTS[1], greedy(30), use_tqdm=False)[0], finals[ids[1]])
+    assert_all_blocks_back(llm)
