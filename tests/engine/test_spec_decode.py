@@ -300,3 +300,14 @@ def test_non_finite_logits_in_a_drafted_row_fail_that_request_alone(folder, plai
     assert finals[ids[0]].finish_reason == "error" and "not finite" in finals[ids[0]].error
     assert_same(plain.generate(PROMPTS[1], greedy(30), use_tqdm=False)[0], finals[ids[1]])
     assert_all_blocks_back(llm)
+
+
+def test_contiguous_kv_cache_equals_plain_decode(folder):
+    kw = dict(kv_cache="contiguous", max_model_len=256, num_kvcache_blocks=4)
+    ref = LLM(str(folder), **{**BASE, **kw}).generate(PROMPTS, greedy(20), use_tqdm=False)
+    llm = spec_llm(folder, 3, **kw)
+    out = llm.generate(PROMPTS, greedy(20), use_tqdm=False)
+    for r, o in zip(ref, out):
+        assert_same(r, o)
+    assert llm.engine.scheduler.spec_decode_stats["accepted"] > 0
+    assert_all_blocks_back(llm)
