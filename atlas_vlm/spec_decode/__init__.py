@@ -1,4 +1,6 @@
-"""Exact speculative decoding: draft proposers (``ngram``) and the verification rule (``verify``)."""
+"""Exact speculative decoding (docs/speculative.md): the n-gram draft proposer (``ngram``),
+the scheduler's drafting and verification steps (``scheduling``) and speculative sampling for
+``temperature > 0`` (``rejection``)."""
 
 from atlas_vlm.spec_decode.ngram import NgramProposer
 
