@@ -10,6 +10,7 @@ from atlas_vlm import hardware
 from mm_token_pipeline import DEFAULT_HTTP_MAX_BYTES, DEFAULT_HTTP_TIMEOUT_S, MultiModalOptions
 
 KV_CACHE_KINDS = ("paged", "contiguous")
+SPECULATIVE_METHODS = (None, "ngram")  # atlas_vlm.spec_decode's proposers
 ATTENTION_BACKENDS = ("auto", "reference", "bucketed", "decode_kernel")  # atlas_vlm.layers.attention's + "auto"
 @dataclass
 class EngineConfig:
@@ -70,6 +71,13 @@ class EngineConfig:
     # (worker/compiled_decode.py): True, False, or "auto" (on where it pays and inductor works:
     # CUDA; off on CPU, where it was measured not to pay). The eager path is the fallback.
     compile_decode: bool | str = "auto"
+    # exact speculative decoding (atlas_vlm.spec_decode, docs/speculative.md): "ngram" (prompt-lookup
+    # drafts, vLLM's method="ngram") or None (off); drafts per decode step (None: 4 when on), and the
+    # longest / shortest n-gram looked up (vLLM's prompt_lookup_max / prompt_lookup_min)
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -83,6 +91,7 @@ class EngineConfig:
         from mm_kv_cache_management.kv_quant import check_kv_cache_dtype
 
         check_kv_cache_dtype(self.kv_cache_dtype)  # ValueError naming the known formats
+        self._check_speculative()
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_KINDS}, got {self.kv_cache!r}")
         for name in ("kvcache_block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
@@ -119,6 +128,29 @@ class EngineConfig:
         from atlas_vlm.quantization import check_quantization
 
         check_quantization(self.quantization)  # ValueError naming the known methods, before any load
+
+    def _check_speculative(self) -> None:
+        """Raises ValueError naming the speculative-decoding field that is out of range."""
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
+        k = self.num_speculative_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"num_speculative_tokens must be an int >= 1 (tokens) or None, got {k!r}")
+        if k is not None and self.speculative is None:
+            raise ValueError("num_speculative_tokens is set but speculative is None (off); "
+                             "pass speculative='ngram' (--speculative ngram) to turn speculation on")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if isinstance(lo, bool) or not isinstance(lo, int) or lo < 1:
+            raise ValueError(f"prompt_lookup_min must be an int >= 1 (tokens), got {lo!r}")
+        if isinstance(hi, bool) or not isinstance(hi, int) or hi < lo:
+            raise ValueError(f"prompt_lookup_max must be an int >= prompt_lookup_min ({lo}), got {hi!r}")
+
+    @property
+    def speculative_tokens(self) -> int:
+        """Drafts per decode step: 0 with speculation off, else ``num_speculative_tokens`` (4 if None)."""
+        if self.speculative is None:
+            return 0
+        return 4 if self.num_speculative_tokens is None else self.num_speculative_tokens
 
     def image_bounds(self, settings) -> MultiModalOptions:
         """The engine's image bounds: the checkpoint's ``settings``

@@ -37,6 +37,9 @@ class RequestOutput:
     # a pooling request (LLM.embed, PoolingParams): the pooled vector (floats), set on its final output
     embedding: list[float] | None = None
     stop_reason: str | None = None  # the stop string that ended the request (vLLM's ``stop_reason``), else None
+    # speculative decoding on (EngineConfig.speculative): {"drafts": steps that carried drafts,
+    # "proposed": draft tokens, "accepted": drafts accepted} for this request so far; else None
+    spec_decode: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -62,5 +65,6 @@ class RequestOutput:
                     setattr(self, name, [])
                 getattr(self, name).extend(entries)
         self.finish_reason, self.error, self.stop_reason = delta.finish_reason, delta.error, delta.stop_reason
+        self.spec_decode = delta.spec_decode
         self.new_text, self.new_token_ids = delta.new_text, delta.new_token_ids
         return self

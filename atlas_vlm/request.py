@@ -30,6 +30,11 @@ class Request(RequestState):
     pooling_params: PoolingParams | None = None  # set: an embedding request (prompt only, no sampling)
     pooled_sum: torch.Tensor | None = None  # "mean" pooling: fp32 [hidden] sum of the rows computed so far
     embedding: list[float] | None = None  # the pooled vector once the prompt is computed (worker.pooler)
+    # speculative decoding (atlas_vlm.spec_decode): the draft tokens of the step in flight (they sit
+    # at the end of token_ids from schedule to update_from_output), and per-request counts
+    # {"proposed", "accepted", "steps"} (None: speculation off in this engine)
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_decode: dict | None = None
 
     def block_hashes(self, block_size: int, num_tokens: int | None = None) -> list[bytes]:
         """As ``RequestState.block_hashes``, but none for a "mean" pooling request: it needs
@@ -38,6 +43,21 @@ class Request(RequestState):
         if self.pooling_params is not None and self.pooling_params.pooling == "mean":
             return []
         return super().block_hashes(block_size, num_tokens)
+
+    def drop_last_tokens(self, n: int) -> None:
+        """Forget the last ``n`` generated tokens (and their logprobs): tokens a stop string
+        found inside a step's accepted speculative run made void. ``n`` <= generated tokens.
+
+        Raises:
+            ValueError: ``n`` is negative or more than the generated tokens.
+        """
+        if not 0 <= n <= self.num_output_tokens:
+            raise ValueError(f"request {self.request_id!r}: cannot drop {n} of {self.num_output_tokens} "
+                             f"generated tokens")
+        if n:
+            del self.token_ids[-n:]
+            keep = max(0, len(self.logprobs) - n)
+            del self.logprobs[keep:], self.top_logprobs[keep:]
 
     @property
     def output_token_ids(self) -> list[int]:

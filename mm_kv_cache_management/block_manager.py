@@ -180,6 +180,30 @@ class BlockManager:
         table.num_tokens = max(table.num_tokens, end)
         self.cache_full_blocks(req)
 
+    def free_uncomputed_tail(self, req: RequestState) -> int:
+        """Give back the slots reserved past ``req.num_computed_tokens`` (speculative drafts
+        that were rejected): ``block_table.num_tokens`` falls back to the computed tokens and
+        every tail block left without a computed token is freed. Nothing is registered in the
+        prefix cache (only ``commit_computed`` registers, and only computed tokens). Returns
+        the blocks freed.
+
+        Raises:
+            ValueError: the request holds no blocks.
+        """
+        table = req.block_table
+        if table is None:
+            raise ValueError(f"request {req.request_id!r} holds no blocks; nothing to give back")
+        keep = self.num_blocks_needed(req.num_computed_tokens)
+        freed = 0
+        while len(table.block_ids) > keep:
+            block = self.blocks[table.block_ids.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.block_id] = None
+            freed += 1
+        table.num_tokens = min(table.num_tokens, req.num_computed_tokens)
+        return freed
+
     def free_request(self, req: RequestState) -> None:
         """Give back every block of ``req`` (tail first, so the LRU evicts tails first). Idempotent."""
         table = req.block_table

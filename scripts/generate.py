@@ -48,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf", "awq", "gptq"],
                    help="weight-only quantization: int8 / int4 at load, gguf as stored (a .gguf), awq / gptq "
                         "(read from the checkpoint's quantization_config when not given)")
+    p.add_argument("--speculative", default=None, choices=["ngram"],
+                   help="exact speculative decoding: ngram (prompt-lookup drafts; greedy requests; docs/speculative.md)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per decode step with --speculative (default 4)")
     p.add_argument("--no-chat", action="store_true", help="send --prompt as raw text, without the chat template")
     return p.parse_args(argv)
 
@@ -79,7 +82,8 @@ def _generate(args: argparse.Namespace, streaming: list) -> int:
         model = default_vlm_model()
     kwargs = dict(kv_cache=args.kv_cache, kvcache_block_size=args.block_size, revision=args.revision,
                   dtype=args.dtype, device=args.device, quantization=args.quantization,
-                  kv_cache_dtype=args.kv_cache_dtype)
+                  kv_cache_dtype=args.kv_cache_dtype, speculative=args.speculative,
+                  num_speculative_tokens=args.num_speculative_tokens)
     if args.max_model_len:
         kwargs["max_model_len"] = args.max_model_len
     for name in ("max_pixels", "min_pixels"):

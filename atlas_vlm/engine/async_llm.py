@@ -330,8 +330,9 @@ class AsyncLLM:
 
     def _snapshot(self, batch_size: int) -> None:
         sched, bm = self.engine.scheduler, self.engine.block_manager
+        spec = sched.spec_decode_stats
         self.stats = EngineStats(len(sched.running), len(sched.waiting), bm.num_blocks, bm.num_free_blocks,
-                                 sched.num_preemptions)
+                                 sched.num_preemptions, spec["drafts"], spec["proposed"], spec["accepted"])
         if self.stat_logger is not None and batch_size:
             self.stat_logger.on_step(self.stats, batch_size)
 

@@ -80,7 +80,8 @@ class LLMEngine:
                                    max_model_len=self.max_model_len, eos_token_ids=eos,
                                    structured_output_manager=self.structured_output_manager,
                                    max_num_encoder_tokens=config.max_num_encoder_tokens or budget,
-                                   is_encoded=self.runner.encoder_cache.__contains__)
+                                   is_encoded=self.runner.encoder_cache.__contains__,
+                                   proposer=self._proposer(), num_speculative_tokens=config.speculative_tokens)
         self.input_processor = InputProcessor(self.tokenizer, self.hf_config, config, arch.vocab_size,
                                               self.max_model_len, self.block_manager, self.runner.device,
                                               loaded.image_settings)
@@ -89,6 +90,17 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._finished_outside_step: list[RequestOutput] = []  # aborts, handed out by the next step
         self._lock = threading.RLock()
+
+    def _proposer(self):
+        """The draft proposer of ``config.speculative`` (None: off); placeholder ids of the
+        model's media are never drafted."""
+        if self.config.speculative is None:
+            return None
+        from atlas_vlm.spec_decode import NgramProposer
+
+        pads = {getattr(self.hf_config, name, None) for name in ("image_token_id", "video_token_id")}
+        return NgramProposer(self.config.prompt_lookup_max, self.config.prompt_lookup_min,
+                             {t for t in pads if isinstance(t, int)})
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -156,6 +168,8 @@ class LLMEngine:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.structured_output_manager.add_request(req)  # its grammar compiles off this thread
+        if self.config.speculative is not None and req.pooling_params is None:
+            req.spec_decode = {"drafts": 0, "proposed": 0, "accepted": 0}
         self.requests[req.request_id] = req
         self.output_processor.add_request(req.request_id, req.prompt, req.token_ids, req.sampling_params.stop,
                                           req.sampling_params.output_kind)
@@ -191,8 +205,10 @@ class LLMEngine:
                                    sched.enable_chunked_prefill, max_model_len=sched.max_model_len,
                                    eos_token_ids=sched.eos_token_ids,
                                    structured_output_manager=sched.structured_output_manager,
-                                   max_num_encoder_tokens=sched.max_num_encoder_tokens, is_encoded=sched.is_encoded)
-        self.scheduler.num_preemptions = sched.num_preemptions  # a running total (metrics)
+                                   max_num_encoder_tokens=sched.max_num_encoder_tokens, is_encoded=sched.is_encoded,
+                                   proposer=sched.proposer, num_speculative_tokens=sched.num_speculative_tokens)
+        self.scheduler.num_preemptions = sched.num_preemptions  # running totals (metrics)
+        self.scheduler.spec_decode_stats = sched.spec_decode_stats
         self.input_processor.block_manager = self.block_manager
         self.output_processor = OutputProcessor(self.tokenizer)
         self.runner.encoder_cache.clear()
@@ -230,7 +246,11 @@ class LLMEngine:
             del self.requests[req.request_id]
         if sched.is_empty:
             return outputs
-        runner_output = self.runner.run(sched.chunks, grammar_bitmask=sched.grammar_bitmask)
+        try:
+            runner_output = self.runner.run(sched.chunks, grammar_bitmask=sched.grammar_bitmask)
+        except BaseException:
+            self.scheduler.undo_drafts(sched)  # the step did not happen: drafts are no tokens to compute
+            raise
         for req, new_token_ids in self.scheduler.update_from_output(sched, runner_output):
             out, stopped = self.output_processor.process(req, new_token_ids)
             if stopped:  # a stop string: the output processor ended it

@@ -91,25 +91,23 @@ class OutputProcessor:
         ``finish_reason`` the scheduler has set if the step ended it). Returns the output
         (None for a FINAL_ONLY request still running) and whether a stop string ended the
         request in this step (then ``req.finish_reason`` is set to "stop" and the caller must
-        free the request)."""
+        free the request). Several ids (a speculative step's accepted run) are detokenized
+        one by one, as the plain decode steps would; a stop string completed by one of them
+        drops the ids after it from ``req`` (``Request.drop_last_tokens``) and from the output."""
         state = self.states[req.request_id]
-        state.token_ids.extend(new_token_ids)
-        committed_before = len(state.cleanup.committed)
-        stable, pending = state.detokenizer.step(new_token_ids)
-        state.cleanup.push(stable)
         stopped = False
         was_finished = req.finish_reason is not None
-        cut = None  # where a stop string starts in the whole text
-        if state.stops:
-            # search only the new text plus a look-back of the longest stop minus one
-            window = max(0, committed_before - state.max_stop_len + 1)
-            recent = state.cleanup.committed[window:] + state.cleanup.tail_text(pending)
-            hits = [(at, s) for s in state.stops if (at := recent.find(s)) != -1]
-            if hits:
-                at, state.stop_reason = min(hits, key=lambda h: h[0])
-                cut = window + at
+        # several ids (a speculative step's accepted run) go in one by one, as plain decode
+        # steps would: a stop string completed by one of them voids the ids after it
+        steps = [[t] for t in new_token_ids] if len(new_token_ids) > 1 else [new_token_ids]
+        for j, ids in enumerate(steps):
+            pending, cut = self._advance(state, ids)  # cut: where a stop string starts in the text
+            if cut is not None:
+                if j < len(steps) - 1:
+                    req.drop_last_tokens(len(steps) - j - 1)
                 stopped = not was_finished
                 req.finish_reason = "stop"
+                break
         committed = state.cleanup.committed
         if req.finish_reason is not None:
             text = committed + state.cleanup.tail_text(pending)
@@ -120,6 +118,24 @@ class OutputProcessor:
             state.released = end
             return None, stopped
         return self._emit(state, req, text, end), stopped
+
+    @staticmethod
+    def _advance(state: RequestOutputState, ids: list[int]) -> tuple[str, int | None]:
+        """Detokenize ``ids`` into ``state``; returns the pending text and where the first stop
+        string starts in the whole text (None: none)."""
+        state.token_ids.extend(ids)
+        committed_before = len(state.cleanup.committed)
+        stable, pending = state.detokenizer.step(ids)
+        state.cleanup.push(stable)
+        if state.stops:
+            # search only the new text plus a look-back of the longest stop minus one
+            window = max(0, committed_before - state.max_stop_len + 1)
+            recent = state.cleanup.committed[window:] + state.cleanup.tail_text(pending)
+            hits = [(at, s) for s in state.stops if (at := recent.find(s)) != -1]
+            if hits:
+                at, state.stop_reason = min(hits, key=lambda h: h[0])
+                return pending, window + at
+        return pending, None
 
     def finish(self, req) -> RequestOutput:
         """The last output of a request ended outside a step (abort, error): its text is what
@@ -158,4 +174,5 @@ class OutputProcessor:
             error=getattr(req, "error", None), new_token_ids=new_ids, new_text=new_text,
             embedding=getattr(req, "embedding", None),
             stop_reason=state.stop_reason if finished else None,
+            spec_decode=dict(req.spec_decode) if getattr(req, "spec_decode", None) is not None else None,
         )

@@ -37,6 +37,10 @@ class EngineStats:
     num_blocks: int = 0
     num_free_blocks: int = 0
     num_preemptions: int = 0
+    # speculative decoding totals (Scheduler.spec_decode_stats): steps with drafts, drafts, accepted
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 @dataclass

@@ -23,6 +23,11 @@ no block; the requests behind it go on) until the manager has it ready, and fail
 ("error", in ``SchedulerOutput.failed``) if the compile failed. ``schedule`` asks it for the
 step's token bitmask, ``update_from_output`` hands it every accepted token (a grammar that
 ends stops its request with "stop"), and ``finish`` tells it the request is gone.
+
+With a draft ``proposer`` (speculative decoding, ``atlas_vlm.spec_decode``), a decoding request's
+step carries its last sampled token plus up to ``num_speculative_tokens`` drafts; after the
+forward the accepted ones are taken one by one exactly as plain decodes would be, the rest
+rolled back (``spec_decode.scheduling``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from atlas_vlm.request import Request
+from atlas_vlm.spec_decode.scheduling import add_drafts, commit_verified, take_verified
 from atlas_vlm.worker.sampler import SamplerOutput
 from mm_kv_cache_management import BlockManager, NoFreeBlocksError, RequestStatus
 
@@ -61,12 +67,15 @@ class Scheduler:
             None: no limit.
         is_encoded: ``callable(content_hash) -> bool``, the item's rows are in the encoder
             cache (cost nothing); None: every item not yet embedded in its request costs.
+        proposer: a draft proposer (``spec_decode.NgramProposer``) or None (no speculation).
+        num_speculative_tokens: drafts per decode step at most (with a proposer).
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, max_model_len: int | None = None,
                  eos_token_ids: set[int] | None = None, structured_output_manager=None,
-                 max_num_encoder_tokens: int | None = None, is_encoded=None):
+                 max_num_encoder_tokens: int | None = None, is_encoded=None, proposer=None,
+                 num_speculative_tokens: int = 0):
         self.block_manager = block_manager
         self.structured_output_manager = structured_output_manager
         self.max_model_len = max_model_len  # None: no limit here (the engine checks at entry)
@@ -79,6 +88,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # total, for tests and benchmarks
+        self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens
+        self.spec_decode_stats = {"drafts": 0, "proposed": 0, "accepted": 0}  # totals (/metrics)
 
     def add_request(self, req: Request) -> None:
         """Queue ``req``: ``WAITING_FOR_FSM`` while the manager compiles its grammar, else ``WAITING``."""
@@ -101,6 +112,14 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def undo_drafts(self, scheduler_output: SchedulerOutput) -> None:
+        """Take the drafts of a step whose forward raised out of their requests' ``token_ids``
+        (their slots stay reserved; the next step re-drafts)."""
+        for req, _ in scheduler_output.chunks:
+            if req.spec_token_ids:
+                del req.token_ids[-len(req.spec_token_ids):]
+                req.spec_token_ids = []
 
     def finish(self, req: Request, reason: str | None = None) -> None:
         """Drop a finished or aborted request and free its blocks (idempotent); ``reason``
@@ -181,8 +200,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed_tokens
-            if remaining == 1 and not self._reserve_decode_slot(req, out):
-                break
+            if remaining == 1:
+                if not self._reserve_decode_slot(req, out):
+                    break
+                if self.proposer is not None:  # drafts leave one token for each running request after it
+                    remaining += add_drafts(self, req, budget - (len(self.running) - i - 1))
             n, cost = self._fit_encoder_budget(req, min(remaining, budget), encoder_budget,
                                                encoder_budget == self.max_num_encoder_tokens)
             i += 1
@@ -232,6 +254,27 @@ class Scheduler:
             return "length"
         return None
 
+    def _take(self, req: Request, sampled: SamplerOutput, row: int, tokens: list[int]) -> str | None:
+        """Append sampler row ``row``'s token to ``req`` (and to ``tokens``) with its logprobs,
+        feed it to the grammar; the finish reason it causes ("error" with ``req.error`` if the
+        row failed or the grammar refused it; nothing appended for a failed row), else None."""
+        token, error = sampled.token_ids[row], sampled.errors[row]
+        if error is not None:
+            req.error = error
+            return "error"
+        req.token_ids.append(token)
+        tokens.append(token)
+        if sampled.logprobs[row] is not None:
+            req.logprobs.append(sampled.logprobs[row])
+            req.top_logprobs.append(sampled.top_logprobs[row])
+        grammar_ended = False
+        if self.structured_output_manager is not None:
+            grammar_ended, error = self.structured_output_manager.accept_token(req, token)
+            if error is not None:
+                req.error = error
+                return "error"
+        return self._check_stop(req, token, grammar_ended)
+
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: tuple[list[int], SamplerOutput]
                            ) -> list[tuple[Request, list[int]]]:
         """Apply one step's results.
@@ -243,39 +286,33 @@ class Scheduler:
 
         Returns:
             ``(request, new token ids)`` for every request that sampled a token or finished
-            in this step, in row order, then every pooling request whose prompt is now
+            in this step, in row order (several ids: a step's accepted drafts + the target's next), then every pooling request whose prompt is now
             computed (its ``embedding`` set by the runner; finished with "stop", no token).
             A finished request is out of the queues, its blocks freed and ``finish_reason``
             set ("error" with ``error`` when its row failed).
         """
         for req, n in scheduler_output.chunks:
-            self.block_manager.commit_computed(req, n)
+            if not req.spec_token_ids:  # a step with drafts commits what was accepted (below)
+                self.block_manager.commit_computed(req, n)
         indices, sampled = runner_output
         updates = []
-        for row, index in enumerate(indices):
-            req = scheduler_output.chunks[index][0]
-            token, error = sampled.token_ids[row], sampled.errors[row]
-            if error is not None:
-                req.error = error
-                self.finish(req, "error")
-                updates.append((req, []))
-                continue
-            req.token_ids.append(token)
-            if sampled.logprobs[row] is not None:
-                req.logprobs.append(sampled.logprobs[row])
-                req.top_logprobs.append(sampled.top_logprobs[row])
-            grammar_ended = False
-            if self.structured_output_manager is not None:
-                grammar_ended, error = self.structured_output_manager.accept_token(req, token)
-                if error is not None:
-                    req.error = error
-                    self.finish(req, "error")
-                    updates.append((req, [token]))
-                    continue
-            reason = self._check_stop(req, token, grammar_ended)
+        row = 0
+        while row < len(indices):
+            req = scheduler_output.chunks[indices[row]][0]
+            num_rows = 1 + len(req.spec_token_ids)  # a step with k drafts sampled k + 1 rows
+            drafted = num_rows > 1
+            rows = take_verified(self, req, sampled, row) if drafted else [row]
+            row += num_rows
+            tokens, reason = [], None
+            for r in rows:
+                reason = self._take(req, sampled, r, tokens)
+                if reason is not None:
+                    break
+            if drafted:
+                commit_verified(self, req, len(rows))
             if reason is not None:
                 self.finish(req, reason)
-            updates.append((req, [token]))
+            updates.append((req, tokens))
         for req, _ in scheduler_output.chunks:  # pooling requests end with their prompt (no decode)
             if req.pooling_params is not None and req.num_computed_tokens == req.num_tokens:
                 self.finish(req, "stop")

@@ -76,7 +76,9 @@ class LLM:
         **kwargs: any ``EngineConfig`` field (``kv_cache="paged" | "contiguous"``,
             ``kvcache_block_size``, ``max_model_len``, ``max_pixels``, ``allow_http_images``,
             ``http_image_timeout_s``, ``http_image_max_bytes``, ``tool_call_parser`` (a
-            ``atlas_vlm.tool_parsers`` name; None: detected from the chat template), ...).
+            ``atlas_vlm.tool_parsers`` name; None: detected from the chat template),
+            ``speculative="ngram"`` with ``num_speculative_tokens`` (exact speculative
+            decoding, docs/speculative.md), ...).
 
     Example::
 

@@ -59,7 +59,9 @@ def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = Fal
             ``num_computed_tokens .. num_computed_tokens + num_new_tokens - 1``, whose slots
             its block table already reserves. A chunk that reaches ``request.num_tokens``
             produces logits (its last token is sampled), unless its request is a pooling
-            request (``pooling_params`` set: it samples nothing).
+            request (``pooling_params`` set: it samples nothing). A request with ``k``
+            speculative drafts (``spec_token_ids``, the last ``k`` of its ``token_ids``) gets
+            ``k + 1`` rows, its last ``k + 1`` tokens', all with the chunk's index in ``sampled``.
         mrope: the model uses M-RoPE (positions ``[3, num_tokens]``).
         attention_backend: ``EngineConfig.attention_backend`` (the layout the metadata carries).
     """
@@ -78,8 +80,11 @@ def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = Fal
         q_lens.append(n)
         c_lens.append(end)
         if end == req.num_tokens and getattr(req, "pooling_params", None) is None:  # pooling: no logits
-            logits_index.append(base + n - 1)
-            sampled.append(i)
+            k = len(getattr(req, "spec_token_ids", ()))  # speculative drafts: the last k + 1 rows
+            if k >= n:
+                raise ValueError(f"request {req.request_id!r}: a chunk of {n} tokens cannot verify {k} drafts")
+            logits_index.extend(range(base + n - 1 - k, base + n))
+            sampled.extend([i] * (k + 1))
         if req.mm_embeds is not None:
             for offset, rows in mm_rows_for_chunk(req.mm_positions, req.mm_embeds, start, end):
                 mm_rows.append(rows)

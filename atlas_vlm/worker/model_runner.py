@@ -20,7 +20,8 @@ from atlas_vlm.worker.step_executors import (CompiledDecodeExecutor, DecodeStepE
                                              StepInputs)
 from atlas_vlm.loader import LoadedModel
 from atlas_vlm.worker.pooler import pool_step
-from atlas_vlm.worker.sampler import SamplerOutput, sample
+from atlas_vlm.worker.sampler import SamplerOutput
+from atlas_vlm.spec_decode.rejection import sample_with_drafts  # worker.sampler.sample unless a sampled row has drafts
 from atlas_vlm.memory_plan import kv_cache_spec, num_kv_blocks
 from mm_kv_cache_management import ContiguousKVCache, PagedKVCache
 
@@ -211,7 +212,9 @@ class ModelRunner:
     def run(self, chunks, grammar_bitmask=None) -> tuple[list[int], SamplerOutput]:
         """Forward plus sampling: the indices of the chunks that sampled a token (row order)
         and the sampler's per-row tokens, logprobs and errors. ``grammar_bitmask``
-        (``structured_output.GrammarBitmask`` or None) constrains the rows of its requests."""
+        (``structured_output.GrammarBitmask`` or None) constrains the rows of its requests.
+        A request with ``k`` speculative drafts has ``k + 1`` consecutive rows (greedy: argmax
+        each; sampled: ``spec_decode.rejection``)."""
         logits, sampled = self.forward_logits(chunks)
         reqs = [chunks[i][0] for i in sampled]
         masks = None
@@ -219,4 +222,4 @@ class ModelRunner:
             pos = {rid: k for k, rid in enumerate(grammar_bitmask.request_ids)}
             rows = [j for j, r in enumerate(reqs) if r.request_id in pos]
             masks = (rows, grammar_bitmask.bitmask[[pos[reqs[j].request_id] for j in rows]])
-        return sampled, sample(logits, reqs, masks)
+        return sampled, sample_with_drafts(logits, reqs, masks)

@@ -77,6 +77,9 @@ def add_parser(sub) -> None:
     p.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
                    help="tool-call format: hermes (<tool_call> JSON), qwen3_coder (XML), llama3_json, mistral "
                         "(default: detected from the chat template)")
+    p.add_argument("--speculative", default=None, choices=["ngram"],
+                   help="exact speculative decoding: ngram (prompt-lookup drafts; greedy requests; docs/speculative.md)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per decode step with --speculative (default 4)")
     r = p.add_argument_group("replicas (Ray Serve; needs the ray extra)")
     r.add_argument("--replicas", type=int, default=1,
                    help="engine replicas; N > 1 serves them on Ray Serve behind one endpoint (default 1: no Ray)")
@@ -106,6 +109,8 @@ def engine_config_from_args(args):
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
                   reasoning_parser=args.reasoning_parser, tool_call_parser=getattr(args, "tool_call_parser", None),
+                  speculative=getattr(args, "speculative", None),
+                  num_speculative_tokens=getattr(args, "num_speculative_tokens", None),
                   limit_request_pixels=True)  # a request may lower the server's image bounds, never raise them
     for name in ("kv_cache_memory", "max_pixels", "min_pixels"):
         if getattr(args, name) is not None:

@@ -41,9 +41,18 @@ class _EngineCollector:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], value)
             yield g
-        c = CounterMetricFamily("atlas:num_preemptions", "Requests preempted (recompute) since start.")
-        c.add_metric([], s.num_preemptions)
-        yield c
+        counters = [
+            ("atlas:num_preemptions", "Requests preempted (recompute) since start.", s.num_preemptions),
+            # speculative decoding (vLLM's vllm:spec_decode_* counters); 0 with speculation off
+            ("atlas:spec_decode_num_drafts", "Decode steps of a request that carried drafts.",
+             s.spec_decode_num_drafts),
+            ("atlas:spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_decode_num_draft_tokens),
+            ("atlas:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_decode_num_accepted_tokens),
+        ]
+        for name, doc, value in counters:
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
+            yield c
 
 
 class PrometheusStatLogger:

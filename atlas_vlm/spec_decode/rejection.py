@@ -1,0 +1,101 @@
+"""Speculative sampling for requests with ``temperature > 0`` (Leviathan et al. 2023,
+"Fast Inference from Transformers via Speculative Decoding", Algorithm 1; Chen et al. 2023).
+
+An n-gram draft is a point mass ``q = onehot(x)``. At each drafted row the target's sampling
+distribution ``p`` (after temperature, top-k and top-p, as ``worker.sampler`` samples) accepts
+``x`` with probability ``min(1, p(x) / q(x)) = p(x)``; on reject the row's token is drawn
+from ``normalize(max(p - q, 0))``, i.e. ``p`` with ``x`` removed, and the run ends. If every
+draft is accepted, the last row's token is drawn from its ``p``. Each emitted token is then
+distributed exactly as the target's, whatever the drafts. Draws use the request's own
+generator (a seeded request is reproducible with the same drafts; its tokens differ from a
+run without speculation, their distribution does not).
+
+``sample_with_drafts`` wraps ``worker.sampler.sample``: rows of sampled (non-greedy) requests
+with drafts go through ``rejection_sample``, every other row through ``sample`` unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atlas_vlm.worker.sampler import SamplerOutput, _logprobs, _params_text, _sampling_probs, sample
+
+
+def rejection_sample(probs: torch.Tensor, drafts: list[int], generator: torch.Generator | None) -> list[int]:
+    """Tokens of one request's ``k + 1`` verified rows.
+
+    Args:
+        probs: ``[k + 1, vocab]`` the target's sampling probabilities at each row (row ``j``
+            follows draft ``j``; row 0 follows the last sampled token).
+        drafts: the ``k`` draft tokens.
+        generator: the request's generator (on ``probs``' device), or None (torch's global one).
+
+    Returns:
+        ``k + 1`` tokens: ``drafts[j]`` at every accepted row, the replacement drawn at the
+        first rejected row (never its draft), copies of it after (rows never taken); the
+        last row's own draw if all were accepted.
+    """
+    out: list[int] = []
+    for j, x in enumerate(drafts):
+        u = torch.rand((), generator=generator, device=probs.device)
+        if bool(u < probs[j, x]):
+            out.append(x)
+            continue
+        residual = probs[j].clone()
+        residual[x] = 0.0  # max(p - onehot(x), 0) up to normalisation (multinomial normalises)
+        if not bool(residual.sum() > 0):  # p(x) is 1 up to rounding: x is the only token left
+            out.append(x)
+            continue
+        token = int(torch.multinomial(residual, 1, generator=generator))
+        return out + [token] * (len(drafts) + 1 - j)
+    return out + [int(torch.multinomial(probs[len(drafts)], 1, generator=generator))]
+
+
+def _verify_rows(logits: torch.Tensor, req, rows: list[int], out: SamplerOutput) -> None:
+    """Fill ``out`` at ``rows`` (one request's ``k + 1`` rows) by ``rejection_sample``; a
+    row whose distribution is not usable fails the request there (rows after it too)."""
+    params = req.sampling_params
+    try:
+        probs = _sampling_probs(logits, [params] * logits.shape[0], rows)  # [k + 1, vocab]
+        ok = (torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)).tolist()
+        if not all(ok):
+            raise ValueError("the filters masked every token or the probabilities are not finite")
+        tokens = rejection_sample(probs, req.spec_token_ids, req.generator)
+    except Exception as e:  # noqa: BLE001 - this request fails alone
+        for r in rows:
+            out.errors[r] = (f"request {req.request_id!r}: sampling with {_params_text(params)} failed "
+                             f"({type(e).__name__}: {e})")
+        return
+    asked = params.logprobs is not None
+    lps, tops = _logprobs(logits[rows], torch.tensor(tokens, device=logits.device), [req] * len(rows),
+                          list(range(len(rows))) if asked else [])
+    for j, r in enumerate(rows):
+        out.token_ids[r], out.logprobs[r], out.top_logprobs[r] = tokens[j], lps[j], tops[j]
+
+
+def sample_with_drafts(logits: torch.Tensor, requests: list, grammar_bitmask=None) -> SamplerOutput:
+    """``worker.sampler.sample`` over a step's rows, where the rows of a sampled request
+    with drafts (``spec_token_ids``; consecutive, ``k + 1`` of them) are verified by
+    ``rejection_sample``. Args and return as ``sample`` (``grammar_bitmask`` rows index
+    ``requests``; a request with a grammar never has drafts)."""
+    spec = [j for j, r in enumerate(requests) if r.spec_token_ids and not r.sampling_params.greedy]
+    if not spec:
+        return sample(logits, requests, grammar_bitmask)
+    plain = [j for j in range(len(requests)) if j not in set(spec)]
+    masks = None
+    if grammar_bitmask is not None:
+        where = {j: i for i, j in enumerate(plain)}
+        masks = ([where[j] for j in grammar_bitmask[0]], grammar_bitmask[1])
+    part = sample(logits[plain], [requests[j] for j in plain], masks)
+    n = len(requests)
+    out = SamplerOutput([None] * n, [None] * n, [None] * n, [None] * n)
+    for i, j in enumerate(plain):
+        out.token_ids[j], out.logprobs[j] = part.token_ids[i], part.logprobs[i]
+        out.top_logprobs[j], out.errors[j] = part.top_logprobs[i], part.errors[i]
+    j = 0
+    while j < len(spec):
+        req = requests[spec[j]]
+        rows = spec[j:j + len(req.spec_token_ids) + 1]
+        _verify_rows(logits, req, rows, out)
+        j += len(rows)
+    return out

@@ -1,0 +1,91 @@
+"""The scheduler's side of speculative decoding (``engine.scheduler.Scheduler`` calls these).
+
+Before a step (``add_drafts``): a decoding request whose newest token's slot is reserved gets
+up to ``k`` draft tokens from the proposer, appended to its ``token_ids`` (so the step's chunk
+is its last sampled token + the drafts, computed causally over the paged cache like a
+prefill chunk) with their slots reserved. Drafts never cause a preemption: if their slots do
+not fit, the request decodes without drafts this step.
+
+After the forward (``take_verified``): the drafts leave ``token_ids`` again and the rows to
+take are chosen (Leviathan et al. 2023): row ``j`` holds the target's choice after draft
+``j`` (greedy: its argmax; sampled: the draft if ``spec_decode.rejection`` accepted it, else
+the replacement it drew); rows are taken while the previous draft equals the row's token,
+plus the target's own next token. For greedy requests, taking those rows one by one
+reproduces, token for token, what decoding without drafts would have done. The scheduler then commits only the K/V of the
+accepted tokens and gives back the rejected drafts' slots (``free_uncomputed_tail``).
+
+Which requests get drafts: those without a structured-output grammar and not pooling; the
+others decode one token per step as without speculation.
+"""
+
+from __future__ import annotations
+
+from mm_kv_cache_management import NoFreeBlocksError
+
+
+def can_draft(req) -> bool:
+    """Whether ``req`` decodes with drafts: speculation on for it (``spec_decode`` set), no
+    structured-output grammar, not a pooling request. Greedy and sampled requests both do
+    (sampled ones are verified by ``spec_decode.rejection``)."""
+    return (req.spec_decode is not None and req.sampling_params.structured_outputs is None
+            and req.pooling_params is None)
+
+
+def draft_limit(req, k: int, budget: int, max_model_len: int | None) -> int:
+    """Drafts ``req`` may carry this step: at most ``k``, ``budget - 1`` (tokens left in the
+    step besides the sampled one), and no more than could be accepted before ``max_tokens``
+    or ``max_model_len`` ends the request (all drafts + the target's token must fit)."""
+    limit = min(k, budget - 1, req.max_tokens - req.num_output_tokens - 1)
+    if max_model_len is not None:
+        limit = min(limit, max_model_len - req.num_tokens - 1)
+    return max(0, limit)
+
+
+def add_drafts(scheduler, req, budget: int) -> int:
+    """Propose and append ``req``'s drafts and reserve their slots (call after its decode
+    slot is reserved). Returns how many were added (0: none proposed, or no free block for
+    them; nothing changed then)."""
+    if not can_draft(req):
+        return 0
+    k = draft_limit(req, scheduler.num_speculative_tokens, budget, scheduler.max_model_len)
+    drafts = scheduler.proposer.propose(req.token_ids, k, req.mm_positions) if k else []
+    if not drafts:
+        return 0
+    req.token_ids.extend(drafts)
+    try:
+        scheduler.block_manager.decode_append(req)  # reserves every slot up to the last draft
+    except NoFreeBlocksError:
+        del req.token_ids[-len(drafts):]
+        return 0
+    req.spec_token_ids = list(drafts)
+    return len(drafts)
+
+
+def take_verified(scheduler, req, sampled, first_row: int) -> list[int]:
+    """The sampler rows ``first_row .. first_row + k`` of ``req``'s verified step: remove
+    its ``k`` drafts from ``token_ids``, count them, and return the rows to take in order
+    (each one's token is then handled as a plain decode's). A row's token is only taken if
+    every draft before it was accepted; a failed row is taken (it fails the request) and
+    ends the run."""
+    drafts, req.spec_token_ids = req.spec_token_ids, []
+    del req.token_ids[-len(drafts):]
+    rows = []
+    for j in range(len(drafts) + 1):
+        row = first_row + j
+        rows.append(row)
+        if j == len(drafts) or sampled.errors[row] is not None or sampled.token_ids[row] != drafts[j]:
+            break
+    accepted = len(rows) - 1
+    for stats in (req.spec_decode, scheduler.spec_decode_stats):
+        stats["drafts"] += 1
+        stats["proposed"] += len(drafts)
+        stats["accepted"] += accepted
+    return rows
+
+
+def commit_verified(scheduler, req, num_rows: int) -> None:
+    """Commit the K/V of ``req``'s last sampled token and its accepted drafts (``num_rows``
+    taken rows: ``num_rows - 1`` drafts accepted), capped at the tokens ``req`` kept (a stop
+    inside the run), then give back the slots past them."""
+    scheduler.block_manager.commit_computed(req, min(num_rows, req.num_tokens - req.num_computed_tokens))
+    scheduler.block_manager.free_uncomputed_tail(req)
