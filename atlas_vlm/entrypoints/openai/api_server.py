@@ -190,6 +190,20 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
     return app
 
 
+def server_context(engine, front, engine_config, served_model_names=None, media=None,
+                   max_prompts_per_request: int = 64) -> ServerContext:
+    """The routes' ``ServerContext`` over a built ``LLMEngine`` and its ``AsyncLLM`` front
+    (``served_model_names`` default: the model path; ``media`` default: ``MediaPolicy()``)."""
+    from atlas_vlm.entrypoints.openai.media import MediaPolicy
+    from atlas_vlm.tool_parsers import resolve_tool_parser
+
+    return ServerContext(front, served_model_names or [engine_config.model], hasattr(engine.hf_config, "vision_config"),
+                         media or MediaPolicy(), engine.max_model_len, max_prompts_per_request=max_prompts_per_request,
+                         model_root=str(engine_config.model), reasoning_parser=engine.reasoning_parser,
+                         tool_parser=resolve_tool_parser(engine_config.tool_call_parser,
+                                                         getattr(engine.tokenizer, "chat_template", None)))
+
+
 def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, served_model_names=None,
                api_key: str | None = None, max_waiting_requests: int | None = None, media=None,
                log_level: str = "info", max_request_body_bytes: int | None = None,
@@ -210,7 +224,6 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
     from atlas_vlm.engine.async_llm import AsyncLLM
     from atlas_vlm.entrypoints.openai.media import MediaPolicy
     from atlas_vlm.entrypoints.openai.metrics import PrometheusStatLogger
-    from atlas_vlm.tool_parsers import resolve_tool_parser
 
     media = media or MediaPolicy()
     if max_request_body_bytes is None:
@@ -229,11 +242,7 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
     front = AsyncLLM(engine, max_waiting_requests=max_waiting_requests, stat_logger=stat_logger,
                      input_workers=input_workers, on_dead=on_dead)
     stat_logger.attach(front)
-    ctx = ServerContext(front, served_model_names or [engine_config.model], hasattr(engine.hf_config, "vision_config"),
-                        media, engine.max_model_len, max_prompts_per_request=max_prompts_per_request,
-                        model_root=str(engine_config.model), reasoning_parser=engine.reasoning_parser,
-                        tool_parser=resolve_tool_parser(engine_config.tool_call_parser,
-                                                        getattr(engine.tokenizer, "chat_template", None)))
+    ctx = server_context(engine, front, engine_config, served_model_names, media, max_prompts_per_request)
     app = create_app(ctx, stat_logger.registry, api_key, max_request_body_bytes=max_request_body_bytes,
                      protect_docs_metrics=protect_docs_metrics)
 

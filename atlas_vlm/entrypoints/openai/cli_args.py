@@ -53,6 +53,29 @@ def add_parser(sub) -> None:
                    help="threads that tokenize and preprocess images off the engine thread (default 2)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds to wait on SIGTERM for open connections and the engine's current step (default 30)")
+    add_engine_args(p)
+    r = p.add_argument_group("replicas (Ray Serve; needs the ray extra)")
+    r.add_argument("--replicas", type=int, default=1,
+                   help="engine replicas; N > 1 serves them on Ray Serve behind one endpoint (default 1: no Ray)")
+    r.add_argument("--routing", default="cache_aware", choices=["cache_aware", "least_loaded"],
+                   help="replica choice: prefix/image-cache affinity, or fewest requests in flight")
+    r.add_argument("--imbalance-threshold", type=int, default=4,
+                   help="cache_aware: leave the cached replica when it has more than this many requests in "
+                        "flight above the least-loaded one (default 4)")
+    r.add_argument("--num-cpus-per-replica", type=float, default=None,
+                   help="Ray CPUs (and torch threads) per replica (default: cores / replicas)")
+    r.add_argument("--num-gpus-per-replica", type=float, default=0,
+                   help="Ray GPUs per replica (1 on a GPU cluster; default 0)")
+    r.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray started here)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run_serve)
+
+
+def add_engine_args(p) -> None:
+    """The engine's flags (model length, dtype, device, KV cache, scheduler, image bounds,
+    seed, parsers), shared by ``atlas-vlm serve`` and ``atlas-vlm run-batch``; read back by
+    ``engine_config_from_args``."""
     p.add_argument("--max-model-len", type=int, default=None, help="tokens per request (prompt + output)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
@@ -75,22 +98,6 @@ def add_parser(sub) -> None:
     p.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
                    help="tool-call format: hermes (<tool_call> JSON), qwen3_coder (XML), llama3_json, mistral "
                         "(default: detected from the chat template)")
-    r = p.add_argument_group("replicas (Ray Serve; needs the ray extra)")
-    r.add_argument("--replicas", type=int, default=1,
-                   help="engine replicas; N > 1 serves them on Ray Serve behind one endpoint (default 1: no Ray)")
-    r.add_argument("--routing", default="cache_aware", choices=["cache_aware", "least_loaded"],
-                   help="replica choice: prefix/image-cache affinity, or fewest requests in flight")
-    r.add_argument("--imbalance-threshold", type=int, default=4,
-                   help="cache_aware: leave the cached replica when it has more than this many requests in "
-                        "flight above the least-loaded one (default 4)")
-    r.add_argument("--num-cpus-per-replica", type=float, default=None,
-                   help="Ray CPUs (and torch threads) per replica (default: cores / replicas)")
-    r.add_argument("--num-gpus-per-replica", type=float, default=0,
-                   help="Ray GPUs per replica (1 on a GPU cluster; default 0)")
-    r.add_argument("--ray-address", default=None,
-                   help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray started here)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.set_defaults(func=run_serve)
 
 
 def engine_config_from_args(args):

@@ -1,0 +1,136 @@
+"""``atlas-vlm run-batch IN OUT`` as a user runs it (``cli.main``) on a tiny random Qwen2:
+answers equal the same requests run directly (``LLM``, greedy), per-line errors in the error
+file (every input line answered exactly once), and a rerun after an interruption continues
+without redoing a line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from atlas_vlm import LLM, SamplingParams
+from atlas_vlm.entrypoints.cli import main
+from atlas_vlm.entrypoints.openai.batch.results import ResultFiles
+
+ENGINE = ["--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "512"]
+CHAT = [{"role": "user", "content": "Name a colour."}]
+
+
+def line(cid, url, body) -> str:
+    return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body})
+
+
+def chat_line(cid, text="Name a colour.", n_tokens=6) -> str:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": n_tokens, "temperature": 0}
+    return line(cid, "/v1/chat/completions", body)
+
+
+def completion_line(cid, prompt, n_tokens=6) -> str:
+    return line(cid, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": n_tokens, "temperature": 0})
+
+
+def records(path) -> list[dict]:
+    return [json.loads(t) for t in path.read_text().splitlines()] if path.exists() else []
+
+
+def run(tiny_models, tmp_path, lines, *extra, err=True) -> tuple[int, list[dict], list[dict]]:
+    src, out, errf = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    src.write_text("".join(t + "\n" for t in lines))
+    argv = ["run-batch", str(src), str(out), "--model", str(tiny_models["qwen2"][0]), "--served-model-name", "tiny",
+            *ENGINE, *(["--error-file", str(errf)] if err else []), *extra]
+    rc = main(argv)
+    return rc, records(out), records(errf)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return LLM(str(tiny_models["qwen2"][0]), kv_cache_memory=64 << 20, max_model_len=512, dtype="float32")
+
+
+@pytest.mark.text
+def test_answers_equal_direct_requests(tiny_models, tmp_path, llm):
+    lines = [chat_line("chat-1"), chat_line("chat-2", "Count to three.", 9), completion_line("cmpl", "The sky is"),
+             line("emb", "/v1/embeddings", {"model": "tiny", "input": ["a cat", "a dog"]})]
+    rc, out, err = run(tiny_models, tmp_path, lines, "--max-concurrency", "2")
+    assert rc == 0 and err == []
+    by_id = {r["custom_id"]: r for r in out}
+    assert sorted(by_id) == ["chat-1", "chat-2", "cmpl", "emb"]
+    for r in out:
+        assert r["id"].startswith("batch_req_") and r["error"] is None
+        assert r["response"]["status_code"] == 200 and r["response"]["request_id"].startswith("req_")
+    greedy = lambda n: SamplingParams(temperature=0, max_tokens=n)  # noqa: E731
+    for cid, text, n in (("chat-1", "Name a colour.", 6), ("chat-2", "Count to three.", 9)):
+        body = by_id[cid]["response"]["body"]
+        expected = llm.chat([{"role": "user", "content": text}], greedy(n), use_tqdm=False)[0]
+        assert body["object"] == "chat.completion" and body["model"] == "tiny"
+        assert body["choices"][0]["message"]["content"] == expected.text
+        assert body["usage"]["completion_tokens"] == len(expected.token_ids)
+    cmpl = by_id["cmpl"]["response"]["body"]
+    assert cmpl["choices"][0]["text"] == llm.generate("The sky is", greedy(6), use_tqdm=False)[0].text
+    emb = by_id["emb"]["response"]["body"]["data"]
+    direct = llm.embed(["a cat", "a dog"], use_tqdm=False)
+    for got, want in zip(emb, direct):
+        assert got["embedding"] == pytest.approx(want.embedding, abs=1e-5)
+
+
+@pytest.mark.text
+def test_bad_lines_are_per_line_errors(tiny_models, tmp_path):
+    lines = [chat_line("ok"), "{not json", json.dumps({"method": "POST", "url": "/v1/completions", "body": {}}),
+             line("url", "/v1/images", {}), chat_line("ok"), completion_line("neg", "x", -1),
+             line("stream", "/v1/completions", {"prompt": "x", "stream": True}),
+             line("model", "/v1/completions", {"model": "other", "prompt": "x"}), "", json.dumps([1, 2])]
+    rc, out, err = run(tiny_models, tmp_path, lines)
+    assert rc == 0
+    assert [r["custom_id"] for r in out] == ["ok"]
+    assert len(out) + len(err) == len([t for t in lines if t])  # every non-blank line answered once
+    got = {(r["custom_id"], r.get("line")): (r["response"]["status_code"], r["error"]["code"],
+                                             r["response"]["body"]["error"]["param"]) for r in err}
+    assert got == {(None, 2): (400, "invalid_json", None), (None, 3): (400, "invalid_value", "custom_id"),
+                   ("url", None): (400, "invalid_url", "url"), ("ok", 5): (400, "duplicate_custom_id", "custom_id"),
+                   ("neg", None): (400, "invalid_value", "max_tokens"), ("stream", None): (400, "invalid_value", "stream"),
+                   ("model", None): (404, "model_not_found", "model"), (None, 10): (400, "invalid_json", None)}
+    assert all(r["error"]["message"] == r["response"]["body"]["error"]["message"] for r in err)
+
+
+@pytest.mark.text
+def test_rerun_after_interruption_does_no_line_twice(tiny_models, tmp_path):
+    lines = [chat_line(f"c{i}", f"Say {i}.", 4) for i in range(5)] + ["oops"]
+    rc, first, _ = run(tiny_models, tmp_path, lines[:2], err=False)  # the run "stopped" after two lines
+    assert rc == 0 and len(first) == 2
+    out = tmp_path / "out.jsonl"
+    with open(out, "a") as f:  # a crash while the third record was being written
+        f.write(chat_line("c2")[:30])
+    rc, second, _ = run(tiny_models, tmp_path, lines, err=False)
+    assert rc == 0
+    assert second[:2] == first  # kept as they were: not run again
+    assert sorted(r["custom_id"] or "bad" for r in second) == ["bad", "c0", "c1", "c2", "c3", "c4"]
+    rc, third, _ = run(tiny_models, tmp_path, lines, err=False)  # all done: nothing more
+    assert rc == 0 and third == second
+
+
+@pytest.mark.text
+def test_bad_arguments_are_clear_errors(tmp_path, capsys):
+    assert main(["run-batch", str(tmp_path / "nope.jsonl"), str(tmp_path / "out.jsonl")]) == 1
+    assert "nope.jsonl does not exist" in capsys.readouterr().err
+    src = tmp_path / "in.jsonl"
+    src.write_text(chat_line("a") + "\n")
+    assert main(["run-batch", str(src), str(src)]) == 1
+    assert "is the input file" in capsys.readouterr().err
+    out = tmp_path / "out.jsonl"
+    out.write_text("not a record\n{}\n")  # a bad line that is not the last one: not ours, not truncated
+    assert main(["run-batch", str(src), str(out)]) == 1
+    assert "line 1 is not a batch result record" in capsys.readouterr().err
+    assert out.read_text() == "not a record\n{}\n"
+
+
+@pytest.mark.text
+def test_result_files_keep_counts_and_cut_only_a_partial_last_line(tmp_path):
+    out = tmp_path / "out.jsonl"
+    ok = {"id": "batch_req_1", "custom_id": "a", "response": {"status_code": 200, "body": {}}, "error": None}
+    bad = {"id": "batch_req_2", "custom_id": None, "line": 4, "response": {"status_code": 400, "body": {}},
+           "error": {"code": "invalid_json", "message": "m"}}
+    out.write_text(json.dumps(ok) + "\n" + json.dumps(bad) + "\n" + '{"id": "batch_req_3", "cus')
+    with ResultFiles(out) as files:
+        assert (files.done_ids, files.done_lines, files.completed, files.failed) == ({"a"}, {4}, 1, 1)
+    assert out.read_text() == json.dumps(ok) + "\n" + json.dumps(bad) + "\n"
