@@ -53,6 +53,14 @@ def add_parser(sub) -> None:
                    help="threads that tokenize and preprocess images off the engine thread (default 2)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds to wait on SIGTERM for open connections and the engine's current step (default 30)")
+    b = p.add_argument_group("files and batches (/v1/files, /v1/batches)")
+    b.add_argument("--files-dir", default=None, metavar="DIR",
+                   help="keep uploaded files and batch results in DIR, listed again after a restart (default: a "
+                        "temporary directory removed when the server stops)")
+    b.add_argument("--max-file-bytes", type=bytes_arg(), default=200 * 10**6,
+                   help="largest file accepted by POST /v1/files (default 200MB; 413 above)")
+    b.add_argument("--max-batch-concurrency", type=int, default=16,
+                   help="lines of one batch running at once, alongside live requests (default 16)")
     add_engine_args(p)
     r = p.add_argument_group("replicas (Ray Serve; needs the ray extra)")
     r.add_argument("--replicas", type=int, default=1,
@@ -129,7 +137,7 @@ def run_serve(args) -> int:
     if args.replicas > 1:
         from atlas_vlm.entrypoints.ray_serve import run_ray_server
         return run_ray_server(config, args)
-    for name in ("max_prompts_per_request", "input_workers"):
+    for name in ("max_prompts_per_request", "input_workers", "max_file_bytes", "max_batch_concurrency"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.shutdown_timeout <= 0:
@@ -142,4 +150,5 @@ def run_serve(args) -> int:
                       log_level=args.log_level, max_request_body_bytes=args.max_request_body_bytes,
                       max_prompts_per_request=args.max_prompts_per_request,
                       protect_docs_metrics=args.protect_docs_metrics, input_workers=args.input_workers,
-                      shutdown_timeout_s=args.shutdown_timeout)
+                      shutdown_timeout_s=args.shutdown_timeout, files_dir=args.files_dir,
+                      max_file_bytes=args.max_file_bytes, batch_max_in_flight=args.max_batch_concurrency)

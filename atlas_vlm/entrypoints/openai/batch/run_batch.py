@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from atlas_vlm.entrypoints.openai.batch.results import ResultFiles
-from atlas_vlm.entrypoints.openai.batch.runner import DEFAULT_MAX_IN_FLIGHT, read_lines, run_lines
+from atlas_vlm.entrypoints.openai.batch.runner import DEFAULT_MAX_IN_FLIGHT, count_lines, read_lines, run_lines
 
 
 def add_parser(sub) -> None:
@@ -44,11 +44,6 @@ def add_parser(sub) -> None:
     add_engine_args(p)
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run_batch)
-
-
-def count_lines(path) -> int:
-    """Non-blank lines of ``path``, read one at a time (the progress bar's total)."""
-    return sum(1 for _, raw in read_lines(path) if raw.strip())
 
 
 def run_batch(args) -> int:

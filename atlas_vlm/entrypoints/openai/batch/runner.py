@@ -162,3 +162,8 @@ def read_lines(path) -> Iterable[tuple[int, bytes]]:
     """``(line_number, raw_bytes)`` of ``path``, one line at a time (1-based numbers)."""
     with open(path, "rb") as f:
         yield from enumerate(f, 1)
+
+
+def count_lines(path) -> int:
+    """Non-blank lines of ``path``, read one at a time (a batch's ``request_counts.total``)."""
+    return sum(1 for _, raw in read_lines(path) if raw.strip())
