@@ -134,3 +134,42 @@ def test_result_files_keep_counts_and_cut_only_a_partial_last_line(tmp_path):
     with ResultFiles(out) as files:
         assert (files.done_ids, files.done_lines, files.completed, files.failed) == ({"a"}, {4}, 1, 1)
     assert out.read_text() == json.dumps(ok) + "\n" + json.dumps(bad) + "\n"
+
+
+@pytest.mark.text
+def test_ctrl_c_then_rerun_continues(tiny_models, tmp_path):
+    """A real interruption: SIGINT to ``atlas-vlm run-batch`` once its first record is out
+    (exit 130, the records written stay), then the same command finishes the rest."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    lines = [line(f"l{i}", "/v1/completions", {"model": "tiny", "prompt": f"Count {i}", "max_tokens": 60,
+                                               "temperature": 0, "ignore_eos": True}) for i in range(16)]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(t + "\n" for t in lines))
+    cmd = [sys.executable, "-m", "atlas_vlm.entrypoints.cli", "run-batch", str(src), str(out), "--model",
+           str(tiny_models["qwen2"][0]), "--served-model-name", "tiny", "--max-concurrency", "1", *ENGINE]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(1200):  # bounded: at most ~4 minutes for the engine to load and answer a line
+            if out.exists() and out.read_text().count("\n") >= 1 or proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "rerun the same command to continue" in err
+    before = records(out)
+    assert 1 <= len(before) < len(lines)
+    rc = main(["run-batch", str(src), str(out), "--model", str(tiny_models["qwen2"][0]), "--served-model-name",
+               "tiny", *ENGINE])
+    after = records(out)
+    assert rc == 0 and after[:len(before)] == before
+    assert sorted(r["custom_id"] for r in after) == sorted(f"l{i}" for i in range(16))
+    assert all(r["response"]["status_code"] == 200 for r in after)

@@ -106,6 +106,10 @@ async def run_lines(ctx: ServerContext, source: Iterable[tuple[int, bytes]], res
     seen: set[str] = set()  # custom_ids met in this pass
     dead: list[BaseException] = []
 
+    def skip() -> None:
+        if on_skip is not None:
+            on_skip()
+
     def record(ok: bool, rec: dict) -> None:
         results.write(rec, ok)
         if on_record is not None:
@@ -126,7 +130,7 @@ async def run_lines(ctx: ServerContext, source: Iterable[tuple[int, bytes]], res
             if not raw.strip():
                 continue
             if line_no in results.done_lines:
-                on_skip and on_skip()
+                skip()
                 continue
             try:
                 item, cid = parse_line(raw, line_no, endpoint), None
@@ -139,7 +143,7 @@ async def run_lines(ctx: ServerContext, source: Iterable[tuple[int, bytes]], res
             if cid is not None:
                 seen.add(cid)
                 if cid in results.done_ids:
-                    on_skip and on_skip()
+                    skip()
                     continue
             if isinstance(item, LineError):
                 record(False, error_record(cid, item.error, line=None if cid is not None else line_no))
