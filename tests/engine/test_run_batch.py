@@ -173,3 +173,48 @@ def test_ctrl_c_then_rerun_continues(tiny_models, tmp_path):
     assert rc == 0 and after[:len(before)] == before
     assert sorted(r["custom_id"] for r in after) == sorted(f"l{i}" for i in range(16))
     assert all(r["response"]["status_code"] == 200 for r in after)
+
+
+def _fake_endpoint(monkeypatch, answers: list):
+    """``/v1/completions`` answered by popping ``answers`` (an exception is raised)."""
+    from atlas_vlm.entrypoints.openai.batch import runner
+    from atlas_vlm.entrypoints.openai.protocol import CompletionRequest
+
+    calls = []
+
+    async def create(ctx, req):
+        calls.append(req.prompt)
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(runner, "ENDPOINTS", {"/v1/completions": (CompletionRequest, create)})
+    monkeypatch.setattr(runner, "QUEUE_FULL_RETRY_S", 0)
+    return calls
+
+
+@pytest.mark.text
+def test_a_full_queue_is_waited_out_and_a_dead_engine_stops_the_run(monkeypatch, tmp_path):
+    import asyncio
+
+    from atlas_vlm.engine.request_stream import EngineDeadError
+    from atlas_vlm.entrypoints.openai.batch.runner import run_lines
+    from atlas_vlm.entrypoints.openai.protocol import APIError
+
+    full = APIError(503, "3 requests are waiting", None, "queue_full")
+    ok = {"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}
+    calls = _fake_endpoint(monkeypatch, [full, full, ok, APIError(503, "dead", None, "engine_unavailable")])
+    src = [(1, completion_line("a", "p1").encode()), (2, completion_line("b", "p2").encode()),
+           (3, completion_line("c", "p3").encode())]
+    with ResultFiles(tmp_path / "out.jsonl") as files:
+        with pytest.raises(EngineDeadError):
+            asyncio.run(run_lines(None, iter(src), files, max_in_flight=1))
+    assert calls == ["p1", "p1", "p1", "p2"]  # p1 retried until admitted; p3 never started
+    assert [(r["custom_id"], r["response"]["body"]) for r in records(tmp_path / "out.jsonl")] == [("a", ok)]
+    aborted = {"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]}
+    _fake_endpoint(monkeypatch, [aborted])
+    with ResultFiles(tmp_path / "out.jsonl") as files:
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            asyncio.run(run_lines(None, iter(src), files, max_in_flight=1))
+    assert len(records(tmp_path / "out.jsonl")) == 1  # an aborted answer is not recorded: a rerun does it

@@ -42,6 +42,7 @@ async def _answer(ctx: ServerContext, item: BatchLine) -> dict:
 
     Raises:
         APIError: the error the HTTP route would answer (400 body, 404 model, 500 engine...).
+        EngineDeadError: the answer was aborted (the engine is shutting down).
     """
     request_cls, create = ENDPOINTS[item.url]
     try:
@@ -53,11 +54,16 @@ async def _answer(ctx: ServerContext, item: BatchLine) -> dict:
                        "stream", "invalid_value")
     while True:
         try:
-            return await create(ctx, req)
+            body = await create(ctx, req)
+            break
         except APIError as e:
             if e.code != "queue_full":
                 raise
         await asyncio.sleep(QUEUE_FULL_RETRY_S)
+    if any(c.get("finish_reason") == "abort" for c in body.get("choices", ())):
+        # a batch line has no client to leave: only a shutdown aborts it; that is no answer to record
+        raise EngineDeadError("the engine is shutting down (a line was aborted)")
+    return body
 
 
 async def execute(ctx: ServerContext, item: BatchLine) -> tuple[bool, dict]:
@@ -149,6 +155,8 @@ async def run_lines(ctx: ServerContext, source: Iterable[tuple[int, bytes]], res
                 record(False, error_record(cid, item.error, line=None if cid is not None else line_no))
                 continue
             await slots.acquire()
+            if dead:  # the engine died while this line waited for a slot
+                break
             task = asyncio.create_task(one(item))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
