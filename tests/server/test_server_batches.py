@@ -65,7 +65,7 @@ def records(client, file_id) -> list[dict]:
 
 def test_batch_answers_equal_direct_requests_and_bad_lines_are_errors(server):
     client = server.client()
-    good = [(f"chat-{i}", "/v1/chat/completions", chat_body(text, n))
+    good = [(f"chat-{i}", "/v1/chat/completions", chat_body(text, n, ignore_eos=True))
             for i, (text, n) in enumerate([("Hello!", 6), ("Name a fruit.", 9), ("1, 2, 3,", 4)])]
     bad = [("neg", "/v1/chat/completions", chat_body("x", -1)),
            ("wrong-url", "/v1/completions", {"model": NAME, "prompt": "x"}),
@@ -82,11 +82,17 @@ def test_batch_answers_equal_direct_requests_and_bad_lines_are_errors(server):
     assert len(out) + len(err) == 6
     for cid, _, body in good:
         (rec,) = [r for r in out if r["custom_id"] == cid]
-        direct = client.chat.completions.create(**body)
+        direct = client.chat.completions.create(**{k: v for k, v in body.items() if k != "ignore_eos"},
+                                                extra_body={"ignore_eos": True})
         got = rec["response"]["body"]
         assert rec["response"]["status_code"] == 200 and rec["error"] is None
         assert got["choices"][0]["message"]["content"] == direct.choices[0].message.content
         assert got["usage"]["completion_tokens"] == direct.usage.completion_tokens
+    bodies = [r["response"]["body"] for r in out]
+    assert batch.model == NAME
+    assert batch.usage.input_tokens == sum(b["usage"]["prompt_tokens"] for b in bodies)
+    assert batch.usage.output_tokens == sum(b["usage"]["completion_tokens"] for b in bodies) == 6 + 9 + 4
+    assert batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens
     codes = {(r["custom_id"], r["response"]["status_code"], r["error"]["code"]) for r in err}
     assert codes == {("neg", 400, "invalid_value"), ("wrong-url", 400, "invalid_url"),
                      ("chat-0", 400, "duplicate_custom_id")}

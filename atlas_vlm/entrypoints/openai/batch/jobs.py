@@ -68,7 +68,8 @@ class BatchJobs:
                  "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
                  "expires_at": now + 24 * 3600, "finalizing_at": None, "completed_at": None, "failed_at": None,
                  "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata}
+                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata,
+                 "model": None, "usage": None}
         self._batches[batch["id"]] = batch
         self._tasks[batch["id"]] = asyncio.create_task(self._run(batch))
         return batch
@@ -119,8 +120,10 @@ class BatchJobs:
         counts = batch["request_counts"]
         out, err = self.files.new_part(), self.files.new_part()
 
-        def counted(ok: bool) -> None:
+        def counted(ok: bool, record: dict) -> None:
             counts["completed" if ok else "failed"] += 1
+            if ok:
+                add_usage(batch, record["response"]["body"])
 
         try:
             src = self.files.path(batch["input_file_id"], "input_file_id")
@@ -153,3 +156,17 @@ class BatchJobs:
         for path, key, name in ((out, "output_file_id", "output"), (err, "error_file_id", "errors")):
             if path.exists() and path.stat().st_size > 0:
                 batch[key] = self.files.add(path, f"{batch['id']}_{name}.jsonl", "batch_output")["id"]
+
+
+def add_usage(batch: dict, body: dict) -> None:
+    """Add one answered line's ``usage`` to the batch's (OpenAI's batch ``usage``: input /
+    output / total tokens, cached input tokens) and take its ``model`` as the batch's."""
+    batch["model"] = batch["model"] or body.get("model")
+    u = body.get("usage") or {}
+    total = batch["usage"] or {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
+                               "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}
+    total["input_tokens"] += u.get("prompt_tokens", 0)
+    total["output_tokens"] += u.get("completion_tokens", 0)
+    total["total_tokens"] += u.get("total_tokens", 0)
+    total["input_tokens_details"]["cached_tokens"] += (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    batch["usage"] = total

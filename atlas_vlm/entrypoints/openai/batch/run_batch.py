@@ -102,7 +102,7 @@ async def _run(engine, engine_config, args, names: list[str], results: ResultFil
     bar = tqdm(total=total, unit="req", desc="run-batch", disable=None)
     try:
         await run_lines(ctx, read_lines(args.input), results, max_in_flight=args.max_concurrency,
-                        on_record=lambda ok: bar.update(1), on_skip=lambda: bar.update(1))
+                        on_record=lambda ok, record: bar.update(1), on_skip=lambda: bar.update(1))
     finally:
         bar.close()
         front.shutdown()

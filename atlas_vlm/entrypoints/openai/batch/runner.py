@@ -90,14 +90,14 @@ async def execute(ctx: ServerContext, item: BatchLine) -> tuple[bool, dict]:
 
 async def run_lines(ctx: ServerContext, source: Iterable[tuple[int, bytes]], results: ResultFiles, *,
                     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, endpoint: str | None = None,
-                    on_record: Callable[[bool], None] | None = None,
+                    on_record: Callable[[bool, dict], None] | None = None,
                     on_skip: Callable[[], None] | None = None) -> None:
     """Run every line of ``source`` (``(line_number, raw_bytes)``, read lazily) into ``results``.
 
     Args:
         max_in_flight: lines running at once (>= 1).
         endpoint: the only ``url`` accepted (``/v1/batches``), None for any supported one.
-        on_record: called with ``ok`` after each record is written (progress, counts).
+        on_record: called with ``(ok, record)`` after each record is written (progress, counts).
         on_skip: called for each line skipped as already recorded.
 
     Raises:
@@ -119,7 +119,7 @@ async def run_lines(ctx: ServerContext, source: Iterable[tuple[int, bytes]], res
     def record(ok: bool, rec: dict) -> None:
         results.write(rec, ok)
         if on_record is not None:
-            on_record(ok)
+            on_record(ok, rec)
 
     async def one(item: BatchLine) -> None:
         try:
