@@ -162,11 +162,25 @@ def test_file_routes_and_refusals(server):
 def test_files_dir_keeps_files_across_a_restart(server, tiny_models, files_dir):
     client = server.client()
     f = client.files.create(file=("keep.jsonl", b'{"x": 1}\n'), purpose="batch")
-    server.stop()
+    batches = client.batches.list().data  # the earlier tests' (completed, cancelled)
+    long = [(f"l{i}", "/v1/completions", {"model": NAME, "prompt": "a", "max_tokens": 200, "ignore_eos": True})
+            for i in range(40)]
+    running = client.batches.create(input_file_id=client.files.create(file=("l.jsonl", jsonl(long)),
+                                                                      purpose="batch").id,
+                                    endpoint="/v1/completions", completion_window="24h")
+    assert server.stop() == 0  # SIGTERM while a batch runs: it fails, saying why, and the server exits 0
     again = start(tiny_models, files_dir)
     try:
-        kept = again.client().files.retrieve(f.id)
+        c2 = again.client()
+        kept = c2.files.retrieve(f.id)
         assert (kept.filename, kept.bytes) == ("keep.jsonl", 9)
-        assert again.client().files.content(f.id).content == b'{"x": 1}\n'
+        assert c2.files.content(f.id).content == b'{"x": 1}\n'
+        listed = {b.id: b for b in c2.batches.list().data}
+        for b in batches:
+            assert listed[b.id].status == b.status and listed[b.id].request_counts == b.request_counts
+            assert len(records(c2, b.output_file_id)) == b.request_counts.completed
+        stopped = listed[running.id]
+        assert stopped.status == "failed" and stopped.errors.data[0].code == "server_stopped"
+        assert len(records(c2, stopped.output_file_id)) == stopped.request_counts.completed
     finally:
         again.stop()

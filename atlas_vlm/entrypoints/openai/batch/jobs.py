@@ -5,17 +5,20 @@ once), its results written to the file store as ``batch_output`` files.
 Statuses (OpenAI's): ``validating`` (counting the input's lines) -> ``in_progress`` ->
 ``finalizing`` -> ``completed``; ``cancelling`` -> ``cancelled`` (the lines running are
 aborted; what finished is in the output / error files); ``failed`` (an empty or unreadable
-input, or a dead engine: ``errors`` says why). Batch objects live in memory (lost when the
-server stops; the files stay in ``--files-dir``).
+input, a dead engine, the server stopped: ``errors`` says why). Batch objects are kept beside
+the files (``DIR/<batch id>.json``), so a ``--files-dir`` server lists them after a restart.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import time
 import uuid
 
+from atlas_vlm.engine.request_stream import EngineDeadError
 from atlas_vlm.entrypoints.openai.batch.files import FileStore
 from atlas_vlm.entrypoints.openai.batch.lines import ENDPOINT_URLS
 from atlas_vlm.entrypoints.openai.batch.results import ResultFiles
@@ -45,6 +48,16 @@ class BatchJobs:
         self.ctx, self.files, self.max_in_flight = ctx, files, max_in_flight
         self._batches: dict[str, dict] = {}
         self._tasks: dict[str, asyncio.Task] = {}
+        for path in sorted(files.root.glob("batch_*.json")):  # kept by an earlier server on this directory
+            try:
+                batch = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                logger.warning("%s: not a batch object, skipped (%s)", path, e)
+                continue
+            if batch.get("status") not in FINAL:  # that server stopped without finishing it
+                self._fail(batch, "server_stopped", "the server stopped while this batch ran; run it again")
+            self._batches[batch["id"]] = batch
+        self._batches = dict(sorted(self._batches.items(), key=lambda kv: kv[1].get("created_at", 0)))
 
     def create(self, input_file_id: str, endpoint: str, completion_window: str, metadata: dict | None) -> dict:
         """Start a batch; returns its object (status ``validating``).
@@ -71,6 +84,7 @@ class BatchJobs:
                  "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata,
                  "model": None, "usage": None}
         self._batches[batch["id"]] = batch
+        self._save(batch)
         self._tasks[batch["id"]] = asyncio.create_task(self._run(batch))
         return batch
 
@@ -139,17 +153,42 @@ class BatchJobs:
             batch.update(status="completed", completed_at=int(time.time()))
         except asyncio.CancelledError:
             self._keep_results(batch, out, err)
-            batch.update(status="cancelled", cancelled_at=int(time.time()))
+            if batch["status"] == "cancelling":
+                batch.update(status="cancelled", cancelled_at=int(time.time()))
+            else:  # not asked for: the server is shutting down
+                self._fail(batch, "server_stopped", "the server stopped while this batch ran; its finished lines "
+                           "are in its output and error files")
+        except EngineDeadError as e:  # a plain shutdown, or the engine failed for good
+            self._keep_results(batch, out, err)
+            if getattr(self.ctx.engine, "dead", False):
+                self._fail(batch, "engine_dead", f"the engine failed ({e}); run the batch again on a new server")
+            else:
+                self._fail(batch, "server_stopped", "the server stopped while this batch ran; its finished lines "
+                           "are in its output and error files")
         except Exception as e:  # noqa: BLE001 - the batch fails, the server serves on
             if not isinstance(e, APIError):
                 logger.exception("batch %s failed", batch["id"])
             code, message = (e.code, e.message) if isinstance(e, APIError) else (type(e).__name__, str(e))
             self._keep_results(batch, out, err)
-            batch.update(status="failed", failed_at=int(time.time()), errors={"object": "list", "data": [
-                {"code": code, "message": printable(message), "param": None, "line": None}]})
+            self._fail(batch, code, message)
         finally:
             out.unlink(missing_ok=True)
             err.unlink(missing_ok=True)
+            self._save(batch)
+
+    @staticmethod
+    def _fail(batch: dict, code: str | None, message: str) -> None:
+        batch.update(status="failed", failed_at=int(time.time()), errors={"object": "list", "data": [
+            {"code": code, "message": printable(message), "param": None, "line": None}]})
+
+    def _save(self, batch: dict) -> None:
+        """Keep the batch object beside the files (``DIR/<batch id>.json``), for a restart."""
+        try:
+            tmp = self.files.root / f"{batch['id']}.json.part"
+            tmp.write_text(json.dumps(batch))
+            os.replace(tmp, self.files.root / f"{batch['id']}.json")
+        except OSError as e:  # the batch itself is unharmed; only a restart would not see it
+            logger.warning("batch %s: could not save its object (%s)", batch["id"], e)
 
     def _keep_results(self, batch: dict, out, err) -> None:
         """Store the non-empty result files as ``batch_output`` files of ``batch``."""
