@@ -218,3 +218,35 @@ def test_a_full_queue_is_waited_out_and_a_dead_engine_stops_the_run(monkeypatch,
         with pytest.raises(EngineDeadError, match="shutting down"):
             asyncio.run(run_lines(None, iter(src), files, max_in_flight=1))
     assert len(records(tmp_path / "out.jsonl")) == 1  # an aborted answer is not recorded: a rerun does it
+
+
+@pytest.mark.vlm
+def test_image_lines_equal_direct_chat(tiny_models, tmp_path):
+    """An ``image_url`` line (a local file under ``--allowed-local-media-path``) answers as
+    ``LLM.chat`` on the same image; a file outside that folder is that line's 400."""
+    from helpers import IMAGES
+
+    folder = str(tiny_models["qwen2_5_vl"][0])
+    photo = IMAGES / "chelsea.png"
+
+    def image_line(cid, url):
+        return line(cid, "/v1/chat/completions", {"max_tokens": 6, "temperature": 0, "messages": [{
+            "role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                        {"type": "text", "text": "What is it?"}]}]})
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    outside = tmp_path / "copy.png"  # a real image, but not under the allowed folder
+    outside.write_bytes(photo.read_bytes())
+    src.write_text(image_line("img", f"file://{photo}") + "\n" + image_line("outside", f"file://{outside}") + "\n")
+    rc = main(["run-batch", str(src), str(out), "--model", folder, "--dtype", "float32", "--kv-cache-memory", "32MiB",
+               "--max-model-len", "1024", "--max-pixels", str(64 * 28 * 28), "--allowed-local-media-path", str(IMAGES)])
+    assert rc == 0
+    by_id = {r["custom_id"]: r for r in records(out)}
+    llm = LLM(folder, kv_cache_memory=32 << 20, max_model_len=1024, max_pixels=64 * 28 * 28, dtype="float32")
+    msgs = [{"role": "user", "content": [{"type": "image", "image": str(photo)}, {"type": "text", "text": "What is it?"}]}]
+    expected = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+    body = by_id["img"]["response"]["body"]
+    assert body["choices"][0]["message"]["content"] == expected.text
+    assert body["usage"]["prompt_tokens"] == len(expected.prompt_token_ids)
+    bad = by_id["outside"]
+    assert bad["response"]["status_code"] == 400 and bad["error"]["code"] == "invalid_image"
