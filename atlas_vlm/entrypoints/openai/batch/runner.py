@@ -35,6 +35,7 @@ ENDPOINTS = {"/v1/chat/completions": (ChatCompletionRequest, create_chat_complet
              "/v1/embeddings": (EmbeddingRequest, create_embedding)}
 DEFAULT_MAX_IN_FLIGHT = 64  # lines running at once
 QUEUE_FULL_RETRY_S = 0.5  # wait before a line refused by a full queue tries again
+YIELD_EVERY = 256  # input lines read between two yields to the event loop (a server serves on meanwhile)
 
 
 async def _answer(ctx: ServerContext, item: BatchLine) -> dict:
@@ -133,16 +134,18 @@ async def run_lines(ctx: ServerContext, source: Iterable[tuple[int, bytes]], res
         for line_no, raw in source:
             if dead:
                 break
+            if line_no % YIELD_EVERY == 0:  # lines that start nothing (skipped, bad) never await: let others run
+                await asyncio.sleep(0)
             if not raw.strip():
                 continue
             if line_no in results.done_lines:
                 skip()
                 continue
             try:
-                item, cid = parse_line(raw, line_no, endpoint), None
-                cid = item.custom_id
+                item = parse_line(raw, line_no, endpoint)
             except LineError as e:
-                item, cid = e, e.custom_id
+                item = e
+            cid = item.custom_id
             if cid is not None and cid in seen:
                 record(False, error_record(cid, duplicate_error(line_no, cid), line=line_no))
                 continue
