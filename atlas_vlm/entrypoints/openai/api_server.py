@@ -3,9 +3,9 @@
 Routes only translate HTTP to the serving functions and back; engine work happens in
 ``AsyncLLM``. Every answer that is not a success is OpenAI's JSON (``protocol.APIError``),
 whatever the input's bytes: a malformed body is 400 (never FastAPI's 422), an unknown route
-404, a wrong method 405 with ``Allow``, a body over ``--max-request-body-bytes`` 413, a
-failed engine step 500, busy or unavailable 503 with ``Retry-After``, anything unexpected
-500. ``--api-key`` guards ``/v1/*`` (401; compared in constant time); with
+404, a wrong method 405 with ``Allow``, a body over ``--max-request-body-bytes`` (a
+``/v1/files`` upload: ``--max-file-bytes``) 413, a failed engine step 500, busy or
+unavailable 503 with ``Retry-After``, anything unexpected 500. ``--api-key`` guards ``/v1/*`` (401; compared in constant time); with
 ``protect_docs_metrics`` also ``/docs``, ``/redoc``, ``/openapi.json`` and ``/metrics``;
 ``/health`` stays open. The OpenAPI schema declares what the routes answer (JSON or SSE,
 the error statuses, ``text/plain`` metrics).
