@@ -51,11 +51,14 @@ class BatchJobs:
         for path in sorted(files.root.glob("batch_*.json")):  # kept by an earlier server on this directory
             try:
                 batch = json.loads(path.read_text())
+                if not isinstance(batch, dict) or batch.get("id") != path.stem:
+                    raise ValueError("no batch object with this file's id")
             except (OSError, ValueError) as e:
                 logger.warning("%s: not a batch object, skipped (%s)", path, e)
                 continue
             if batch.get("status") not in FINAL:  # that server stopped without finishing it
                 self._fail(batch, "server_stopped", "the server stopped while this batch ran; run it again")
+                self._save(batch)
             self._batches[batch["id"]] = batch
         self._batches = dict(sorted(self._batches.items(), key=lambda kv: kv[1].get("created_at", 0)))
 
