@@ -109,6 +109,8 @@ class OpenAIIngress:
 
     def __serve_build_asgi_app__(self):
         from atlas_vlm.entrypoints.openai.api_server import create_app
+        from atlas_vlm.entrypoints.openai.batch.files import DEFAULT_MAX_FILE_BYTES, FileStore
+        from atlas_vlm.entrypoints.openai.batch.jobs import DEFAULT_BATCH_IN_FLIGHT
         from atlas_vlm.entrypoints.openai.media import MediaPolicy
         from atlas_vlm.entrypoints.openai.serving_common import ServerContext
         from atlas_vlm.tool_parsers import ToolParserManager
@@ -122,8 +124,10 @@ class OpenAIIngress:
                             tool_parser=ToolParserManager.get_tool_parser(s["tool_call_parser"])
                             if s.get("tool_call_parser") else None)  # None: from the tokenizer's template
         body = s.get("max_request_body_bytes") or default_max_request_body_bytes(media.max_image_bytes)
+        files = FileStore(s.get("files_dir"), s.get("max_file_bytes") or DEFAULT_MAX_FILE_BYTES)
         return create_app(ctx, None, s.get("api_key"), metrics_text=self.engine.metrics_text,
-                          max_request_body_bytes=body, protect_docs_metrics=s.get("protect_docs_metrics", False))
+                          max_request_body_bytes=body, protect_docs_metrics=s.get("protect_docs_metrics", False),
+                          files=files, batch_max_in_flight=s.get("batch_max_in_flight") or DEFAULT_BATCH_IN_FLIGHT)
 
 
 def build_app(engine_kwargs: dict, num_replicas: int, *, served_model_names: list[str] | None = None,
@@ -133,8 +137,9 @@ def build_app(engine_kwargs: dict, num_replicas: int, *, served_model_names: lis
     """The Ray Serve application (not yet running): N ``EngineReplica`` + the ingress.
 
     Args:
-        server_limits: the ingress's ``max_request_body_bytes``, ``max_prompts_per_request``
-            and ``protect_docs_metrics`` (as the plain server's flags).
+        server_limits: the ingress's ``max_request_body_bytes``, ``max_prompts_per_request``,
+            ``protect_docs_metrics``, ``files_dir``, ``max_file_bytes`` and
+            ``batch_max_in_flight`` (as the plain server's flags).
         engine_kwargs: ``EngineConfig`` fields (``model`` required).
         num_cpus_per_replica: Ray CPUs per replica (default: this machine's cores / N, >= 1).
         num_gpus_per_replica: GPUs per replica (1 on a GPU cluster; 0 here).
@@ -202,7 +207,10 @@ def run_ray_server(engine_config, args) -> int:
                     max_waiting_requests=args.max_waiting_requests, api_key=args.api_key, media=media,
                     server_limits=dict(max_request_body_bytes=getattr(args, "max_request_body_bytes", None),
                                        max_prompts_per_request=getattr(args, "max_prompts_per_request", 64),
-                                       protect_docs_metrics=getattr(args, "protect_docs_metrics", False)))
+                                       protect_docs_metrics=getattr(args, "protect_docs_metrics", False),
+                                       files_dir=getattr(args, "files_dir", None),
+                                       max_file_bytes=getattr(args, "max_file_bytes", None),
+                                       batch_max_in_flight=getattr(args, "max_batch_concurrency", None)))
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # never join a cluster found by chance: the one named (flag or RAY_ADDRESS), else a new local one
     ray.init(address=args.ray_address or os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False,

@@ -3,9 +3,9 @@
 Routes only translate HTTP to the serving functions and back; engine work happens in
 ``AsyncLLM``. Every answer that is not a success is OpenAI's JSON (``protocol.APIError``),
 whatever the input's bytes: a malformed body is 400 (never FastAPI's 422), an unknown route
-404, a wrong method 405 with ``Allow``, a body over ``--max-request-body-bytes`` 413, a
-failed engine step 500, busy or unavailable 503 with ``Retry-After``, anything unexpected
-500. ``--api-key`` guards ``/v1/*`` (401; compared in constant time); with
+404, a wrong method 405 with ``Allow``, a body over ``--max-request-body-bytes`` (a
+``/v1/files`` upload: ``--max-file-bytes``) 413, a failed engine step 500, busy or
+unavailable 503 with ``Retry-After``, anything unexpected 500. ``--api-key`` guards ``/v1/*`` (401; compared in constant time); with
 ``protect_docs_metrics`` also ``/docs``, ``/redoc``, ``/openapi.json`` and ``/metrics``;
 ``/health`` and the chat page at ``/`` (``entrypoints/web``) stay open. The OpenAPI schema
 declares what the routes answer (JSON or SSE, the error statuses, ``text/plain`` metrics).
@@ -19,6 +19,7 @@ stop admitting, end every stream at once with ``finish_reason: "abort"`` and ``[
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -33,6 +34,9 @@ from starlette.exceptions import HTTPException
 
 from atlas_vlm.engine.request_stream import EngineDeadError, EngineStepError
 from atlas_vlm.entrypoints.anthropic.routes import add_anthropic_routes
+from atlas_vlm.entrypoints.openai.batch.files import DEFAULT_MAX_FILE_BYTES, FileStore
+from atlas_vlm.entrypoints.openai.batch.jobs import DEFAULT_BATCH_IN_FLIGHT, BatchJobs
+from atlas_vlm.entrypoints.openai.batch.routes import FILES_PATH, add_batch_routes
 from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 from atlas_vlm.entrypoints.openai.middleware import (APIKeyMiddleware, BodyLimitMiddleware, error_response,
                                                      default_max_request_body_bytes)
@@ -44,6 +48,7 @@ from atlas_vlm.entrypoints.openai.serving_embedding import EmbeddingRequest, cre
 from atlas_vlm.entrypoints.web import add_web_routes
 
 logger = logging.getLogger(__name__)
+UPLOAD_MARGIN_BYTES = 64 * 1024  # multipart framing and the form's other fields around an uploaded file
 
 def _error_schema() -> dict:
     return {"type": "object", "required": ["error"], "properties": {"error": {
@@ -66,7 +71,8 @@ def _responses(*statuses: int, stream: bool = False) -> dict:
 
 
 def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics_text=None, *,
-               max_request_body_bytes: int | None = None, protect_docs_metrics: bool = False) -> FastAPI:
+               max_request_body_bytes: int | None = None, protect_docs_metrics: bool = False,
+               files: FileStore | None = None, batch_max_in_flight: int = DEFAULT_BATCH_IN_FLIGHT) -> FastAPI:
     """FastAPI app over ``ctx`` (engine front + settings); ``registry`` is the Prometheus
     ``CollectorRegistry`` served at ``/metrics``, unless ``metrics_text`` (an async
     ``() -> str`` in Prometheus text format; the Ray ingress aggregates its replicas) is given.
@@ -75,13 +81,25 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
         max_request_body_bytes: 413 above this many body bytes (None: no limit).
         protect_docs_metrics: with ``api_key``, also guard ``/docs``, ``/redoc``,
             ``/openapi.json`` and ``/metrics``.
+        files: the ``/v1/files`` store (default: a temporary directory removed at shutdown);
+            an upload is bounded by its ``max_file_bytes`` instead of ``max_request_body_bytes``.
+        batch_max_in_flight: lines of one ``/v1/batches`` batch running at once.
 
     An ``EngineDeadError`` out of a route (the engine or a replica died mid-request) is 503,
     an ``EngineStepError`` (a failed step) 500, any other exception 500; all OpenAI JSON.
     """
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-    app = FastAPI(title="Atlas VLM OpenAI-compatible server")
+    files = files if files is not None else FileStore()
+    jobs = BatchJobs(ctx, files, batch_max_in_flight)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):  # at shutdown: running batches cancelled (results kept), a temporary store removed
+        yield
+        await jobs.close()
+        files.close()
+
+    app = FastAPI(title="Atlas VLM OpenAI-compatible server", lifespan=lifespan)
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -114,7 +132,8 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key, protect_docs_metrics=protect_docs_metrics)
     if max_request_body_bytes is not None:
-        app.add_middleware(BodyLimitMiddleware, limit=max_request_body_bytes)
+        app.add_middleware(BodyLimitMiddleware, limit=max_request_body_bytes,
+                           overrides={FILES_PATH: (files.max_file_bytes + UPLOAD_MARGIN_BYTES, "--max-file-bytes")})
 
     def _card(name: str) -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "atlas-vlm",
@@ -172,6 +191,7 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
 
     add_anthropic_routes(app, ctx, _respond, _responses(*errors, stream=True))
 
+    add_batch_routes(app, files, jobs, _responses)
     add_web_routes(app)  # the chat page at / (its requests go to the guarded /v1 routes)
 
     def openapi() -> dict:
@@ -193,12 +213,29 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
     return app
 
 
+def server_context(engine, front, engine_config, served_model_names=None, media=None,
+                   max_prompts_per_request: int = 64) -> ServerContext:
+    """The routes' ``ServerContext`` over a built ``LLMEngine`` and its ``AsyncLLM`` front
+    (``served_model_names`` default: the model path; ``media`` default: ``MediaPolicy()``)."""
+    from atlas_vlm.entrypoints.openai.media import MediaPolicy
+    from atlas_vlm.tool_parsers import resolve_tool_parser
+
+    return ServerContext(front, served_model_names or [engine_config.model], hasattr(engine.hf_config, "vision_config"),
+                         media or MediaPolicy(), engine.max_model_len, max_prompts_per_request=max_prompts_per_request,
+                         model_root=str(engine_config.model), reasoning_parser=engine.reasoning_parser,
+                         tool_parser=resolve_tool_parser(engine_config.tool_call_parser,
+                                                         getattr(engine.tokenizer, "chat_template", None)))
+
+
 def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, served_model_names=None,
                api_key: str | None = None, max_waiting_requests: int | None = None, media=None,
                log_level: str = "info", max_request_body_bytes: int | None = None,
                max_prompts_per_request: int = 64, protect_docs_metrics: bool = False,
-               input_workers: int = 2, shutdown_timeout_s: float = 30.0) -> int:
-    """Build the engine, serve until SIGTERM/SIGINT, shut down cleanly.
+               input_workers: int = 2, shutdown_timeout_s: float = 30.0, files_dir: str | None = None,
+               max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, batch_max_in_flight: int = DEFAULT_BATCH_IN_FLIGHT) -> int:
+    """Build the engine, serve until SIGTERM/SIGINT, shut down cleanly. ``files_dir``: where
+    ``/v1/files`` keeps files (None: a temporary directory), each upload at most
+    ``max_file_bytes``; ``batch_max_in_flight``: lines of one batch running at once.
 
     Returns:
         0 after a signal; 1 if the engine was declared dead (repeated step failures), so a
@@ -213,7 +250,6 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
     from atlas_vlm.engine.async_llm import AsyncLLM
     from atlas_vlm.entrypoints.openai.media import MediaPolicy
     from atlas_vlm.entrypoints.openai.metrics import PrometheusStatLogger
-    from atlas_vlm.tool_parsers import resolve_tool_parser
 
     media = media or MediaPolicy()
     if max_request_body_bytes is None:
@@ -232,13 +268,10 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
     front = AsyncLLM(engine, max_waiting_requests=max_waiting_requests, stat_logger=stat_logger,
                      input_workers=input_workers, on_dead=on_dead)
     stat_logger.attach(front)
-    ctx = ServerContext(front, served_model_names or [engine_config.model], hasattr(engine.hf_config, "vision_config"),
-                        media, engine.max_model_len, max_prompts_per_request=max_prompts_per_request,
-                        model_root=str(engine_config.model), reasoning_parser=engine.reasoning_parser,
-                        tool_parser=resolve_tool_parser(engine_config.tool_call_parser,
-                                                        getattr(engine.tokenizer, "chat_template", None)))
+    ctx = server_context(engine, front, engine_config, served_model_names, media, max_prompts_per_request)
     app = create_app(ctx, stat_logger.registry, api_key, max_request_body_bytes=max_request_body_bytes,
-                     protect_docs_metrics=protect_docs_metrics)
+                     protect_docs_metrics=protect_docs_metrics, files=FileStore(files_dir, max_file_bytes),
+                     batch_max_in_flight=batch_max_in_flight)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # first signal: stop admitting, end every stream now

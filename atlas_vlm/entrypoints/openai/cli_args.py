@@ -53,6 +53,37 @@ def add_parser(sub) -> None:
                    help="threads that tokenize and preprocess images off the engine thread (default 2)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds to wait on SIGTERM for open connections and the engine's current step (default 30)")
+    b = p.add_argument_group("files and batches (/v1/files, /v1/batches)")
+    b.add_argument("--files-dir", default=None, metavar="DIR",
+                   help="keep uploaded files and batch results in DIR, listed again after a restart (default: a "
+                        "temporary directory removed when the server stops)")
+    b.add_argument("--max-file-bytes", type=bytes_arg(), default=200 * 10**6,
+                   help="largest file accepted by POST /v1/files (default 200MB; 413 above)")
+    b.add_argument("--max-batch-concurrency", type=int, default=16,
+                   help="lines of one batch running at once, alongside live requests (default 16)")
+    add_engine_args(p)
+    r = p.add_argument_group("replicas (Ray Serve; needs the ray extra)")
+    r.add_argument("--replicas", type=int, default=1,
+                   help="engine replicas; N > 1 serves them on Ray Serve behind one endpoint (default 1: no Ray)")
+    r.add_argument("--routing", default="cache_aware", choices=["cache_aware", "least_loaded"],
+                   help="replica choice: prefix/image-cache affinity, or fewest requests in flight")
+    r.add_argument("--imbalance-threshold", type=int, default=4,
+                   help="cache_aware: leave the cached replica when it has more than this many requests in "
+                        "flight above the least-loaded one (default 4)")
+    r.add_argument("--num-cpus-per-replica", type=float, default=None,
+                   help="Ray CPUs (and torch threads) per replica (default: cores / replicas)")
+    r.add_argument("--num-gpus-per-replica", type=float, default=0,
+                   help="Ray GPUs per replica (1 on a GPU cluster; default 0)")
+    r.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray started here)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run_serve)
+
+
+def add_engine_args(p) -> None:
+    """The engine's flags (model length, dtype, device, KV cache, scheduler, image bounds,
+    seed, parsers), shared by ``atlas-vlm serve`` and ``atlas-vlm run-batch``; read back by
+    ``engine_config_from_args``."""
     p.add_argument("--max-model-len", type=int, default=None, help="tokens per request (prompt + output)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
@@ -80,22 +111,6 @@ def add_parser(sub) -> None:
     p.add_argument("--speculative", default=None, choices=["ngram"],
                    help="exact speculative decoding: ngram (prompt-lookup drafts; greedy requests; docs/speculative.md)")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per decode step with --speculative (default 4)")
-    r = p.add_argument_group("replicas (Ray Serve; needs the ray extra)")
-    r.add_argument("--replicas", type=int, default=1,
-                   help="engine replicas; N > 1 serves them on Ray Serve behind one endpoint (default 1: no Ray)")
-    r.add_argument("--routing", default="cache_aware", choices=["cache_aware", "least_loaded"],
-                   help="replica choice: prefix/image-cache affinity, or fewest requests in flight")
-    r.add_argument("--imbalance-threshold", type=int, default=4,
-                   help="cache_aware: leave the cached replica when it has more than this many requests in "
-                        "flight above the least-loaded one (default 4)")
-    r.add_argument("--num-cpus-per-replica", type=float, default=None,
-                   help="Ray CPUs (and torch threads) per replica (default: cores / replicas)")
-    r.add_argument("--num-gpus-per-replica", type=float, default=0,
-                   help="Ray GPUs per replica (1 on a GPU cluster; default 0)")
-    r.add_argument("--ray-address", default=None,
-                   help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray started here)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.set_defaults(func=run_serve)
 
 
 def engine_config_from_args(args):
@@ -129,7 +144,7 @@ def run_serve(args) -> int:
     if args.replicas > 1:
         from atlas_vlm.entrypoints.ray_serve import run_ray_server
         return run_ray_server(config, args)
-    for name in ("max_prompts_per_request", "input_workers"):
+    for name in ("max_prompts_per_request", "input_workers", "max_file_bytes", "max_batch_concurrency"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.shutdown_timeout <= 0:
@@ -142,4 +157,5 @@ def run_serve(args) -> int:
                       log_level=args.log_level, max_request_body_bytes=args.max_request_body_bytes,
                       max_prompts_per_request=args.max_prompts_per_request,
                       protect_docs_metrics=args.protect_docs_metrics, input_workers=args.input_workers,
-                      shutdown_timeout_s=args.shutdown_timeout)
+                      shutdown_timeout_s=args.shutdown_timeout, files_dir=args.files_dir,
+                      max_file_bytes=args.max_file_bytes, batch_max_in_flight=args.max_batch_concurrency)

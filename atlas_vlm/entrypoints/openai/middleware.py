@@ -44,20 +44,23 @@ class BodyLimitMiddleware:
     """413 for a request body over ``limit`` bytes: at once from ``Content-Length``, else
     (chunked) as soon as the bytes read pass it. Plain ASGI, so disconnects stay visible."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, overrides: dict[str, tuple[int, str]] | None = None):
+        """``overrides``: ``{path: (limit, flag)}``, another limit (named by its flag) for
+        requests to ``path`` exactly (``/v1/files`` uploads: ``--max-file-bytes``)."""
+        self.app, self.limit, self.overrides = app, limit, dict(overrides or {})
 
-    def _message(self, size: int | None) -> str:
+    def _message(self, limit: int, flag: str, size: int | None) -> str:
         got = f" ({size} bytes)" if size is not None else ""
-        return f"request body is over the {self.limit}-byte limit{got} (--max-request-body-bytes)"
+        return f"request body is over the {limit}-byte limit{got} ({flag})"
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit, flag = self.overrides.get(scope["path"], (self.limit, "--max-request-body-bytes"))
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            await error_response(APIError(413, self._message(int(length)), None, _BodyTooLarge.code),
+        if length is not None and length.isdigit() and int(length) > limit:
+            await error_response(APIError(413, self._message(limit, flag, int(length)), None, _BodyTooLarge.code),
                          scope["path"])(scope, receive, send)
             return
         seen = 0
@@ -67,8 +70,8 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _BodyTooLarge(413, self._message(None))
+                if seen > limit:
+                    raise _BodyTooLarge(413, self._message(limit, flag, None))
             return message
 
         await self.app(scope, limited_receive, send)
