@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,7 @@ from atlas_vlm import hardware
 from mm_token_pipeline import DEFAULT_HTTP_MAX_BYTES, DEFAULT_HTTP_TIMEOUT_S, MultiModalOptions
 
 KV_CACHE_KINDS = ("paged", "contiguous")
+DEFAULT_KV_CACHE_DIR_MAX_BYTES = 10 << 30  # 10 GiB
 ATTENTION_BACKENDS = ("auto", "reference", "bucketed", "decode_kernel")  # atlas_vlm.layers.attention's + "auto"
 @dataclass
 class EngineConfig:
@@ -67,6 +69,11 @@ class EngineConfig:
     # (worker/compiled_decode.py): True, False, or "auto" (on where it pays and inductor works:
     # CUDA; off on CPU, where it was measured not to pay). The eager path is the fallback.
     compile_decode: bool | str = "auto"
+    # disk tier below the prefix cache (mm_kv_cache_management/disk_tier.py): full KV blocks are
+    # written to kv_cache_dir/<fingerprint>/ and found again, also after a restart; None: off.
+    # Needs prefix caching (and the paged cache). Size cap in bytes, least recently used out first.
+    kv_cache_dir: str | None = None
+    kv_cache_dir_max_bytes: int = DEFAULT_KV_CACHE_DIR_MAX_BYTES
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -108,8 +115,24 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1 (pixels) or None (the checkpoint's), got {value!r}")
+        self._check_kv_cache_dir()
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels ({self.min_pixels}) must be <= max_pixels ({self.max_pixels})")
+
+    def _check_kv_cache_dir(self) -> None:
+        if isinstance(self.kv_cache_dir_max_bytes, bool) or not isinstance(self.kv_cache_dir_max_bytes, int) \
+                or self.kv_cache_dir_max_bytes < 1:
+            raise ValueError(f"kv_cache_dir_max_bytes must be an int >= 1 (bytes), got {self.kv_cache_dir_max_bytes!r}")
+        if self.kv_cache_dir is None:
+            return
+        if not isinstance(self.kv_cache_dir, (str, os.PathLike)) or not str(self.kv_cache_dir):
+            raise ValueError(f"kv_cache_dir must be a folder path or None, got {self.kv_cache_dir!r}")
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_cache_dir (the disk KV tier) needs prefix caching on: drop "
+                             "enable_prefix_caching=False / --no-enable-prefix-caching, or unset kv_cache_dir")
+        if self.kv_cache != "paged":
+            raise ValueError(f"kv_cache_dir (the disk KV tier) needs kv_cache='paged', got {self.kv_cache!r}")
+        self.kv_cache_dir = os.fspath(self.kv_cache_dir)
 
     def image_bounds(self, settings) -> MultiModalOptions:
         """The engine's image bounds: the checkpoint's ``settings``
