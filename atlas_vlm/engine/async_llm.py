@@ -329,9 +329,10 @@ class AsyncLLM:
             pass
 
     def _snapshot(self, batch_size: int) -> None:
-        sched, bm = self.engine.scheduler, self.engine.block_manager
+        sched, bm, tier = self.engine.scheduler, self.engine.block_manager, getattr(self.engine, "kv_tier", None)
+        disk = (tier.disk.hits, tier.disk.misses, tier.disk.bytes_stored) if tier is not None else (0, 0, 0)
         self.stats = EngineStats(len(sched.running), len(sched.waiting), bm.num_blocks, bm.num_free_blocks,
-                                 sched.num_preemptions)
+                                 sched.num_preemptions, *disk)
         if self.stat_logger is not None and batch_size:
             self.stat_logger.on_step(self.stats, batch_size)
 
