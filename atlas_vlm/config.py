@@ -13,6 +13,24 @@ from mm_token_pipeline import DEFAULT_HTTP_MAX_BYTES, DEFAULT_HTTP_TIMEOUT_S, Mu
 KV_CACHE_KINDS = ("paged", "contiguous")
 DEFAULT_KV_CACHE_DIR_MAX_BYTES = 10 << 30  # 10 GiB
 ATTENTION_BACKENDS = ("auto", "reference", "bucketed", "decode_kernel")  # atlas_vlm.layers.attention's + "auto"
+def kv_cache_dir_kwargs(path: str | None, max_gb: float | None) -> dict:
+    """``EngineConfig`` fields of the CLIs' ``--kv-cache-dir PATH --kv-cache-dir-max-gb X``
+    (X in GiB, 2**30 bytes; None: the default cap). Empty when ``path`` is None.
+
+    Raises:
+        ValueError: ``max_gb`` <= 0 or given without ``path`` (the message names the flag).
+    """
+    if path is None:
+        if max_gb is not None:
+            raise ValueError("--kv-cache-dir-max-gb needs --kv-cache-dir PATH")
+        return {}
+    if max_gb is None:
+        return {"kv_cache_dir": path}
+    if not max_gb > 0:
+        raise ValueError(f"--kv-cache-dir-max-gb must be > 0 (GiB), got {max_gb}")
+    return {"kv_cache_dir": path, "kv_cache_dir_max_bytes": max(1, int(max_gb * (1 << 30)))}
+
+
 @dataclass
 class EngineConfig:
     """Engine settings (names follow vLLM).
