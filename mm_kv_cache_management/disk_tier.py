@@ -13,7 +13,7 @@ it is deleted and the first such case is logged (once per tier).
 Writes are atomic (a temporary name in the same folder, fsync, ``os.replace``), so processes
 sharing the folder never read a half-written block. The tier holds at most ``max_bytes``
 (summed over every fingerprint folder of ``root``): past it the least recently used files
-(by mtime, which a hit refreshes) are deleted. An ``OSError`` while creating the folder or
+(by mtime, which a hit refreshes) are deleted, down to ``EVICT_TO`` of the cap. An ``OSError`` while creating the folder or
 writing (read-only folder, full disk) turns writing off with one warning; reads go on and no
 request fails.
 """
@@ -26,6 +26,7 @@ import logging
 import os
 import struct
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"ATLASKV1"
 FORMAT_VERSION = 1
 SUFFIX = ".kvb"
+EVICT_TO = 0.9  # eviction goes down to this fraction of max_bytes
 
 
 class DiskKVTier:
@@ -66,7 +68,8 @@ class DiskKVTier:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             self._disable_writes(e)
-        self._sizes: dict[Path, int] = {}  # every *.kvb under root (this process's view)
+        self._index: dict[Path, tuple[int, int]] = {}  # every *.kvb under root -> (bytes, mtime ns)
+        self._total = 0  # bytes in _index
         self._rescan()
 
     # ---- bookkeeping ------------------------------------------------------------------
@@ -76,19 +79,25 @@ class DiskKVTier:
         self.writable = False
 
     def _rescan(self) -> None:
-        """Refresh the size index from disk (other processes may have added or deleted files)."""
-        sizes = {}
+        """Refresh the index from disk (other processes may have added or deleted files)."""
+        index = {}
         for path in self.root.glob(f"*/*{SUFFIX}") if self.root.is_dir() else ():
             try:
-                sizes[path] = path.stat().st_size
+                st = path.stat()
             except OSError:  # deleted meanwhile
                 continue
-        self._sizes = sizes
+            index[path] = (st.st_size, st.st_mtime_ns)
+        self._index = index
+        self._total = sum(size for size, _ in index.values())
+
+    def _forget(self, path: Path) -> None:
+        size, _ = self._index.pop(path, (0, 0))
+        self._total -= size
 
     @property
     def bytes_stored(self) -> int:
         """Bytes of block files under ``root`` as last seen by this process."""
-        return sum(self._sizes.values())
+        return self._total
 
     def path(self, block_hash: bytes) -> Path:
         """The file of ``block_hash`` in this fingerprint's folder."""
@@ -99,28 +108,22 @@ class DiskKVTier:
         return self.path(block_hash).is_file()
 
     def _evict(self) -> None:
-        """Delete least recently used files until the total is within ``max_bytes``."""
+        """Past ``max_bytes``: delete least recently used files down to ``EVICT_TO`` of the cap
+        (the slack spares a folder scan per write once the cap is reached)."""
         self._rescan()
-        total = self.bytes_stored
-        if total <= self.max_bytes:
+        if self._total <= self.max_bytes:
             return
-        by_age = []
-        for p in self._sizes:
-            try:
-                by_age.append((p.stat().st_mtime_ns, p))
-            except OSError:
-                continue
-        for _, p in sorted(by_age):
-            if total <= self.max_bytes:
+        for path, _ in sorted(self._index.items(), key=lambda item: item[1][1]):
+            if self._total <= self.max_bytes * EVICT_TO:
                 break
             try:
-                p.unlink()
+                path.unlink()
             except FileNotFoundError:
                 pass
             except OSError as e:
                 self._disable_writes(e)
                 return
-            total -= self._sizes.pop(p, 0)
+            self._forget(path)
 
     # ---- blocks -----------------------------------------------------------------------
     def save(self, block_hash: bytes, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -152,8 +155,10 @@ class DiskKVTier:
                     pass
             self._disable_writes(e)
             return False
-        self._sizes[target] = len(MAGIC) + 4 + len(header) + len(payload)
-        if self.bytes_stored > self.max_bytes:
+        self._forget(target)  # (a file another process wrote since the last scan)
+        self._index[target] = (len(MAGIC) + 4 + len(header) + len(payload), time.time_ns())
+        self._total += self._index[target][0]
+        if self._total > self.max_bytes:
             self._evict()
         return True
 
@@ -179,7 +184,7 @@ class DiskKVTier:
                 path.unlink()
             except OSError:
                 pass
-            self._sizes.pop(path, None)
+            self._forget(path)
             return None
         self.hits += 1
         try:
