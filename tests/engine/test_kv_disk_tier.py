@@ -185,3 +185,25 @@ def test_image_prompt_hits_after_a_restart_and_another_image_does_not(tiny_model
     restarted = engine(folder, tmp_path, **opts)
     out, cached = gen(restarted, image_chat("coffee.png"))  # same tokens around, other image
     assert out == ref_b and cached <= image.offset // BS * BS
+
+
+@pytest.mark.text
+def test_generate_script_fills_and_reuses_the_folder(qwen2, tmp_path, capsys):
+    import importlib.util
+
+    from helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("generate_cli", REPO / "scripts" / "generate.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    args = ["--dtype", "float32", "--device", "cpu", "--model", str(qwen2), "--prompt", LONG, "--max-tokens", "6",
+            "--no-chat", "--kv-cache-dir", str(tmp_path), "--kv-cache-dir-max-gb", "0.01"]
+    assert cli.main(args) == 0
+    first = capsys.readouterr().out
+    files = sorted(tmp_path.rglob("*.kvb"))
+    assert len(files) == 7  # 120 + 5 computed tokens: 7 full blocks
+    assert cli.main(args) == 0
+    assert capsys.readouterr().out == first
+    assert sorted(tmp_path.rglob("*.kvb")) == files
+    assert cli.main([*args[:-1], "0"]) == 1
+    assert "--kv-cache-dir-max-gb must be > 0" in capsys.readouterr().err
