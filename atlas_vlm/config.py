@@ -13,6 +13,8 @@ from mm_token_pipeline import DEFAULT_HTTP_MAX_BYTES, DEFAULT_HTTP_TIMEOUT_S, Mu
 KV_CACHE_KINDS = ("paged", "contiguous")
 DEFAULT_KV_CACHE_DIR_MAX_BYTES = 10 << 30  # 10 GiB
 ATTENTION_BACKENDS = ("auto", "reference", "bucketed", "decode_kernel")  # atlas_vlm.layers.attention's + "auto"
+
+
 def kv_cache_dir_kwargs(path: str | None, max_gb: float | None) -> dict:
     """``EngineConfig`` fields of the CLIs' ``--kv-cache-dir PATH --kv-cache-dir-max-gb X``
     (X in GiB, 2**30 bytes; None: the default cap). Empty when ``path`` is None.

@@ -184,9 +184,8 @@ class LLMEngine:
     def reset(self) -> list[str]:
         """Drop every request and start the KV cache afresh (a new ``BlockManager``: no block
         held, no prefix-cache entry; the encoder cache emptied); the weights and the disk KV
-        tier stay. For after a
-        step raised midway, when request and block state can no longer be trusted. Returns the
-        ids of the requests dropped (their outputs are not handed out)."""
+        tier stay. For after a step raised midway, when request and block state can no longer
+        be trusted. Returns the ids of the requests dropped (their outputs are not handed out)."""
         dropped = list(self.requests)
         old = self.block_manager
         self.block_manager = BlockManager(old.num_blocks, old.block_size,

@@ -13,6 +13,7 @@ import pytest
 
 from helpers import IMAGES
 from atlas_vlm import LLM, SamplingParams
+from mm_kv_cache_management import RequestState
 
 BS = 16
 BASE = dict(max_model_len=1024, kvcache_block_size=BS, num_kvcache_blocks=16, device="cpu", dtype="float32",
@@ -31,6 +32,12 @@ def engine(folder, kv_dir=None, **kwargs) -> LLM:
         lambda chunks, *_: llm.cached.update({r.request_id: r.num_cached_tokens for r, _ in chunks
                                               if r.request_id not in llm.cached}))
     return llm
+
+
+def prompt_hashes(llm: LLM, prompt: str) -> list[bytes]:
+    """Block hashes of ``prompt``'s full blocks before its last token (those a hit may cover)."""
+    tokens = list(llm.engine.process_prompt(prompt).prompt_token_ids)
+    return RequestState("probe", tokens).block_hashes(BS, len(tokens) - 1)
 
 
 def gen(llm: LLM, prompt) -> tuple[tuple, int]:
@@ -59,11 +66,8 @@ def test_evicted_blocks_come_back_from_disk_and_after_a_restart(qwen2, cold, tmp
     for p in OTHERS:
         gen(llm, p)
     bm, disk = llm.engine.block_manager, llm.engine.kv_tier.disk
-    tokens = llm.engine.process_prompt(LONG).prompt_token_ids
-    assert (len(tokens) - 1) // BS == 7
-    from mm_kv_cache_management import RequestState
-
-    long_hashes = RequestState("probe", list(tokens)).block_hashes(BS, len(tokens) - 1)
+    long_hashes = prompt_hashes(llm, LONG)
+    assert len(long_hashes) == 7
     assert not any(h in bm._cached for h in long_hashes)  # evicted from memory
     hits_before = disk.hits
     again, cached = gen(llm, LONG)
@@ -72,18 +76,14 @@ def test_evicted_blocks_come_back_from_disk_and_after_a_restart(qwen2, cold, tmp
     restarted = engine(qwen2, tmp_path)
     again, cached = gen(restarted, LONG)
     assert again == cold[LONG] and cached == 7 * BS and restarted.engine.kv_tier.disk.hits == 7
-    assert gen(restarted, OTHERS[0]) == (cold[OTHERS[0]], (len(llm.engine.process_prompt(OTHERS[0]).prompt_token_ids)
-                                                            - 1) // BS * BS)
+    assert gen(restarted, OTHERS[0]) == (cold[OTHERS[0]], len(prompt_hashes(llm, OTHERS[0])) * BS)
 
 
 @pytest.mark.text
 def test_damaged_files_are_misses_and_are_rewritten(qwen2, cold, tmp_path, caplog):
     writer = engine(qwen2, tmp_path)
     gen(writer, LONG)
-    tokens = writer.engine.process_prompt(LONG).prompt_token_ids
-    from mm_kv_cache_management import RequestState
-
-    hashes = RequestState("probe", list(tokens)).block_hashes(BS, len(tokens) - 1)
+    hashes = prompt_hashes(writer, LONG)
     disk = writer.engine.kv_tier.disk
     flipped, truncated = disk.path(hashes[3]), disk.path(hashes[5])
     data = bytearray(flipped.read_bytes())
