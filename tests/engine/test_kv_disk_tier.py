@@ -132,6 +132,22 @@ def test_unwritable_folder_degrades_with_one_warning(qwen2, cold, tmp_path, capl
 
 
 @pytest.mark.text
+def test_size_cap_holds_and_outputs_stay_exact(qwen2, cold, tmp_path):
+    probe = engine(qwen2, tmp_path / "probe")
+    gen(probe, OTHERS[0])
+    block_file = max(f.stat().st_size for f in (tmp_path / "probe").rglob("*.kvb"))
+    cap = 5 * block_file  # LONG alone has 7 full blocks
+    llm = engine(qwen2, tmp_path / "kv", kv_cache_dir_max_bytes=cap)
+    for p in (LONG, *OTHERS, LONG):
+        out, _ = gen(llm, p)
+        files = list((tmp_path / "kv").rglob("*.kvb"))
+        assert 0 < sum(f.stat().st_size for f in files) <= cap
+        if p in cold:
+            assert out == cold[p]
+    assert llm.engine.kv_tier.disk.bytes_stored == sum(f.stat().st_size for f in files)
+
+
+@pytest.mark.text
 def test_config_errors_name_the_setting(tmp_path):
     from atlas_vlm.config import EngineConfig
 
