@@ -77,6 +77,9 @@ def test_evicted_blocks_come_back_from_disk_and_after_a_restart(qwen2, cold, tmp
     again, cached = gen(restarted, LONG)
     assert again == cold[LONG] and cached == 7 * BS and restarted.engine.kv_tier.disk.hits == 7
     assert gen(restarted, OTHERS[0]) == (cold[OTHERS[0]], len(prompt_hashes(llm, OTHERS[0])) * BS)
+    restarted.engine.reset()  # the in-memory prefix cache is emptied; the disk tier stays
+    hits_before = restarted.engine.kv_tier.disk.hits
+    assert gen(restarted, LONG) == (cold[LONG], 7 * BS) and restarted.engine.kv_tier.disk.hits - hits_before == 7
 
 
 @pytest.mark.text
