@@ -11,7 +11,8 @@ raw bytes). A file that is truncated, corrupt or from another fingerprint / shap
 it is deleted and the first such case is logged (once per tier).
 
 Writes are atomic (a temporary name in the same folder, fsync, ``os.replace``), so processes
-sharing the folder never read a half-written block. The tier holds at most ``max_bytes``
+sharing the folder never read a half-written block; a temporary file left by a writer that
+died is deleted by the next tier opened on the folder once it is an hour old. The tier holds at most ``max_bytes``
 (summed over every fingerprint folder of ``root``): past it the least recently used files
 (by mtime, which a hit refreshes) are deleted, down to ``EVICT_TO`` of the cap. An ``OSError`` while creating the folder or
 writing (read-only folder, full disk) turns writing off with one warning; reads go on and no
@@ -37,6 +38,8 @@ MAGIC = b"ATLASKV1"
 FORMAT_VERSION = 1
 SUFFIX = ".kvb"
 EVICT_TO = 0.9  # eviction goes down to this fraction of max_bytes
+TMP_PREFIX = ".tmp-"  # files being written (then renamed to <hash>.kvb)
+STALE_TMP_S = 3600  # a temporary file this old (seconds) was left by a writer that died
 
 
 class DiskKVTier:
@@ -71,6 +74,7 @@ class DiskKVTier:
         self._index: dict[Path, tuple[int, int]] = {}  # every *.kvb under root -> (bytes, mtime ns)
         self._total = 0  # bytes in _index
         self._rescan()
+        self._remove_stale_temporaries()
 
     # ---- bookkeeping ------------------------------------------------------------------
     def _disable_writes(self, err: OSError) -> None:
@@ -89,6 +93,17 @@ class DiskKVTier:
             index[path] = (st.st_size, st.st_mtime_ns)
         self._index = index
         self._total = sum(size for size, _ in index.values())
+
+    def _remove_stale_temporaries(self) -> None:
+        """Delete temporary files left by a writer that died mid-write (older than
+        ``STALE_TMP_S``; a younger one may belong to a live process)."""
+        cutoff = time.time() - STALE_TMP_S
+        for path in self.dir.glob(TMP_PREFIX + "*") if self.dir.is_dir() else ():
+            try:
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
+            except OSError:
+                continue
 
     def _forget(self, path: Path) -> None:
         size, _ = self._index.pop(path, (0, 0))
@@ -141,7 +156,7 @@ class DiskKVTier:
         }).encode()
         tmp = None
         try:
-            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=SUFFIX + ".part")
+            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=TMP_PREFIX, suffix=SUFFIX + ".part")
             with os.fdopen(fd, "wb") as f:
                 f.write(MAGIC + struct.pack("<I", len(header)) + header + payload)
                 f.flush()

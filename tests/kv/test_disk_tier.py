@@ -154,6 +154,17 @@ def test_full_disk_degrades_with_one_warning_and_leaves_no_partial_file(tmp_path
     assert torch.equal(tier.load(h(1), SHAPE, torch.float32)[1], kv(1)[1])  # reads go on
 
 
+def test_temporaries_of_a_dead_writer_are_removed_once_stale(tmp_path):
+    (tmp_path / FP).mkdir()
+    stale, fresh = tmp_path / FP / ".tmp-dead.kvb.part", tmp_path / FP / ".tmp-live.kvb.part"
+    stale.write_bytes(b"half a block")
+    fresh.write_bytes(b"being written")
+    old = time.time() - 2 * 3600
+    os.utime(stale, (old, old))
+    tier = DiskKVTier(tmp_path, FP, 1 << 20)
+    assert not stale.exists() and fresh.exists() and tier.bytes_stored == 0
+
+
 def test_bad_arguments_are_named(tmp_path):
     with pytest.raises(ValueError, match="kv_cache_dir_max_bytes"):
         DiskKVTier(tmp_path, FP, 0)
