@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,28 @@ from mm_token_pipeline import DEFAULT_HTTP_MAX_BYTES, DEFAULT_HTTP_TIMEOUT_S, Mu
 
 KV_CACHE_KINDS = ("paged", "contiguous")
 SPECULATIVE_METHODS = (None, "ngram")  # atlas_vlm.spec_decode's proposers
+DEFAULT_KV_CACHE_DIR_MAX_BYTES = 10 << 30  # 10 GiB
 ATTENTION_BACKENDS = ("auto", "reference", "bucketed", "decode_kernel")  # atlas_vlm.layers.attention's + "auto"
+
+
+def kv_cache_dir_kwargs(path: str | None, max_gb: float | None) -> dict:
+    """``EngineConfig`` fields of the CLIs' ``--kv-cache-dir PATH --kv-cache-dir-max-gb X``
+    (X in GiB, 2**30 bytes; None: the default cap). Empty when ``path`` is None.
+
+    Raises:
+        ValueError: ``max_gb`` <= 0 or given without ``path`` (the message names the flag).
+    """
+    if path is None:
+        if max_gb is not None:
+            raise ValueError("--kv-cache-dir-max-gb needs --kv-cache-dir PATH")
+        return {}
+    if max_gb is None:
+        return {"kv_cache_dir": path}
+    if not max_gb > 0:
+        raise ValueError(f"--kv-cache-dir-max-gb must be > 0 (GiB), got {max_gb}")
+    return {"kv_cache_dir": path, "kv_cache_dir_max_bytes": max(1, int(max_gb * (1 << 30)))}
+
+
 @dataclass
 class EngineConfig:
     """Engine settings (names follow vLLM).
@@ -78,6 +100,11 @@ class EngineConfig:
     num_speculative_tokens: int | None = None
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    # disk tier below the prefix cache (mm_kv_cache_management/disk_tier.py): full KV blocks are
+    # written to kv_cache_dir/<fingerprint>/ and found again, also after a restart; None: off.
+    # Needs prefix caching (and the paged cache). Size cap in bytes, least recently used out first.
+    kv_cache_dir: str | None = None
+    kv_cache_dir_max_bytes: int = DEFAULT_KV_CACHE_DIR_MAX_BYTES
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -123,6 +150,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1 (pixels) or None (the checkpoint's), got {value!r}")
+        self._check_kv_cache_dir()
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels ({self.min_pixels}) must be <= max_pixels ({self.max_pixels})")
         from atlas_vlm.quantization import check_quantization
@@ -151,6 +179,21 @@ class EngineConfig:
         if self.speculative is None:
             return 0
         return 4 if self.num_speculative_tokens is None else self.num_speculative_tokens
+
+    def _check_kv_cache_dir(self) -> None:
+        if isinstance(self.kv_cache_dir_max_bytes, bool) or not isinstance(self.kv_cache_dir_max_bytes, int) \
+                or self.kv_cache_dir_max_bytes < 1:
+            raise ValueError(f"kv_cache_dir_max_bytes must be an int >= 1 (bytes), got {self.kv_cache_dir_max_bytes!r}")
+        if self.kv_cache_dir is None:
+            return
+        if not isinstance(self.kv_cache_dir, (str, os.PathLike)) or not str(self.kv_cache_dir):
+            raise ValueError(f"kv_cache_dir must be a folder path or None, got {self.kv_cache_dir!r}")
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_cache_dir (the disk KV tier) needs prefix caching on: drop "
+                             "enable_prefix_caching=False / --no-enable-prefix-caching, or unset kv_cache_dir")
+        if self.kv_cache != "paged":
+            raise ValueError(f"kv_cache_dir (the disk KV tier) needs kv_cache='paged', got {self.kv_cache!r}")
+        self.kv_cache_dir = os.fspath(self.kv_cache_dir)
 
     def image_bounds(self, settings) -> MultiModalOptions:
         """The engine's image bounds: the checkpoint's ``settings``

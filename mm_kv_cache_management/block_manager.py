@@ -4,6 +4,12 @@ Modelled on vLLM v1's block pool: every block has a reference count; blocks with
 in an LRU free queue (oldest freed is reused first); with prefix caching on, a full block
 whose K/V are computed is registered under its chained hash and can be shared by later
 requests until it is evicted from the free queue.
+
+With a ``kv_tier`` (``KVBlockTier``: a disk tier below the prefix cache), every block is
+also written there when it is registered (write-through; ``kv_tier.py`` says why), and
+admission goes on past the last in-memory hit: each next block hash found in the tier is
+loaded into one of the request's fresh blocks, registered, and counts as cached. Hashes are
+chained, so the walk stops at the first block found in neither.
 """
 
 from __future__ import annotations
@@ -33,12 +39,16 @@ class BlockManager:
         num_blocks: blocks in the KV cache (>= 1).
         block_size: tokens per block (>= 1).
         enable_prefix_caching: share full, computed blocks between requests by content hash.
+        kv_tier: None, or an object with ``save(block_hash, block_id)`` and ``load(block_hash,
+            block_id) -> bool`` (``KVBlockTier``): a
+            lower cache tier (disk) for registered blocks; needs prefix caching.
 
     Raises:
-        ValueError: ``num_blocks`` or ``block_size`` below 1.
+        ValueError: ``num_blocks`` or ``block_size`` below 1; a ``kv_tier`` without prefix caching.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False,
+                 kv_tier=None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}: the KV budget holds no block")
         if block_size < 1:
@@ -46,6 +56,9 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        if kv_tier is not None and not enable_prefix_caching:
+            raise ValueError("a KV tier (kv_cache_dir) needs prefix caching on (enable_prefix_caching=True)")
+        self.kv_tier = kv_tier
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU order
         self._cached: dict[bytes, int] = {}  # block hash -> block id
@@ -82,6 +95,8 @@ class BlockManager:
             if block.block_hash is None and h not in self._cached:
                 block.block_hash = h
                 self._cached[h] = block_id
+                if self.kv_tier is not None:
+                    self.kv_tier.save(h, block_id)  # write-through (a no-op if on disk already)
 
     # ---- allocation ---------------------------------------------------------------------
     def _take_free_block(self) -> int:
@@ -110,7 +125,8 @@ class BlockManager:
         """Reserve blocks for all of ``req.token_ids``: ceil(len / block_size) blocks.
 
         With prefix caching, the longest cached prefix is shared (reference count + 1) and
-        ``req.num_computed_tokens`` / ``req.num_cached_tokens`` start past it.
+        ``req.num_computed_tokens`` / ``req.num_cached_tokens`` start past it; with a KV
+        tier, past the blocks then loaded from it too.
 
         Raises:
             ValueError: the request already holds blocks.
@@ -127,10 +143,28 @@ class BlockManager:
         for block_id in hits:
             self._touch(block_id)
         fresh = [self._take_free_block() for _ in range(self.num_blocks_needed(req.num_tokens) - len(hits))]
-        num_cached = len(hits) * self.block_size
+        num_hits = len(hits) + self._load_from_tier(req, len(hits), fresh)
+        num_cached = num_hits * self.block_size
         req.block_table = BlockTable(self.block_size, hits + fresh, num_tokens=num_cached)
         req.num_computed_tokens = req.num_cached_tokens = num_cached
         return req.block_table
+
+    def _load_from_tier(self, req: RequestState, first: int, fresh: list[int]) -> int:
+        """Load the request's blocks ``first, first + 1, ..`` from the KV tier into ``fresh``
+        (its newly taken blocks, in order) while found; returns how many were loaded. Like a
+        memory hit, never the block holding the last prompt token (C11)."""
+        if self.kv_tier is None:
+            return 0
+        hashes = req.block_hashes(self.block_size, req.num_tokens - 1)[first:]
+        loaded = 0
+        for h, block_id in zip(hashes, fresh):
+            if not self.kv_tier.load(h, block_id):  # missing or invalid: a miss
+                break
+            if h not in self._cached:  # (a later block may still be cached in memory elsewhere)
+                self.blocks[block_id].block_hash = h
+                self._cached[h] = block_id
+            loaded += 1
+        return loaded
 
     def decode_append(self, req: RequestState) -> int:
         """Reserve the slot of the newest token ``req.token_ids[-1]`` and return it.

@@ -38,6 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
                    help="K/V storage: auto (the model dtype), int8 or fp8_e4m3 (8 bits + one scale per token and KV head: ~1.9x the tokens in the same memory)")
+    from atlas_vlm.entrypoints.openai.cli_args import add_kv_cache_dir_args
+
+    add_kv_cache_dir_args(p)
     p.add_argument("--max-model-len", type=int, default=None, help="tokens per request (prompt + output)")
     p.add_argument("--max-pixels", type=int, default=None, help="per-image pixel bound after resize: one visual token per 28x28 px on "
                    "Qwen2.5-VL, 32x32 on Qwen3-VL; SmolVLM2: longest edge floor(sqrt(P)) in whole tiles")
@@ -71,6 +74,7 @@ def main(argv=None) -> int:
 
 def _generate(args: argparse.Namespace, streaming: list) -> int:
     from atlas_vlm import LLM, SamplingParams
+    from atlas_vlm.config import kv_cache_dir_kwargs
     from atlas_vlm.default_models import default_text_model
 
     model = args.model
@@ -90,6 +94,7 @@ def _generate(args: argparse.Namespace, streaming: list) -> int:
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     try:
+        kwargs.update(kv_cache_dir_kwargs(args.kv_cache_dir, args.kv_cache_dir_max_gb))
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 seed=args.seed, max_tokens=args.max_tokens)
         llm = LLM(model or default_text_model(), **kwargs)

@@ -18,6 +18,7 @@ from atlas_vlm.config import EngineConfig
 from atlas_vlm.engine.input_processor import InputProcessor, ProcessedPrompt, RequestTooLongError
 from atlas_vlm.engine.output_processor import OutputProcessor
 from atlas_vlm.loader import eos_token_ids, load_model
+from atlas_vlm.worker.kv_fingerprint import build_kv_tier
 from atlas_vlm.worker.model_runner import ModelRunner
 from atlas_vlm.outputs import RequestOutput
 from atlas_vlm.pooling_params import PoolingParams
@@ -65,9 +66,12 @@ class LLMEngine:
         arch = loaded.model.arch
         self.max_model_len = config.max_model_len or min(arch.max_position_embeddings, 4096)
         self.runner = ModelRunner(loaded, config, self.max_model_len)
+        # the disk tier below the prefix cache (None without kv_cache_dir)
+        self.kv_tier = build_kv_tier(config, loaded.model_dir, loaded.hf_config, self.runner)
         self.block_manager = BlockManager(
             self.runner.num_blocks, self.runner.block_size,
             enable_prefix_caching=config.enable_prefix_caching and config.kv_cache == "paged",
+            kv_tier=self.kv_tier,
         )
         budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
@@ -193,13 +197,13 @@ class LLMEngine:
     @_locked
     def reset(self) -> list[str]:
         """Drop every request and start the KV cache afresh (a new ``BlockManager``: no block
-        held, no prefix-cache entry; the encoder cache emptied); the weights stay. For after a
-        step raised midway, when request and block state can no longer be trusted. Returns the
-        ids of the requests dropped (their outputs are not handed out)."""
+        held, no prefix-cache entry; the encoder cache emptied); the weights and the disk KV
+        tier stay. For after a step raised midway, when request and block state can no longer
+        be trusted. Returns the ids of the requests dropped (their outputs are not handed out)."""
         dropped = list(self.requests)
         old = self.block_manager
         self.block_manager = BlockManager(old.num_blocks, old.block_size,
-                                          enable_prefix_caching=old.enable_prefix_caching)
+                                          enable_prefix_caching=old.enable_prefix_caching, kv_tier=old.kv_tier)
         sched = self.scheduler
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
                                    sched.enable_chunked_prefill, max_model_len=sched.max_model_len,

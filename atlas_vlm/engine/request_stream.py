@@ -41,6 +41,9 @@ class EngineStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    disk_kv_hits: int = 0  # blocks loaded from the disk KV tier (kv_cache_dir) since start
+    disk_kv_misses: int = 0  # disk KV tier lookups that found no valid block since start
+    disk_kv_bytes: int = 0  # bytes of block files in kv_cache_dir (as this engine last saw them)
 
 
 @dataclass

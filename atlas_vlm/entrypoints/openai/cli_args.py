@@ -100,6 +100,7 @@ def add_engine_args(p) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens computed per step")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    add_kv_cache_dir_args(p)
     p.add_argument("--max-pixels", type=int, default=None, help="per-image pixel bound after resize")
     p.add_argument("--min-pixels", type=int, default=None, help="per-image lower pixel bound after resize")
     p.add_argument("--seed", type=int, default=0, help="default sampling seed")
@@ -114,7 +115,7 @@ def add_engine_args(p) -> None:
 
 
 def engine_config_from_args(args):
-    from atlas_vlm.config import EngineConfig
+    from atlas_vlm.config import EngineConfig, kv_cache_dir_kwargs
     from atlas_vlm.default_models import default_text_model
 
     kwargs = dict(model=args.model or default_text_model(), dtype=args.dtype, device=args.device,
@@ -130,7 +131,17 @@ def engine_config_from_args(args):
     for name in ("kv_cache_memory", "max_pixels", "min_pixels"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
+    kwargs.update(kv_cache_dir_kwargs(getattr(args, "kv_cache_dir", None), getattr(args, "kv_cache_dir_max_gb", None)))
     return EngineConfig(**kwargs)
+
+
+def add_kv_cache_dir_args(p) -> None:
+    """``--kv-cache-dir`` / ``--kv-cache-dir-max-gb`` (the disk KV tier), for serve and scripts/generate.py."""
+    p.add_argument("--kv-cache-dir", default=None, metavar="PATH",
+                   help="disk tier below the prefix cache: full KV blocks are kept in PATH and found again, "
+                        "also after a restart (needs prefix caching)")
+    p.add_argument("--kv-cache-dir-max-gb", type=float, default=None, metavar="X",
+                   help="size cap of --kv-cache-dir in GiB, least recently used blocks out first (default 10)")
 
 
 def run_serve(args) -> int:

@@ -4,7 +4,8 @@
 Gauges are read from ``AsyncLLM.stats`` (the engine snapshot after each step) at scrape
 time; counters and histograms are fed by ``AsyncLLM`` from the engine thread through the
 ``PrometheusStatLogger`` callbacks. Prefix-cache hits and queries are counted in tokens,
-at each request's first token (its admission). Each app has its own registry.
+at each request's first token (its admission), disk-tier hits included; the disk tier's own
+hits and misses are counted in blocks. Each app has its own registry.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class _EngineCollector:
             ("atlas:num_kv_blocks_total", "KV-cache blocks in total.", s.num_blocks),
             ("atlas:num_kv_blocks_free", "KV-cache blocks free (cached-but-evictable included).", s.num_free_blocks),
             ("atlas:num_kv_blocks_used", "KV-cache blocks held by requests.", used),
+            ("atlas:kv_cache_disk_bytes", "Bytes of KV blocks stored in the disk tier (kv_cache_dir).",
+             s.disk_kv_bytes),
         ]
         for name, doc, value in rows:
             g = GaugeMetricFamily(name, doc)
@@ -48,6 +51,9 @@ class _EngineCollector:
              s.spec_decode_num_drafts),
             ("atlas:spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_decode_num_draft_tokens),
             ("atlas:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_decode_num_accepted_tokens),
+            ("atlas:kv_cache_disk_hits", "KV blocks loaded from the disk tier (kv_cache_dir).", s.disk_kv_hits),
+            ("atlas:kv_cache_disk_misses", "Disk-tier lookups (one per admission that reached it) that found "
+             "no valid block.", s.disk_kv_misses),
         ]
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc)

@@ -1,0 +1,238 @@
+"""A disk tier under the in-memory prefix cache: full KV blocks as files, found again by hash.
+
+Layout: ``<root>/<fingerprint>/<block hash hex>.kvb``, one file per block, holding that
+block's K and V for every layer. ``fingerprint`` (``atlas_vlm.worker.kv_fingerprint``) hashes
+everything that changes K/V (weights identity, dtypes, shapes, RoPE, ...), so a directory
+shared by several models or settings never serves one model's K/V to another.
+
+File: ``MAGIC``, a 4-byte little-endian header length, a JSON header (format version,
+fingerprint, block hash, shape, dtype, blake2b of the payload), then the payload (K then V,
+raw bytes). A file that is truncated, corrupt or from another fingerprint / shape is a miss:
+it is deleted and the first such case is logged (once per tier).
+
+Writes are atomic (a temporary name in the same folder, fsync, ``os.replace``), so processes
+sharing the folder never read a half-written block; a temporary file left by a writer that
+died is deleted by the next tier opened on the folder once it is an hour old. The tier holds at most ``max_bytes``
+(summed over every fingerprint folder of ``root``): past it the least recently used files
+(by mtime, which a hit refreshes) are deleted, down to ``EVICT_TO`` of the cap. An ``OSError`` while creating the folder or
+writing (read-only folder, full disk) turns writing off with one warning; reads go on and no
+request fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"ATLASKV1"
+FORMAT_VERSION = 1
+SUFFIX = ".kvb"
+EVICT_TO = 0.9  # eviction goes down to this fraction of max_bytes
+TMP_PREFIX = ".tmp-"  # files being written (then renamed to <hash>.kvb)
+STALE_TMP_S = 3600  # a temporary file this old (seconds) was left by a writer that died
+
+
+class DiskKVTier:
+    """Blocks of K/V on disk, keyed by their chained block hash.
+
+    Args:
+        root: the ``kv_cache_dir`` (created if missing).
+        fingerprint: hex string naming this engine's K/V (its subfolder of ``root``).
+        max_bytes: size cap of all ``*.kvb`` files under ``root`` (bytes, >= 1).
+
+    Raises:
+        ValueError: ``max_bytes`` < 1 or an empty ``fingerprint``.
+    """
+
+    def __init__(self, root: str | os.PathLike, fingerprint: str, max_bytes: int):
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValueError(f"kv_cache_dir_max_bytes must be an int >= 1 (bytes), got {max_bytes!r}")
+        if not fingerprint:
+            raise ValueError("the disk KV tier needs a non-empty fingerprint")
+        self.root = Path(root)
+        self.fingerprint = fingerprint
+        self.dir = self.root / fingerprint
+        self.max_bytes = max_bytes
+        self.writable = True
+        self.hits = 0  # blocks found and loaded
+        self.misses = 0  # lookups that found no valid file
+        self._warned_corrupt = False
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self._disable_writes(e)
+        self._index: dict[Path, tuple[int, int]] = {}  # every *.kvb under root -> (bytes, mtime ns)
+        self._total = 0  # bytes in _index
+        self._rescan()
+        self._remove_stale_temporaries()
+
+    # ---- bookkeeping ------------------------------------------------------------------
+    def _disable_writes(self, err: OSError) -> None:
+        if self.writable:
+            log.warning("disk KV tier %s is not writable (%s); going on without writing to it", self.dir, err)
+        self.writable = False
+
+    def _rescan(self) -> None:
+        """Refresh the index from disk (other processes may have added or deleted files)."""
+        index = {}
+        for path in self.root.glob(f"*/*{SUFFIX}") if self.root.is_dir() else ():
+            try:
+                st = path.stat()
+            except OSError:  # deleted meanwhile
+                continue
+            index[path] = (st.st_size, st.st_mtime_ns)
+        self._index = index
+        self._total = sum(size for size, _ in index.values())
+
+    def _remove_stale_temporaries(self) -> None:
+        """Delete temporary files left by a writer that died mid-write (older than
+        ``STALE_TMP_S``; a younger one may belong to a live process)."""
+        cutoff = time.time() - STALE_TMP_S
+        for path in self.dir.glob(TMP_PREFIX + "*") if self.dir.is_dir() else ():
+            try:
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
+            except OSError:
+                continue
+
+    def _forget(self, path: Path) -> None:
+        size, _ = self._index.pop(path, (0, 0))
+        self._total -= size
+
+    @property
+    def bytes_stored(self) -> int:
+        """Bytes of block files under ``root`` as last seen by this process."""
+        return self._total
+
+    def path(self, block_hash: bytes) -> Path:
+        """The file of ``block_hash`` in this fingerprint's folder."""
+        return self.dir / (block_hash.hex() + SUFFIX)
+
+    def contains(self, block_hash: bytes) -> bool:
+        """Whether a file exists for ``block_hash`` (not yet checked: ``load`` verifies)."""
+        return self.path(block_hash).is_file()
+
+    def _evict(self) -> None:
+        """Past ``max_bytes``: delete least recently used files down to ``EVICT_TO`` of the cap
+        (the slack spares a folder scan per write once the cap is reached)."""
+        self._rescan()
+        if self._total <= self.max_bytes:
+            return
+        for path, _ in sorted(self._index.items(), key=lambda item: item[1][1]):
+            if self._total <= self.max_bytes * EVICT_TO:
+                break
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                self._disable_writes(e)
+                return
+            self._forget(path)
+
+    # ---- blocks -----------------------------------------------------------------------
+    def save(self, block_hash: bytes, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Store one block's K and V (each ``[num_layers, block_size, num_kv_heads, head_dim]``)
+        atomically; a no-op if its file exists. Returns whether a file was written; never
+        raises ``OSError`` (writing turns off instead)."""
+        target = self.path(block_hash)
+        if not self.writable or target.exists():
+            return False
+        payload = _tensor_bytes(k) + _tensor_bytes(v)
+        header = json.dumps({
+            "version": FORMAT_VERSION, "fingerprint": self.fingerprint, "block_hash": block_hash.hex(),
+            "shape": list(k.shape), "dtype": str(k.dtype).removeprefix("torch."),
+            "blake2b": hashlib.blake2b(payload).hexdigest(),
+        }).encode()
+        tmp = None
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=TMP_PREFIX, suffix=SUFFIX + ".part")
+            with os.fdopen(fd, "wb") as f:
+                f.write(MAGIC + struct.pack("<I", len(header)) + header + payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except OSError as e:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+            self._disable_writes(e)
+            return False
+        self._forget(target)  # (a file another process wrote since the last scan)
+        self._index[target] = (len(MAGIC) + 4 + len(header) + len(payload), time.time_ns())
+        self._total += self._index[target][0]
+        if self._total > self.max_bytes:
+            self._evict()
+        return True
+
+    def load(self, block_hash: bytes, shape: tuple[int, ...], dtype: torch.dtype
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K and V of ``block_hash`` (CPU tensors of ``shape`` / ``dtype``), or None on a miss.
+        A file that does not match (corrupt, truncated, other fingerprint, shape or dtype) is
+        deleted and counts as a miss."""
+        path = self.path(block_hash)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            self.misses += 1
+            return None
+        kv = self._parse(data, block_hash, tuple(shape), dtype)
+        if kv is None:
+            self.misses += 1
+            if not self._warned_corrupt:
+                log.warning("disk KV tier: %s is corrupt or does not match this engine; deleted it "
+                            "(further such files are deleted silently)", path)
+                self._warned_corrupt = True
+            try:
+                path.unlink()
+            except OSError:
+                pass
+            self._forget(path)
+            return None
+        self.hits += 1
+        try:
+            os.utime(path)  # LRU: a hit makes the file young
+        except OSError:
+            pass
+        return kv
+
+    def _parse(self, data: bytes, block_hash: bytes, shape: tuple[int, ...], dtype: torch.dtype):
+        head = len(MAGIC) + 4
+        if len(data) < head or not data.startswith(MAGIC):
+            return None
+        (n,) = struct.unpack("<I", data[len(MAGIC):head])
+        try:
+            meta = json.loads(data[head:head + n])
+        except ValueError:
+            return None
+        payload = data[head + n:]
+        elem = torch.empty((), dtype=dtype).element_size()
+        numel = 1
+        for s in shape:
+            numel *= s
+        if not isinstance(meta, dict) or (
+                meta.get("version"), meta.get("fingerprint"), meta.get("block_hash"), meta.get("shape"),
+                meta.get("dtype")) != (FORMAT_VERSION, self.fingerprint, block_hash.hex(), list(shape),
+                                       str(dtype).removeprefix("torch.")):
+            return None
+        if len(payload) != 2 * numel * elem or hashlib.blake2b(payload).hexdigest() != meta.get("blake2b"):
+            return None
+        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype)
+        return flat[:numel].view(shape), flat[numel:].view(shape)
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    """Raw bytes of ``t`` (any dtype, bf16 included), C order, from any device."""
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -1,0 +1,231 @@
+"""DiskKVTier (mm_kv_cache_management/disk_tier.py): exact round trips, corrupt / truncated /
+foreign files are misses (deleted, logged once), the LRU size cap, an unwritable folder or a
+full disk degrades with one warning, and two processes sharing a folder never read a partial
+block."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import multiprocessing
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+from mm_kv_cache_management import DiskKVTier
+from mm_kv_cache_management.disk_tier import SUFFIX
+
+pytestmark = pytest.mark.text
+
+SHAPE = (2, 4, 2, 8)  # [num_layers, block_size, num_kv_heads, head_dim]
+FP = "a" * 32
+
+
+def kv(seed: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(SHAPE, generator=g).to(dtype), torch.randn(SHAPE, generator=g).to(dtype)
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_is_exact_and_a_block_is_written_once(tmp_path, dtype):
+    tier = DiskKVTier(tmp_path, FP, 1 << 20)
+    k, v = kv(0, dtype)
+    assert tier.save(h(1), k, v) is True
+    assert tier.save(h(1), *kv(1, dtype)) is False  # already on disk: not rewritten
+    got = tier.load(h(1), SHAPE, dtype)
+    assert got is not None and torch.equal(got[0], k) and torch.equal(got[1], v)
+    assert got[0].dtype == dtype and tuple(got[0].shape) == SHAPE
+    assert tier.load(h(2), SHAPE, dtype) is None
+    assert (tier.hits, tier.misses) == (1, 1)
+    assert tier.path(h(1)).parent == tmp_path / FP and tier.path(h(1)).name == h(1).hex() + SUFFIX
+    assert tier.bytes_stored == tier.path(h(1)).stat().st_size
+    assert not [p for p in (tmp_path / FP).iterdir() if p.suffix != SUFFIX]  # no temporary file left
+
+
+def _flip_payload_byte(path):
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 7])
+
+
+def _garbage(path):
+    path.write_bytes(b"not a block")
+
+
+@pytest.mark.parametrize("damage", [_flip_payload_byte, _truncate, _garbage])
+def test_damaged_file_is_a_miss_deleted_and_logged_once(tmp_path, caplog, damage):
+    tier = DiskKVTier(tmp_path, FP, 1 << 20)
+    for i in (1, 2):
+        tier.save(h(i), *kv(i))
+        damage(tier.path(h(i)))
+    with caplog.at_level(logging.WARNING, logger="mm_kv_cache_management.disk_tier"):
+        assert tier.load(h(1), SHAPE, torch.float32) is None
+        assert tier.load(h(2), SHAPE, torch.float32) is None
+    assert not tier.path(h(1)).exists() and not tier.path(h(2)).exists()
+    assert tier.misses == 2 and tier.hits == 0
+    assert len([r for r in caplog.records if "corrupt" in r.getMessage()]) == 1
+    tier.save(h(1), *kv(1))  # written again after the delete
+    assert torch.equal(tier.load(h(1), SHAPE, torch.float32)[0], kv(1)[0])
+
+
+def test_file_of_another_fingerprint_shape_or_dtype_is_a_miss(tmp_path):
+    other = DiskKVTier(tmp_path, "b" * 32, 1 << 20)
+    other.save(h(1), *kv(1))
+    tier = DiskKVTier(tmp_path, FP, 1 << 20)
+    shutil.copy(other.path(h(1)), tier.path(h(1)))  # same name, other engine's K/V
+    assert tier.load(h(1), SHAPE, torch.float32) is None and not tier.path(h(1)).exists()
+    tier.save(h(2), *kv(2))
+    assert tier.load(h(2), (2, 4, 2, 4, 2), torch.float32) is None  # same bytes, other shape
+    tier.save(h(3), *kv(3))
+    assert tier.load(h(3), SHAPE, torch.int32) is None
+    assert other.load(h(1), SHAPE, torch.float32) is not None  # the other folder is untouched
+    shutil.copy(other.path(h(1)), tier.path(h(4)))  # right fingerprint, wrong block name
+    assert DiskKVTier(tmp_path, "b" * 32, 1 << 20).load(h(1), SHAPE, torch.float32) is not None
+    assert tier.load(h(4), SHAPE, torch.float32) is None
+
+
+def test_size_cap_evicts_least_recently_used(tmp_path):
+    probe = DiskKVTier(tmp_path / "probe", FP, 1 << 20)
+    probe.save(h(0), *kv(0))
+    size = probe.bytes_stored
+    tier = DiskKVTier(tmp_path / "kv", FP, 2 * size + size // 2)  # room for two blocks
+    tier.save(h(1), *kv(1))
+    tier.save(h(2), *kv(2))
+    now = time.time_ns()
+    os.utime(tier.path(h(1)), ns=(now - 200 * 10**9,) * 2)  # h(1) older than h(2) ...
+    os.utime(tier.path(h(2)), ns=(now - 100 * 10**9,) * 2)
+    assert tier.load(h(1), SHAPE, torch.float32) is not None  # ... until a hit makes it young
+    tier.save(h(3), *kv(3))
+    assert tier.path(h(1)).exists() and tier.path(h(3)).exists() and not tier.path(h(2)).exists()
+    assert tier.bytes_stored == 2 * size
+    total = sum(p.stat().st_size for p in (tmp_path / "kv").rglob(f"*{SUFFIX}"))
+    assert total <= tier.max_bytes
+    for i in range(4, 10):
+        tier.save(h(i), *kv(i))
+        assert sum(p.stat().st_size for p in (tmp_path / "kv").rglob(f"*{SUFFIX}")) <= tier.max_bytes
+
+
+def test_cap_covers_every_fingerprint_folder(tmp_path):
+    a = DiskKVTier(tmp_path, "a" * 32, 1 << 20)
+    a.save(h(1), *kv(1))
+    size = a.bytes_stored
+    b = DiskKVTier(tmp_path, "b" * 32, size + size // 2)  # one block in all
+    os.utime(a.path(h(1)), ns=(time.time_ns() - 100 * 10**9,) * 2)
+    b.save(h(2), *kv(2))
+    assert not a.path(h(1)).exists() and b.path(h(2)).exists()
+
+
+def test_unwritable_folder_degrades_with_one_warning(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the folder should be")
+    with caplog.at_level(logging.WARNING, logger="mm_kv_cache_management.disk_tier"):
+        tier = DiskKVTier(blocker, FP, 1 << 20)
+        assert tier.save(h(1), *kv(1)) is False
+        assert tier.save(h(2), *kv(2)) is False
+        assert tier.load(h(1), SHAPE, torch.float32) is None
+    assert len([r for r in caplog.records if "not writable" in r.getMessage()]) == 1
+
+
+def test_full_disk_degrades_with_one_warning_and_leaves_no_partial_file(tmp_path, caplog, monkeypatch):
+    tier = DiskKVTier(tmp_path, FP, 1 << 20)
+    tier.save(h(1), *kv(1))
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with caplog.at_level(logging.WARNING, logger="mm_kv_cache_management.disk_tier"):
+        assert tier.save(h(2), *kv(2)) is False
+        assert tier.save(h(3), *kv(3)) is False
+    assert len([r for r in caplog.records if "not writable" in r.getMessage()]) == 1
+    assert sorted(p.name for p in (tmp_path / FP).iterdir()) == [h(1).hex() + SUFFIX]
+    assert torch.equal(tier.load(h(1), SHAPE, torch.float32)[1], kv(1)[1])  # reads go on
+
+
+def test_temporaries_of_a_dead_writer_are_removed_once_stale(tmp_path):
+    (tmp_path / FP).mkdir()
+    stale, fresh = tmp_path / FP / ".tmp-dead.kvb.part", tmp_path / FP / ".tmp-live.kvb.part"
+    stale.write_bytes(b"half a block")
+    fresh.write_bytes(b"being written")
+    old = time.time() - 2 * 3600
+    os.utime(stale, (old, old))
+    tier = DiskKVTier(tmp_path, FP, 1 << 20)
+    assert not stale.exists() and fresh.exists() and tier.bytes_stored == 0
+
+
+def test_bad_arguments_are_named(tmp_path):
+    with pytest.raises(ValueError, match="kv_cache_dir_max_bytes"):
+        DiskKVTier(tmp_path, FP, 0)
+    with pytest.raises(ValueError, match="fingerprint"):
+        DiskKVTier(tmp_path, "", 1 << 20)
+
+
+BIG = (4, 64, 8, 64)  # 1 MiB of K/V per block: a write is not one instant
+
+
+def _big(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(BIG, generator=g), torch.randn(BIG, generator=g)
+
+
+def _share_folder(root: str, role: str, n: int, barrier, results) -> None:
+    """Child process. "write" / "write_reversed": write blocks 0..n-1 (the two writers race on
+    every file); "read": poll each block until it appears (bounded), reading the very files
+    being written. Puts (role, wrong or missing reads, reads, whether a damaged file was seen)."""
+    tier = DiskKVTier(root, FP, 1 << 30)
+    blocks = [_big(i) for i in range(n)]
+    wrong = reads = 0
+    barrier.wait(timeout=120)  # all three start together (spawn start-up times differ)
+    if role.startswith("write"):
+        for i in (reversed(range(n)) if role == "write_reversed" else range(n)):
+            tier.save(h(i), *blocks[i])
+    else:
+        for i in range(n):
+            got = None
+            for _ in range(1_000_000):  # bounded: the writers need far fewer polls
+                got = tier.load(h(i), BIG, torch.float32)
+                if got is not None:
+                    break
+            reads += got is not None
+            wrong += got is None or not (torch.equal(got[0], blocks[i][0]) and torch.equal(got[1], blocks[i][1]))
+    for i in range(n):  # every block is there in the end, exact
+        got = tier.load(h(i), BIG, torch.float32)
+        wrong += got is None or not torch.equal(got[1], blocks[i][1])
+    results.put((role, wrong, reads, tier._warned_corrupt))
+
+
+def test_two_processes_share_a_folder_without_partial_reads(tmp_path):
+    n = 16
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(3), ctx.Queue()
+    roles = ("read", "write", "write_reversed")
+    procs = [ctx.Process(target=_share_folder, args=(str(tmp_path), role, n, barrier, results)) for role in roles]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in roles:
+            role, *rest = results.get(timeout=300)
+            got[role] = rest
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    for wrong, _, warned_corrupt in got.values():
+        assert wrong == 0 and not warned_corrupt
+    assert got["read"][1] == n  # the reader read every block, polling while they were written
+    assert len(list((tmp_path / FP).glob(f"*{SUFFIX}"))) == n
+    assert not [p for p in (tmp_path / FP).iterdir() if p.suffix != SUFFIX]
