@@ -36,3 +36,32 @@ def test_bad_input_image_is_a_400(vlm_server):
         vlm_server.client().responses.create(model="tiny-vl", input=_input("data:image/png;base64,@@@@"),
                                              max_output_tokens=2)
     assert "invalid base64" in e.value.message
+
+
+def test_input_file_images_equal_input_image(vlm_server):
+    """An image as ``input_file``: ``file_data`` (a data URL) and ``file_id`` (uploaded to
+    ``/v1/files`` with purpose "vision") give the answer ``input_image`` gives."""
+    client = vlm_server.client()
+    url = data_uri(PHOTO)
+    want = client.responses.create(model="tiny-vl", input=_input(url), max_output_tokens=8, temperature=0)
+    uploaded = client.files.create(file=(PHOTO.name, PHOTO.read_bytes()), purpose="vision")
+    for part in ({"type": "input_file", "file_data": url, "filename": PHOTO.name},
+                 {"type": "input_file", "file_id": uploaded.id}):
+        got = client.responses.create(model="tiny-vl", max_output_tokens=8, temperature=0, input=[
+            {"role": "user", "content": [part, {"type": "input_text", "text": "Describe this image."}]}])
+        assert got.output_text == want.output_text and got.usage.input_tokens == want.usage.input_tokens
+
+
+def test_input_file_that_is_not_an_image_is_a_400_naming_the_part(vlm_server):
+    client = vlm_server.client()
+    text_file = client.files.create(file=("notes.txt", b"just text"), purpose="user_data")
+    cases = [({"type": "input_file", "file_data": "data:application/pdf;base64,JVBERi0="},
+              "input.0.content.0.file_data", "only images"),
+             ({"type": "input_file", "file_id": text_file.id}, "input.0.content.0.file_id", "notes.txt"),
+             ({"type": "input_file", "file_id": "file-" + "0" * 32}, "input.0.content.0.file_id", "No such File"),
+             ({"type": "input_file"}, "input.0.content.0", "exactly one of file_id, file_data, file_url")]
+    for part, param, words in cases:
+        with pytest.raises((openai.BadRequestError, openai.NotFoundError)) as e:
+            client.responses.create(model="tiny-vl", max_output_tokens=2,
+                                    input=[{"role": "user", "content": [part]}])
+        assert e.value.body["param"] == param and words in e.value.message, (part, e.value.body)

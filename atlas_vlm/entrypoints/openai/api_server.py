@@ -41,6 +41,7 @@ from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionReques
 from atlas_vlm.entrypoints.openai.middleware import (APIKeyMiddleware, BodyLimitMiddleware, error_response,
                                                      default_max_request_body_bytes)
 from atlas_vlm.entrypoints.openai.responses.routes import add_responses_routes
+from atlas_vlm.entrypoints.openai.responses.store import ResponseStore
 from atlas_vlm.entrypoints.openai.serving_chat import create_chat_completion
 from atlas_vlm.entrypoints.openai.serving_common import ServerContext, engine_error, until_disconnected
 from atlas_vlm.entrypoints.openai.serving_completion import create_completion
@@ -72,7 +73,8 @@ def _responses(*statuses: int, stream: bool = False) -> dict:
 
 def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics_text=None, *,
                max_request_body_bytes: int | None = None, protect_docs_metrics: bool = False,
-               files: FileStore | None = None, batch_max_in_flight: int = DEFAULT_BATCH_IN_FLIGHT) -> FastAPI:
+               files: FileStore | None = None, batch_max_in_flight: int = DEFAULT_BATCH_IN_FLIGHT,
+               responses_store=None) -> FastAPI:
     """FastAPI app over ``ctx`` (engine front + settings); ``registry`` is the Prometheus
     ``CollectorRegistry`` served at ``/metrics``, unless ``metrics_text`` (an async
     ``() -> str`` in Prometheus text format; the Ray ingress aggregates its replicas) is given.
@@ -84,6 +86,7 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
         files: the ``/v1/files`` store (default: a temporary directory removed at shutdown);
             an upload is bounded by its ``max_file_bytes`` instead of ``max_request_body_bytes``.
         batch_max_in_flight: lines of one ``/v1/batches`` batch running at once.
+        responses_store: ``/v1/responses``' ``ResponseStore`` (default: in memory).
 
     An ``EngineDeadError`` out of a route (the engine or a replica died mid-request) is 503,
     an ``EngineStepError`` (a failed step) 500, any other exception 500; all OpenAI JSON.
@@ -96,6 +99,7 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
     @contextlib.asynccontextmanager
     async def lifespan(_app):  # at shutdown: running batches cancelled (results kept), a temporary store removed
         yield
+        await background.close()
         await jobs.close()
         files.close()
 
@@ -187,7 +191,7 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
     async def embeddings(body: EmbeddingRequest, raw: Request):
         return _respond(await until_disconnected(create_embedding(ctx, body), raw.receive))
 
-    add_responses_routes(app, ctx, _respond, _responses)
+    background = add_responses_routes(app, ctx, _respond, _responses, store=responses_store, files=files)
 
     add_anthropic_routes(app, ctx, _respond, _responses(*errors, stream=True))
 
@@ -232,10 +236,12 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
                log_level: str = "info", max_request_body_bytes: int | None = None,
                max_prompts_per_request: int = 64, protect_docs_metrics: bool = False,
                input_workers: int = 2, shutdown_timeout_s: float = 30.0, files_dir: str | None = None,
-               max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, batch_max_in_flight: int = DEFAULT_BATCH_IN_FLIGHT) -> int:
+               max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, batch_max_in_flight: int = DEFAULT_BATCH_IN_FLIGHT,
+               responses_dir: str | None = None, max_stored_responses: int = 1024) -> int:
     """Build the engine, serve until SIGTERM/SIGINT, shut down cleanly. ``files_dir``: where
     ``/v1/files`` keeps files (None: a temporary directory), each upload at most
-    ``max_file_bytes``; ``batch_max_in_flight``: lines of one batch running at once.
+    ``max_file_bytes``; ``batch_max_in_flight``: lines of one batch running at once;
+    ``responses_dir`` / ``max_stored_responses``: the ``/v1/responses`` store (None: memory).
 
     Returns:
         0 after a signal; 1 if the engine was declared dead (repeated step failures), so a
@@ -271,7 +277,8 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
     ctx = server_context(engine, front, engine_config, served_model_names, media, max_prompts_per_request)
     app = create_app(ctx, stat_logger.registry, api_key, max_request_body_bytes=max_request_body_bytes,
                      protect_docs_metrics=protect_docs_metrics, files=FileStore(files_dir, max_file_bytes),
-                     batch_max_in_flight=batch_max_in_flight)
+                     batch_max_in_flight=batch_max_in_flight,
+                     responses_store=ResponseStore(max_stored_responses, responses_dir))
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # first signal: stop admitting, end every stream now

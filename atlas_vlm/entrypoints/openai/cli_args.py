@@ -59,6 +59,11 @@ def add_parser(sub) -> None:
                         "temporary directory removed when the server stops)")
     b.add_argument("--max-file-bytes", type=bytes_arg(), default=200 * 10**6,
                    help="largest file accepted by POST /v1/files (default 200MB; 413 above)")
+    b.add_argument("--responses-dir", default=None, metavar="DIR",
+                   help="keep /v1/responses' stored responses as files in DIR, found again after a restart "
+                        "(default: in memory)")
+    b.add_argument("--max-stored-responses", type=int, default=1024,
+                   help="stored responses kept at most, the oldest dropped first (default 1024)")
     b.add_argument("--max-batch-concurrency", type=int, default=16,
                    help="lines of one batch running at once, alongside live requests (default 16)")
     add_engine_args(p)
@@ -155,7 +160,8 @@ def run_serve(args) -> int:
     if args.replicas > 1:
         from atlas_vlm.entrypoints.ray_serve import run_ray_server
         return run_ray_server(config, args)
-    for name in ("max_prompts_per_request", "input_workers", "max_file_bytes", "max_batch_concurrency"):
+    for name in ("max_prompts_per_request", "input_workers", "max_file_bytes", "max_batch_concurrency",
+                 "max_stored_responses"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.shutdown_timeout <= 0:
@@ -169,4 +175,5 @@ def run_serve(args) -> int:
                       max_prompts_per_request=args.max_prompts_per_request,
                       protect_docs_metrics=args.protect_docs_metrics, input_workers=args.input_workers,
                       shutdown_timeout_s=args.shutdown_timeout, files_dir=args.files_dir,
-                      max_file_bytes=args.max_file_bytes, batch_max_in_flight=args.max_batch_concurrency)
+                      max_file_bytes=args.max_file_bytes, batch_max_in_flight=args.max_batch_concurrency,
+                      responses_dir=args.responses_dir, max_stored_responses=args.max_stored_responses)

@@ -23,7 +23,7 @@ from atlas_vlm.entrypoints.openai.protocol import APIError, printable
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_FILE_BYTES = 200 * 10**6  # one uploaded file at most (OpenAI's batch input limit: 200 MB)
-UPLOAD_PURPOSES = ("batch",)  # what this server runs uploaded files for
+UPLOAD_PURPOSES = ("batch", "user_data", "vision")  # batch inputs; images for /v1/responses' input_file
 CHUNK_BYTES = 1 << 20
 _ID = re.compile(r"file-[0-9a-f]{32}")
 

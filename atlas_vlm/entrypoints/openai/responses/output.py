@@ -88,4 +88,4 @@ def response_object(rid: str, model: str, req: ResponsesRequest, status: str = "
             "tool_choice": choice.model_dump() if hasattr(choice, "model_dump") else (choice or "auto"),
             "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": req.previous_response_id,
             "store": req.store, "text": {"format": fmt or {"type": "text"}}, "metadata": req.metadata or {},
-            "user": req.user}
+            "user": req.user, "background": req.background}

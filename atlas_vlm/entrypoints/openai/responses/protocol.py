@@ -2,10 +2,11 @@
 
 Scope: what the ``openai`` SDK's ``client.responses.create`` sends for text and image
 conversations: ``input`` (a string, or items: messages with ``input_text`` / ``input_image``
-/ ``output_text`` parts, ``function_call`` and ``function_call_output``), ``instructions``,
+/ ``input_file`` (an image: by ``file_id`` from ``/v1/files``, ``file_data`` or ``file_url``) /
+``output_text`` parts, ``function_call`` and ``function_call_output``), ``instructions``,
 ``max_output_tokens``, ``temperature``, ``top_p``, ``stream``, function ``tools`` (the flat
-Responses shape) and ``tool_choice``, ``text.format`` (structured output), ``store`` and
-``previous_response_id``. Unknown fields are refused (400 naming the field), as the chat
+Responses shape) and ``tool_choice``, ``text.format`` (structured output), ``store``,
+``background`` and ``previous_response_id``. Unknown fields are refused (400 naming the field), as the chat
 models do. Field names and defaults follow OpenAI's API reference for ``responses.create``.
 """
 
@@ -31,6 +32,18 @@ class InputImage(_Strict):
     detail: Literal["auto", "low", "high"] = "auto"
 
 
+class InputFile(_Strict):
+    """A file part: an image given by ``file_id`` (uploaded to ``/v1/files``), ``file_data``
+    (a ``data:`` URL) or ``file_url``; exactly one of the three. Other file kinds (PDF, text)
+    are refused when the request is translated (400 naming the part)."""
+
+    type: Literal["input_file"]
+    file_id: str | None = None
+    file_data: str | None = None
+    file_url: str | None = None
+    filename: str | None = None
+
+
 class OutputText(_Strict):
     """An assistant turn's text in the history (as the server returned it)."""
 
@@ -40,7 +53,7 @@ class OutputText(_Strict):
     logprobs: list | None = None
 
 
-InputPart = Annotated[InputText | InputImage | OutputText, Field(discriminator="type")]
+InputPart = Annotated[InputText | InputImage | InputFile | OutputText, Field(discriminator="type")]
 
 
 class MessageItem(_Strict):
@@ -125,6 +138,7 @@ class ResponsesRequest(UnicodeBody):
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     store: bool = True
+    background: bool = False  # run detached: the answer is polled with GET and can be cancelled
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
