@@ -6,6 +6,7 @@ from fastapi import FastAPI, Request
 
 from atlas_vlm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from atlas_vlm.entrypoints.anthropic.serving import count_tokens, create_message
+from atlas_vlm.entrypoints.openai.protocol import SSE_NAMED_EVENT_SCHEMA
 from atlas_vlm.entrypoints.openai.serving_common import ServerContext, until_disconnected
 
 
@@ -14,9 +15,6 @@ ERROR_SCHEMA = {"type": "object", "required": ["type", "error"], "properties": {
         "type": {"type": "string"}, "message": {"type": "string"}}}}}
 
 
-# one server-sent event: its name (``message_start``...) and its JSON text
-EVENT_SCHEMA = {"type": "object", "required": ["event", "data"],
-                "properties": {"event": {"type": "string"}, "data": {"type": "string"}}}
 
 
 def _anthropic_responses(responses: dict, stream: bool) -> dict:
@@ -29,7 +27,7 @@ def _anthropic_responses(responses: dict, stream: bool) -> dict:
             out[status] = {**out[status], "content": {"application/json": {"schema": ERROR_SCHEMA}}}
     content = {"application/json": {"schema": {"type": "object"}}}
     if stream:
-        content["text/event-stream"] = {"schema": EVENT_SCHEMA}
+        content["text/event-stream"] = {"schema": SSE_NAMED_EVENT_SCHEMA}  # message_start ...
     out[200] = {**out[200], "content": content}
     return out
 

@@ -20,6 +20,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 
+# OpenAPI schema of one named server-sent event (``event: NAME`` + ``data: JSON``), as the
+# Responses and Anthropic Messages streams send them (chat completions' events are unnamed)
+SSE_NAMED_EVENT_SCHEMA = {"type": "object", "required": ["event", "data"],
+                          "properties": {"event": {"type": "string"}, "data": {"type": "string"}}}
+
+
 def printable(text: str) -> str:
     """``text`` with lone surrogates (``"\\ud800"``, which no UTF-8 encoder accepts) written as
     backslash escapes, so that any echo of client input can be encoded."""

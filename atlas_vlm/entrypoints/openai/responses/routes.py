@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
+from atlas_vlm.entrypoints.openai.protocol import SSE_NAMED_EVENT_SCHEMA
 from atlas_vlm.entrypoints.openai.responses.background import BackgroundResponses
 from atlas_vlm.entrypoints.openai.responses.protocol import ResponsesRequest
 from atlas_vlm.entrypoints.openai.responses.serving import create_response
@@ -42,7 +43,10 @@ def add_responses_routes(app: FastAPI, ctx: ServerContext, respond, responses, *
     read_file = file_reader(files)
     background = BackgroundResponses(ctx, store)
 
-    @app.post("/v1/responses", responses=responses(400, 401, 404, 413, 500, 503, stream=True))
+    created = responses(400, 401, 404, 413, 500, 503, stream=True)
+    created[200]["content"]["text/event-stream"] = {"schema": SSE_NAMED_EVENT_SCHEMA}  # response.created ...
+
+    @app.post("/v1/responses", responses=created)
     async def create(body: ResponsesRequest, raw: Request):
         if body.background:
             return background.start(body, read_file)
