@@ -65,6 +65,21 @@ def rows(results: dict) -> list[dict]:
         if "plan_int4" in quant:
             add("planner: Qwen2.5-VL-3B int4 on 8 GiB, sequences of 4,096 tokens + one image (issue 19)",
                 quant["plan_int4"]["sequences"], 8, "n")
+    spec = results.get("spec")
+    if spec:  # issue 26: n-gram speculation on vs off, one stream per task and batches
+        for task, r in spec["tasks"].items():
+            goal = 0.97 if task.startswith("free writing") else 1.8
+            add(f"speculative decoding, one stream, {task}: on / off (acceptance {r['acceptance']:.0%}) (issue 26)",
+                r["speedup"], goal, "x")
+        for batch, r in spec["batches"].items():
+            add(f"speculative decoding, {batch} requests: on / off (issue 26)", r["speedup"], 1.0, "x")
+    kv = results.get("kv")
+    if kv:  # issue 27
+        add("int8 KV: tokens in the same pool bytes / auto (issue 27)", kv["int8"]["tokens_ratio"], 1.9, "x")
+        add("decode at batch 32: int8 KV / auto tok/s (issue 27)", kv["int8"]["decode_ratio"], 0.9, "x")
+        add("long chat evicted, asked again: re-prefill / disk-tier TTFT (issue 27)",
+            kv["evicted_chat"]["speedup"], 3, "x")
+        add("image + question after a restart: cold / restarted TTFT (issue 27)", kv["restart_image"]["speedup"], 5, "x")
     if vlm and "1024x28x28" in vlm:
         add("image TTFT at 1024*28*28 pixels: HF / ours", vlm["1024x28x28"]["speedup_hf_over_ours"], 1.3, "x")
     return out
