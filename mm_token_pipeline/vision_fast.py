@@ -173,7 +173,7 @@ class FastQwenVisionTower(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         grid = grid_thw.reshape(-1, 3)
-        x = self.patch_embed(pixel_values.reshape(pixel_values.shape[0], -1).to(self.patch_embed.weight.dtype))
+        x = self.patch_embed(pixel_values.reshape(pixel_values.shape[0], -1).to(self.dtype))
         frames = torch.diff(get_vision_cu_seqlens(grid)).tolist()  # [t*images] patches per frame
         full_runs = _runs(frames)
         cos, sin = self.rotary_pos_emb(x, get_vision_position_ids(grid, self.merge))  # [n, head_dim] fp32
