@@ -22,7 +22,7 @@ from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLConfig, Q
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from .processor import ProcessedImage
-from .vision_fast import FastQwenVisionTower, fast_tower_unsupported
+from .vision_fast import FastQwenVisionTower, fast_tower_unsupported, tower_choice
 
 __all__ = ["VisionEncoder"]
 
@@ -86,11 +86,13 @@ class VisionEncoder(torch.nn.Module):
         ``fast``: None (default) runs ``FastQwenVisionTower`` over the loaded weights where
         ``fast_tower_unsupported`` gives no reason (env ``ATLAS_VLM_VISION_TOWER=hf`` gives
         one), else HF's tower; False always HF's tower (the reference); True requires ours.
-        ``tower_kind`` says which ("fast" / "hf").
+        ``ATLAS_VLM_VISION_TOWER=int8`` (fp32 only) adds ``FastQwenVisionTower.quantize_int8``.
+        ``tower_kind`` says which ("fast" / "fast-int8" / "hf").
 
         Raises:
-            ValueError: missing or unexpected keys (all listed), a shape mismatch, or
-                ``fast=True`` for a tower ours cannot run (the reason given).
+            ValueError: missing or unexpected keys (all listed), a shape mismatch,
+                ``fast=True`` for a tower ours cannot run (the reason given), or int8 asked
+                for a tower that is not fp32.
         """
         encoder = cls(vision_config, dtype=dtype, attn_implementation=attn_implementation)
         expected = set(encoder.model.state_dict().keys())
@@ -108,6 +110,8 @@ class VisionEncoder(torch.nn.Module):
             reason = fast_tower_unsupported(encoder.model)
             if reason is None:
                 encoder.model, encoder.tower_kind = FastQwenVisionTower.from_hf(encoder.model), "fast"
+                if tower_choice() == "int8" and encoder.model.quantize_int8():
+                    encoder.tower_kind = "fast-int8"
             elif fast:
                 raise ValueError(f"fast=True but the fast vision tower cannot run here: {reason}")
         return encoder

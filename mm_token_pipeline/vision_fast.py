@@ -28,9 +28,21 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
 
-__all__ = ["FastQwenVisionTower", "fast_tower_unsupported", "FAST_TOWER_ENV"]
+__all__ = ["FastQwenVisionTower", "fast_tower_unsupported", "tower_choice", "FAST_TOWER_ENV", "TOWER_CHOICES"]
 
-FAST_TOWER_ENV = "ATLAS_VLM_VISION_TOWER"  # "hf" forces HF's tower; unset or "fast": ours where it applies
+FAST_TOWER_ENV = "ATLAS_VLM_VISION_TOWER"  # "hf": HF's tower; unset / "fast": ours where it applies; "int8": ours, int8
+TOWER_CHOICES = ("fast", "hf", "int8")
+
+
+def tower_choice() -> str:
+    """``ATLAS_VLM_VISION_TOWER`` (lower case; unset or empty: "fast").
+
+    Raises:
+        ValueError: a value not in ``TOWER_CHOICES``."""
+    choice = os.environ.get(FAST_TOWER_ENV, "").strip().lower() or "fast"
+    if choice not in TOWER_CHOICES:
+        raise ValueError(f"{FAST_TOWER_ENV} must be one of {TOWER_CHOICES}, got {choice!r}")
+    return choice
 
 
 def fast_tower_unsupported(hf_tower: nn.Module) -> str | None:
@@ -41,10 +53,7 @@ def fast_tower_unsupported(hf_tower: nn.Module) -> str | None:
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
-    choice = os.environ.get(FAST_TOWER_ENV, "fast").strip().lower()
-    if choice not in ("fast", "hf", ""):
-        raise ValueError(f"{FAST_TOWER_ENV} must be 'fast' or 'hf', got {choice!r}")
-    if choice == "hf":
+    if tower_choice() == "hf":
         return f"{FAST_TOWER_ENV}=hf"
     if not isinstance(hf_tower, (Qwen2_5_VisionTransformerPretrainedModel, Qwen2VisionTransformerPretrainedModel)):
         return f"{type(hf_tower).__name__} is not a Qwen2.5-VL / Qwen2-VL tower"
@@ -149,6 +158,30 @@ class FastQwenVisionTower(nn.Module):
         Raises:
             ValueError: ``fast_tower_unsupported(hf_tower)`` gives a reason."""
         return cls(hf_tower).eval()
+
+    def quantize_int8(self) -> int:
+        """Weight-only int8 (round to nearest, per-channel scales: ``Int8Linear.from_float``)
+        for every block linear the quantized matmul kernel runs (``in_features`` a multiple
+        of 32, kernel built); the others, the patch embed and the merger stay dense. fp32
+        towers only: in bf16, rows beyond ``KERNEL_MAX_ROWS`` take the dequantized weight,
+        slower than packed bf16. Returns the number quantized.
+
+        Raises:
+            ValueError: the tower is not fp32."""
+        from atlas_vlm.layers.quant_linear import Int8Linear, quant_kernel_available
+
+        if self.dtype != torch.float32:
+            raise ValueError(f"the int8 vision tower needs dtype float32, got {self.dtype} (bf16 runs packed)")
+        count = 0
+        for blk in self.blocks:
+            for name in ("qkv", "proj", "fc1", "fc2"):
+                lin = getattr(blk, name)
+                if isinstance(lin, nn.Linear) and lin.in_features % 32 == 0 and quant_kernel_available(lin.weight.device):
+                    q = Int8Linear.from_float(lin).to(lin.weight.device)
+                    q.finalize(True)
+                    setattr(blk, name, q)
+                    count += 1
+        return count
 
     @property
     def dtype(self) -> torch.dtype:

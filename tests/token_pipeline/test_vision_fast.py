@@ -106,7 +106,7 @@ def test_fallback_env_and_errors(mid_state, monkeypatch):
     with pytest.raises(ValueError, match="fast=True but the fast vision tower cannot run here: ATLAS_VLM_VISION_TOWER=hf"):
         VisionEncoder.from_state_dict(MID, mid_state, fast=True)
     monkeypatch.setenv(FAST_TOWER_ENV, "turbo")
-    with pytest.raises(ValueError, match="ATLAS_VLM_VISION_TOWER must be 'fast' or 'hf', got 'turbo'"):
+    with pytest.raises(ValueError, match=r"ATLAS_VLM_VISION_TOWER must be one of \('fast', 'hf', 'int8'\), got 'turbo'"):
         VisionEncoder.from_state_dict(MID, mid_state)
     monkeypatch.delenv(FAST_TOWER_ENV)
     assert "not a Qwen2.5-VL / Qwen2-VL tower" in fast_tower_unsupported(torch.nn.Linear(2, 2))
