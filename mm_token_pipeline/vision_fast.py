@@ -205,6 +205,9 @@ class FastQwenVisionTower(nn.Module):
         return order, [-n for _, n, _ in windows]
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """``[sum t*h*w // merge**2, out_hidden_size]`` merged patches, images in order, for
+        ``pixel_values [sum t*h*w, patch_dim]`` and ``grid_thw [num_images, 3]`` (long, in
+        patches). Inputs are checked by ``VisionEncoder.forward``; not here."""
         grid = grid_thw.reshape(-1, 3)
         x = self.patch_embed(pixel_values.reshape(pixel_values.shape[0], -1).to(self.dtype))
         frames = torch.diff(get_vision_cu_seqlens(grid)).tolist()  # [t*images] patches per frame
