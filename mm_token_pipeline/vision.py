@@ -4,8 +4,10 @@ Scope: a thin ``torch.nn.Module`` around HF transformers' Qwen vision towers: Qw
 ``Qwen2_5_VisionTransformerPretrainedModel`` (patch embed, windowed ViT blocks, 2x2 patch
 merger) or Qwen2-VL's ``Qwen2VisionTransformerPretrainedModel`` (the same without window
 attention), picked from the vision config's class, and loaded strictly from a state dict.
-The network itself is HF's code, not ours; this file adds loading checks and the split of
-the output into one embedding matrix per image.
+HF's module is the reference; after loading, ``from_state_dict`` swaps in our forward of the
+same weights (``vision_fast.FastQwenVisionTower``: no per-window loop, fused/packable
+linears) where ``fast_tower_unsupported`` allows it, else keeps HF's. This file adds loading
+checks and the split of the output into one embedding matrix per image.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLConfig, Q
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from .processor import ProcessedImage
+from .vision_fast import FastQwenVisionTower, fast_tower_unsupported, tower_choice
 
 __all__ = ["VisionEncoder"]
 
@@ -66,6 +69,7 @@ class VisionEncoder(torch.nn.Module):
             self.model = tower_cls._from_config(config, **kwargs)
         self.config = config
         self.spatial_merge_size = config.spatial_merge_size
+        self.tower_kind = "hf"  # "fast" once from_state_dict swaps in FastQwenVisionTower
 
     @staticmethod
     def _resolve(vision_config):
@@ -75,11 +79,20 @@ class VisionEncoder(torch.nn.Module):
 
     @classmethod
     def from_state_dict(cls, vision_config, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
-                        device: torch.device | str = "cpu", attn_implementation: str | None = None) -> "VisionEncoder":
+                        device: torch.device | str = "cpu", attn_implementation: str | None = None,
+                        fast: bool | None = None) -> "VisionEncoder":
         """Build the tower and load ``state_dict`` strictly (keys WITHOUT the ``'visual.'`` prefix).
 
+        ``fast``: None (default) runs ``FastQwenVisionTower`` over the loaded weights where
+        ``fast_tower_unsupported`` gives no reason (env ``ATLAS_VLM_VISION_TOWER=hf`` gives
+        one), else HF's tower; False always HF's tower (the reference); True requires ours.
+        ``ATLAS_VLM_VISION_TOWER=int8`` (fp32 only) adds ``FastQwenVisionTower.quantize_int8``.
+        ``tower_kind`` says which ("fast" / "fast-int8" / "hf").
+
         Raises:
-            ValueError: missing or unexpected keys (all listed), or a shape mismatch.
+            ValueError: missing or unexpected keys (all listed), a shape mismatch,
+                ``fast=True`` for a tower ours cannot run (the reason given), or int8 asked
+                for a tower that is not fp32.
         """
         encoder = cls(vision_config, dtype=dtype, attn_implementation=attn_implementation)
         expected = set(encoder.model.state_dict().keys())
@@ -92,7 +105,16 @@ class VisionEncoder(torch.nn.Module):
             encoder.model.load_state_dict(state_dict, strict=True)
         except RuntimeError as exc:
             raise ValueError(f"vision state dict does not fit the config: {exc}") from exc
-        return encoder.to(device=device, dtype=dtype).eval()
+        encoder = encoder.to(device=device, dtype=dtype).eval()
+        if fast is not False:
+            reason = fast_tower_unsupported(encoder.model)
+            if reason is None:
+                encoder.model, encoder.tower_kind = FastQwenVisionTower.from_hf(encoder.model), "fast"
+                if tower_choice() == "int8" and encoder.model.quantize_int8():
+                    encoder.tower_kind = "fast-int8"
+            elif fast:
+                raise ValueError(f"fast=True but the fast vision tower cannot run here: {reason}")
+        return encoder
 
     @classmethod
     def from_hf_config(cls, hf_config, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
@@ -126,7 +148,9 @@ class VisionEncoder(torch.nn.Module):
     def _tower(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
         """The HF tower's forward -> ``[sum num_tokens, columns]`` (subclasses override).
         transformers 5 returns a ``BaseModelOutputWithPooling`` whose ``pooler_output`` holds
-        the merged patches."""
+        the merged patches; ``FastQwenVisionTower`` returns them directly."""
+        if isinstance(self.model, FastQwenVisionTower):
+            return self.model(pixel_values, grid)
         return self.model(pixel_values, grid_thw=grid).pooler_output
 
     @torch.no_grad()

@@ -78,17 +78,17 @@ def test_engine_packs_its_decoder_and_decodes_the_same_bits(tiny_models, monkeyp
 
 @pytest.mark.vlm
 def test_vision_tower_packed_gives_the_same_bits(tiny_models, monkeypatch):
-    """Qwen2.5-VL in bf16: the decoder and HF's vision tower (every nn.Linear: blocks'
-    qkv/proj/MLP, merger) packed; image + text greedy tokens and logprobs equal the unpacked
-    engine's."""
+    """Qwen2.5-VL in bf16: the decoder and the vision tower (every nn.Linear of the fast
+    tower: patch embed, blocks' qkv/proj/fused gate-up/down, merger) packed; image + text
+    greedy tokens and logprobs equal the unpacked engine's."""
     folder, hf = tiny_models["qwen2_5_vl"]
     messages = conv(IMAGES / "chelsea.png", text="Describe this image.")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
     kwargs = dict(dtype="bfloat16", device="cpu", max_model_len=1024, num_kvcache_blocks=64)
     packed = LLM(str(folder), **kwargs)
     decoder = 4 * hf.config.text_config.num_hidden_layers + 1
-    vision = sum(isinstance(m, nn.Linear) for m in hf.model.visual.modules())  # blocks' qkv/proj/MLP + merger
-    assert vision > 0 and packed.engine.runner.num_packed_linears == ((decoder + vision) if PACKS else 0)
+    vision = 4 * hf.config.vision_config.depth + 1 + 2  # blocks' qkv/proj/gate-up/down, patch embed, merger
+    assert packed.engine.runner.vision.tower_kind == "fast" and packed.engine.runner.num_packed_linears == ((decoder + vision) if PACKS else 0)
     monkeypatch.setattr(hardware, "cpu_features", lambda: AVX2_ONLY)
     plain = LLM(str(folder), **kwargs)
     assert plain.engine.runner.num_packed_linears == 0

@@ -124,7 +124,8 @@ def test_one_frame_gives_one_temporal_group(tmp_path):
 
 def test_encoder_takes_videos_as_hf_visual(tiny_models):
     hf = tiny_models["qwen2_5_vl"][1]
-    encoder = mtp.VisionEncoder.from_state_dict(hf.config.vision_config, hf.model.visual.state_dict())
+    encoder = mtp.VisionEncoder.from_state_dict(hf.config.vision_config, hf.model.visual.state_dict(), fast=False)
+    fast = mtp.VisionEncoder.from_state_dict(hf.config.vision_config, hf.model.visual.state_dict())
     video = mtp.preprocess_video(mtp.load_video(VIDEOS / "frames_2fps_8.mp4", nframes=4), **SMALL)
     image = mtp.preprocess_image(Image.fromarray(mtp.load_video(VIDEOS / "frames_2fps_8.mp4").frames[0]),
                                  **SMALL)
@@ -134,6 +135,10 @@ def test_encoder_takes_videos_as_hf_visual(tiny_models):
     ours_video, ours_image = encoder.encode_images([video, image])
     assert ours_video.shape == (video.num_tokens, 64) and torch.equal(ours_video, ref)
     assert ours_image.shape[0] == image.num_tokens
+    fast_video, fast_image = fast.encode_images([video, image])  # the fast tower: HF's within 1e-4
+    assert fast.tower_kind == "fast"
+    torch.testing.assert_close(fast_video, ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(fast_image, ours_image, atol=1e-4, rtol=0)
 
 
 def test_errors_name_the_input():
