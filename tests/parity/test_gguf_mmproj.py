@@ -150,3 +150,31 @@ def test_bad_pairs_are_refused_by_name_before_any_work(pairs, tmp_path, monkeypa
     assert not (tmp_path / "cache").exists()  # nothing converted
     with pytest.raises(ValueError, match=r"mmproj=.* needs model to be its language model's .gguf file"):
         LLM(str(pairs["qwen2_5_vl"]["folder"]), mmproj=str(mmproj), **ENGINE)
+
+
+def test_mmproj_flag_on_generate_and_serve(pair, capsys):
+    """``scripts/generate.py --mmproj`` prints what the library answers on the pair;
+    ``atlas-vlm serve MODEL --mmproj PATH`` puts it into the engine config."""
+    import importlib.util
+
+    from helpers import REPO
+    from atlas_vlm.entrypoints import cli
+    from atlas_vlm.entrypoints.openai.cli_args import engine_config_from_args
+
+    entry, llm = pair
+    model, mmproj = entry["f32"]
+    spec = importlib.util.spec_from_file_location("generate_cli", REPO / "scripts" / "generate.py")
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    rc = generate.main(["--dtype", "float32", "--model", str(model), "--mmproj", str(mmproj), "--image",
+                        str(IMAGES / "chelsea.png"), "--max-pixels", str(SMALL["max_pixels"]), "--prompt", "Describe it.",
+                        "--max-tokens", "6"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    msgs = conv(IMAGES / "chelsea.png", text="Describe it.")
+    (expected,) = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=6), mm_options=SMALL, use_tqdm=False)
+    assert out.out == expected.text + "\n"
+    args = cli.build_parser().parse_args(["serve", str(model), "--mmproj", str(mmproj)])
+    config = engine_config_from_args(args)
+    assert (config.model, config.mmproj) == (str(model), str(mmproj))
+    assert engine_config_from_args(cli.build_parser().parse_args(["serve", str(model)])).mmproj is None
