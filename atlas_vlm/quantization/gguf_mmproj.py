@@ -27,6 +27,7 @@ from atlas_vlm.quantization.gguf_mmproj_names import check_pair, field, text_sta
 __all__ = ["GGUF_PAIR_VERSION", "gguf_pair_folder"]
 
 GGUF_PAIR_VERSION = "v1"  # part of the cache key: bump when the folder's content changes
+_HF_ARCHITECTURE = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
 
 def _f32(x) -> float:
@@ -102,7 +103,7 @@ def _save(tmp: Path, model_path: Path, mmproj_path: Path, model, mm, model_type:
     text = dict(_text_config(model, arch, n_vocab), bos_token_id=ids.get("bos"), eos_token_id=eos[0] if eos else None)
     config = AutoConfig.for_model(
         model_type, text_config=text, vision_config=_vision_config(mm, model_type),
-        tie_word_embeddings="output.weight" not in names, architectures=[PROJECTORS_ARCH[model_type]],
+        tie_word_embeddings="output.weight" not in names, architectures=[_HF_ARCHITECTURE[model_type]],
         image_token_id=_token_id(tokenizer, "<|image_pad|>", model_path),
         video_token_id=_token_id(tokenizer, "<|video_pad|>", model_path),
         vision_start_token_id=_token_id(tokenizer, "<|vision_start|>", model_path),
@@ -129,9 +130,6 @@ def _save(tmp: Path, model_path: Path, mmproj_path: Path, model, mm, model_type:
     if dense:
         weights = {k: v.to(torch.float32).contiguous() for k, v in text_state_dict(model).items()}
         save_file(weights, str(tmp / "model.safetensors"))
-
-
-PROJECTORS_ARCH = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
 
 def gguf_pair_folder(model_path: Path, mmproj_path: Path, *, dense: bool) -> Path:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from gguf_pairs import CONVERTER, IMAGE_MEAN, IMAGE_STD, Pairs
 from helpers import CPU_FP32, IMAGES, SMALL, assert_matches_hf, chat, conv
