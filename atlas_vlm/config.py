@@ -43,6 +43,9 @@ class EngineConfig:
     """
 
     model: str  # HF model folder, .gguf file or Hugging Face Hub id ORG/NAME
+    # llama.cpp's mmproj GGUF (the vision tower) of the VLM whose language model GGUF `model` is
+    # (atlas_vlm.quantization.gguf_mmproj); None: no mmproj
+    mmproj: str | None = None
     revision: str | None = None  # Hub branch / tag / commit when model is a Hub id (None: main)
     kv_cache: str = "paged"  # "paged" (blocks) or "contiguous" (one max_model_len strip per request)
     # K/V storage: "auto" (the model dtype), "int8" or "fp8_e4m3" (8-bit codes with one scale per
@@ -156,6 +159,9 @@ class EngineConfig:
         from atlas_vlm.quantization import check_quantization
 
         check_quantization(self.quantization)  # ValueError naming the known methods, before any load
+        if self.mmproj is not None and not str(self.model).endswith(".gguf"):
+            raise ValueError(f"mmproj={self.mmproj!r} needs model to be its language model's .gguf file, "
+                             f"got model={self.model!r}")
 
     def _check_speculative(self) -> None:
         """Raises ValueError naming the speculative-decoding field that is out of range."""

@@ -234,7 +234,8 @@ def _load_quantized_rows(module, name: str, shard: int | None, tensor: torch.Ten
 
 
 def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               revision: str | None = None, quantization: str | None = None) -> LoadedModel:
+               revision: str | None = None, quantization: str | None = None,
+               mmproj: str | os.PathLike | None = None) -> LoadedModel:
     """Load config, tokenizer and weights of a supported model.
 
     Args:
@@ -247,9 +248,11 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
             "gguf" (a .gguf file's tensors as stored), "awq" / "gptq" (the checkpoint's
             own ``quantization_config`` is read and honoured either way); see
             :mod:`atlas_vlm.quantization`.
+        mmproj: llama.cpp's ``mmproj`` GGUF of the VLM whose language model ``path`` (a
+            ``.gguf``) is: the pair is loaded as one VLM (:mod:`atlas_vlm.quantization.gguf_mmproj`).
 
     Raises:
-        ModelNotFoundError: ``path`` does not exist or has no config/weights.
+        ModelNotFoundError: ``path`` (or ``mmproj``) does not exist or has no config/weights.
         UnsupportedModelError: the architecture is not in ``registry.SUPPORTED_ARCHITECTURES``.
         ValueError: the weights do not match the config.
         UnsupportedQuantizationError: an unknown scheme, a checkpoint quantization method or
@@ -264,6 +267,8 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
     if not path.exists():
         raise ModelNotFoundError(f"model path {path} does not exist; pass an HF model folder, a .gguf file "
                                  f"or a Hugging Face Hub id ORG/NAME")
+    if mmproj is not None:
+        return _load_gguf_pair(path, Path(mmproj).expanduser(), dtype, device, quantization)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelNotFoundError(f"model file {path} is not a .gguf file; pass an HF model folder or a .gguf file")
@@ -305,3 +310,25 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
     from mm_token_pipeline import image_processor_settings
 
     return LoadedModel(model, hf_config, tokenizer, visual or None, path, image_processor_settings(path, hf_config))
+
+
+def _load_gguf_pair(path: Path, mmproj: Path, dtype, device, quantization: str | None) -> LoadedModel:
+    """A VLM from a model GGUF + its mmproj GGUF: the decoder as stored with
+    ``quantization="gguf"``, else dequantized as a text GGUF is; the tower from the mmproj."""
+    from atlas_vlm.quantization.gguf_mmproj import gguf_pair_folder
+
+    if not path.is_file() or path.suffix != ".gguf":
+        raise ValueError(f"mmproj {mmproj} needs the model to be its language model .gguf file, got {path}")
+    if quantization not in (None, "gguf"):
+        raise ValueError(f"quantization={quantization!r} does not apply to a GGUF pair: use None or 'gguf'")
+    folder = gguf_pair_folder(path, mmproj, dense=quantization is None)
+    if quantization is None:
+        return load_model(folder, dtype=dtype, device=device)
+    from mm_token_pipeline import image_processor_settings
+    from atlas_vlm.quantization.gguf import load_gguf_quantized
+
+    loaded = load_gguf_quantized(path, dtype=dtype, device=device, meta_folder=folder)
+    with safe_open(str(folder / "vision.safetensors"), framework="pt") as f:
+        loaded.vision_state_dict = {k[len("visual."):]: f.get_tensor(k) for k in f.keys()}
+    loaded.image_settings = image_processor_settings(folder, loaded.hf_config)
+    return loaded

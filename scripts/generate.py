@@ -28,6 +28,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-frames", type=int, default=None, help="video frames sampled at most")
     p.add_argument("--model", default=None,
                    help="HF model folder, .gguf file or Hub id ORG/NAME (default: embedded)")
+    p.add_argument("--mmproj", default=None,
+                   help="llama.cpp mmproj GGUF (vision tower) of the VLM whose language model GGUF is --model")
     p.add_argument("--revision", default=None, help="Hub branch / tag / commit for a Hub id")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -84,7 +86,7 @@ def _generate(args: argparse.Namespace, streaming: list) -> int:
 
         print(RANDOM_VLM_NOTICE, file=sys.stderr)
         model = default_vlm_model()
-    kwargs = dict(kv_cache=args.kv_cache, kvcache_block_size=args.block_size, revision=args.revision,
+    kwargs = dict(kv_cache=args.kv_cache, kvcache_block_size=args.block_size, revision=args.revision, mmproj=args.mmproj,
                   dtype=args.dtype, device=args.device, quantization=args.quantization,
                   kv_cache_dtype=args.kv_cache_dtype, speculative=args.speculative,
                   num_speculative_tokens=args.num_speculative_tokens)

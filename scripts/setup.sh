@@ -27,6 +27,21 @@ if [ ! -x /usr/bin/chromium ]; then
          "tests/server/test_chat_page.py's browser tests will skip" >&2
   fi
 fi
+# llama.cpp's converter (convert_hf_to_gguf.py, conversion/, gguf-py) in .venv/llama.cpp, from the
+# llama-cpp-python 0.3.36 source distribution, nothing built: tests/parity/test_gguf_mmproj.py
+# makes its VLM GGUF pairs with it (sentencepiece: the converter imports it for Qwen2 vocabularies)
+tools=.venv/llama.cpp
+if [ ! -f "$tools/convert_hf_to_gguf.py" ] || [ ! -d "$tools/conversion" ] || [ ! -d "$tools/gguf-py" ]; then
+  tmp=$(mktemp -d)
+  .venv/bin/python -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==0.3.36" -d "$tmp"
+  tar xzf "$tmp"/llama_cpp_python-0.3.36.tar.gz -C "$tmp" llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py \
+    llama_cpp_python-0.3.36/vendor/llama.cpp/conversion llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py
+  src=$tmp/llama_cpp_python-0.3.36/vendor/llama.cpp
+  mkdir -p "$tools" && rm -rf "$tools/conversion" "$tools/gguf-py"
+  cp -r "$src/convert_hf_to_gguf.py" "$src/conversion" "$src/gguf-py" "$tools/"
+  rm -rf "$tmp"
+fi
+.venv/bin/python -m pip install -q sentencepiece
 if [ "${1:-}" = "--bench" ]; then
   # llama-cpp-python builds llama.cpp from source, at full strength for THIS CPU: every
   # instruction set cpuinfo names gets its GGML option (a native build, -march=native, dies with
@@ -48,9 +63,8 @@ if [ "${1:-}" = "--bench" ]; then
     .venv/bin/python -m pip install -q "llama-cpp-python==0.3.36"  # its pure-Python dependencies
     echo "$args" > "$stamp"
   fi
-  # llama.cpp's own tools from the same source: convert_hf_to_gguf.py (with its gguf-py) and
-  # llama-quantize (static, same flags), in .venv/llama.cpp: what makes the chain-size bench files
-  tools=.venv/llama.cpp
+  # llama-quantize (static, same flags) from the same source, in .venv/llama.cpp/bin beside the
+  # converter (above): what makes the chain-size bench files
   if [ "$(cat $tools/flags 2>/dev/null)" != "$args" ] || [ ! -x $tools/bin/llama-quantize ]; then
     tmp=$(mktemp -d)
     .venv/bin/python -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==0.3.36" -d "$tmp"
@@ -59,11 +73,9 @@ if [ "${1:-}" = "--bench" ]; then
     cmake -S "$src" -B "$tmp/build" $args -DBUILD_SHARED_LIBS=OFF -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF > "$tmp/cmake.log"
     cmake --build "$tmp/build" --target llama-quantize -j "$(nproc)" > "$tmp/build.log"
-    rm -rf $tools && mkdir -p $tools/bin
+    rm -rf $tools/bin && mkdir -p $tools/bin
     cp "$tmp/build/bin/llama-quantize" $tools/bin/
-    cp -r "$src/convert_hf_to_gguf.py" "$src/conversion" "$src/gguf-py" $tools/
     echo "$args" > $tools/flags
     rm -rf "$tmp"
   fi
-  .venv/bin/python -m pip install -q sentencepiece  # the converter imports it for Qwen2 vocabularies
 fi

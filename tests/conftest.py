@@ -35,9 +35,10 @@ def _text_config(family: str):
     return LlamaConfig(**common, tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
 
 
-def build_tiny_model(family: str, out_dir: Path, seed: int = 0):
+def build_tiny_model(family: str, out_dir: Path, seed: int = 0, vision_depth: int = 2):
     """Save a random tiny ``family`` model ("qwen2" | "llama" | "qwen3" | "qwen2_5_vl" |
-    "qwen2_vl") + tokenizer; return the HF model."""
+    "qwen2_vl") + tokenizer; return the HF model. ``vision_depth``: the VLM tower's blocks
+    (llama.cpp's converter needs 3 or more: it maps ``merger.mlp.2`` as a block index)."""
     from transformers import (LlamaForCausalLM, Qwen2ForCausalLM, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
                               Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen3ForCausalLM)
 
@@ -48,7 +49,7 @@ def build_tiny_model(family: str, out_dir: Path, seed: int = 0):
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                              rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, rope_theta=10000.0,
                              bos_token_id=151643, eos_token_id=151645),
-            vision_config=dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=14,
+            vision_config=dict(depth=vision_depth, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=14,
                                spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
             image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
             vision_end_token_id=151653, architectures=["Qwen2VLForConditionalGeneration"],
@@ -60,7 +61,7 @@ def build_tiny_model(family: str, out_dir: Path, seed: int = 0):
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                              rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, rope_theta=10000.0,
                              bos_token_id=151643, eos_token_id=151645),
-            vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+            vision_config=dict(depth=vision_depth, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                                patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                                fullatt_block_indexes=[1], in_channels=3),
             image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,

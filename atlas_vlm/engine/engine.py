@@ -60,7 +60,7 @@ class LLMEngine:
         if device.type == "cpu":
             hardware.apply_num_threads(config.num_threads)
         loaded = load_model(config.model, dtype=dtype, device=device, revision=config.revision,
-                            quantization=config.quantization)
+                            quantization=config.quantization, mmproj=config.mmproj)
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
         arch = loaded.model.arch

@@ -151,8 +151,11 @@ def _load_rows(module: nn.Module, row: int, t, perm: torch.Tensor | None) -> int
 
 
 def load_gguf_quantized(gguf_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu"):
+                        device: str | torch.device = "cpu", meta_folder: Path | None = None):
     """Load a ``.gguf`` with its tensors as stored (see the module docstring).
+
+    ``meta_folder``: the config / tokenizer folder to use instead of :func:`gguf_meta_folder`
+    (a VLM pair's, whose decoder architecture transformers' GGUF support does not read).
 
     Returns:
         ``loader.LoadedModel`` (``model_dir``: the :func:`gguf_meta_folder`).
@@ -173,7 +176,7 @@ def load_gguf_quantized(gguf_path: str | os.PathLike, *, dtype: torch.dtype = to
     gguf_path = Path(gguf_path)
     reader = GGUFReader(str(gguf_path))
     check_types(reader.tensors)  # every type before any work
-    folder = gguf_meta_folder(gguf_path)
+    folder = meta_folder or gguf_meta_folder(gguf_path)
     hf_config = AutoConfig.from_pretrained(folder)
     family = resolve_family(hf_config)
     arch = ModelArch.from_hf_config(hf_config)

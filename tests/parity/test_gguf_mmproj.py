@@ -1,0 +1,179 @@
+"""VLM GGUF pairs (``LLM(model="x.gguf", mmproj="mmproj-x.gguf")``): the tiny random Qwen2.5-VL /
+Qwen2-VL checkpoints converted by llama.cpp's own ``convert_hf_to_gguf.py`` (F32, and Q8_0
+as the converter writes it) give in our engine the same greedy tokens and logits (fp32, within
+1e-4) as HF on the original folder, for text only, one image, two images and a video; the
+Q8_0 pair's teacher-forced top-1 agrees with the F32 pair's; bad pairs are refused by name
+before any work.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gguf_pairs import CONVERTER, IMAGE_MEAN, IMAGE_STD, Pairs
+from helpers import CPU_FP32, IMAGES, SMALL, assert_matches_hf, chat, conv
+from atlas_vlm import LLM, SamplingParams
+from atlas_vlm.layers.quant_linear import Int8Linear
+
+pytestmark = [pytest.mark.vlm, pytest.mark.skipif(not CONVERTER.is_file(), reason=(
+    f"llama.cpp's converter {CONVERTER} is absent: run `bash scripts/setup.sh`"))]
+
+PIX = 28 * 28
+VIDEO = Path(__file__).resolve().parent.parent / "data" / "videos" / "frames_30fps_90.mp4"
+N = 8
+ENGINE = dict(max_model_len=2048, num_kvcache_blocks=256, kvcache_block_size=16, **CPU_FP32)
+# teacher-forced top-1 agreement of the Q8_0 pair with the F32 pair, 4 prompts x N positions
+# on random tiny weights (small top-1 margins); measured: Qwen2.5-VL 27/32 dequantized, 28/32 as
+# stored; Qwen2-VL 31/32 both
+MIN_Q8_AGREEMENT = 0.8
+
+
+@pytest.fixture(scope="session")
+def pairs(tmp_path_factory):
+    return Pairs(tmp_path_factory.mktemp("gguf_pairs"))
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl"])
+def pair(request, pairs):
+    entry = pairs[request.param]
+    model, mmproj = entry["f32"]
+    return entry, LLM(str(model), mmproj=str(mmproj), **ENGINE)
+
+
+def _video():
+    return {"type": "video", "video": str(VIDEO), "min_pixels": 4 * PIX, "max_pixels": 16 * PIX}
+
+
+CONVERSATIONS = {
+    "text": [{"role": "user", "content": "Say something about the sea."}],
+    "one_image": conv(IMAGES / "chelsea.png", text="Describe this image."),
+    "two_images": conv(IMAGES / "chelsea.png", IMAGES / "grace_hopper.jpg", text="Compare them."),
+    "video": conv(_video(), text="What happens?"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONVERSATIONS))
+def test_f32_pair_matches_hf_folder(pair, case):
+    entry, llm = pair
+    c = CONVERSATIONS[case]
+    (out,), rec = chat(llm, [c], N, SMALL)
+    p = assert_matches_hf(llm, entry["hf"], c, out, rec, N, SMALL)
+    assert len(p.images) == {"one_image": 1, "two_images": 2}.get(case, 0)
+    assert len(p.videos) == (case == "video")
+
+
+def test_pair_carries_processor_settings_and_template(pair):
+    entry, _ = pair
+    from atlas_vlm.loader import load_model
+
+    loaded = load_model(entry["f32"][0], mmproj=entry["f32"][1])
+    settings = loaded.image_settings
+    assert list(settings.image_mean) == pytest.approx(IMAGE_MEAN, abs=1e-7)
+    assert list(settings.image_std) == pytest.approx(IMAGE_STD, abs=1e-7)
+    assert (settings.patch_size, settings.merge_size, settings.temporal_patch_size) == (14, 2, 2)
+    hf_tok = loaded.tokenizer
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(entry["folder"])
+    assert hf_tok.chat_template == ref.chat_template and "<|im_start|>" in hf_tok.chat_template
+    c = CONVERSATIONS["text"]
+    assert hf_tok.apply_chat_template(c, tokenize=True, add_generation_prompt=True, return_dict=False) == \
+        ref.apply_chat_template(c, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert loaded.hf_config.text_config.rope_parameters["mrope_section"] == [2, 3, 3]  # from the GGUF's M-RoPE
+
+
+def _prefixes(llm: LLM) -> tuple[list[list[int]], list[int]]:
+    """Teacher-forced inputs: each text prompt followed by 0..N-1 of the F32 pair's greedy tokens."""
+    tok = llm.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
+                                       return_dict=False)
+               for t in ("Hello there.", "Name a colour.", "Count to five.", "Why is the sky blue?")]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False)
+    return [p + o.token_ids[:i] for p, o in zip(prompts, outs) for i in range(N)], [t for o in outs for t in o.token_ids]
+
+
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+def test_q8_0_pair_agrees_with_f32_pair(pair, pairs, quantization):
+    entry, llm = pair
+    prefixes, want = _prefixes(llm)
+    model, mmproj = entry["q8_0"]
+    q8 = LLM(str(model), mmproj=str(mmproj), quantization=quantization, **ENGINE)
+    if quantization == "gguf":  # the decoder's Q8_0 projections stay int8
+        assert any(isinstance(m, Int8Linear) for m in q8.engine.runner.model.modules())
+    outs = q8.generate(prefixes, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    got = [o.token_ids[0] for o in outs]
+    agreement = sum(a == b for a, b in zip(got, want)) / len(want)
+    assert agreement >= MIN_Q8_AGREEMENT, agreement
+    # an image through the Q8_0 tower: the first greedy token equals the F32 pair's
+    c = CONVERSATIONS["one_image"]
+    (a,) = llm.chat(c, SamplingParams(temperature=0, max_tokens=1), mm_options=SMALL, use_tqdm=False)
+    (b,) = q8.chat(c, SamplingParams(temperature=0, max_tokens=1), mm_options=SMALL, use_tqdm=False)
+    assert a.token_ids == b.token_ids and a.prompt_token_ids == b.prompt_token_ids
+
+
+def _fake_mmproj(path: Path, projector: str, width: int) -> Path:
+    """A header-only mmproj GGUF (one tiny tensor) with ``projector`` and projection ``width``."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), "clip")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_string("clip.projector_type", projector)
+    w.add_uint32("clip.vision.projection_dim", width)
+    w.add_tensor("mm.0.bias", np.zeros(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_bad_pairs_are_refused_by_name_before_any_work(pairs, tmp_path, monkeypatch):
+    from atlas_vlm.loader import load_model
+
+    monkeypatch.setenv("ATLAS_VLM_CACHE", str(tmp_path / "cache"))
+    model, mmproj = pairs["qwen2_5_vl"]["f32"]
+    cases = [
+        (model, model, rf"mmproj file {model} is not an mmproj GGUF"),
+        (mmproj, mmproj, rf"model GGUF {mmproj} is an mmproj file"),
+        (model, _fake_mmproj(tmp_path / "wide.gguf", "qwen2.5vl_merger", 128),
+         r"projects to width 128, but model GGUF .* has hidden size 64: the mmproj belongs to another model"),
+        (model, _fake_mmproj(tmp_path / "gemma.gguf", "gemma3", 64),
+         r"has projector type 'gemma3'; supported: qwen2.5vl_merger, qwen2vl_merger"),
+    ]
+    for m, mm, match in cases:
+        with pytest.raises(ValueError, match=match):
+            load_model(m, mmproj=mm)
+    assert not (tmp_path / "cache").exists()  # nothing converted
+    with pytest.raises(ValueError, match=r"mmproj=.* needs model to be its language model's .gguf file"):
+        LLM(str(pairs["qwen2_5_vl"]["folder"]), mmproj=str(mmproj), **ENGINE)
+
+
+def test_mmproj_flag_on_generate_and_serve(pair, capsys):
+    """``scripts/generate.py --mmproj`` prints what the library answers on the pair;
+    ``atlas-vlm serve MODEL --mmproj PATH`` puts it into the engine config."""
+    import importlib.util
+
+    from helpers import REPO
+    from atlas_vlm.entrypoints import cli
+    from atlas_vlm.entrypoints.openai.cli_args import engine_config_from_args
+
+    entry, llm = pair
+    model, mmproj = entry["f32"]
+    spec = importlib.util.spec_from_file_location("generate_cli", REPO / "scripts" / "generate.py")
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    rc = generate.main(["--dtype", "float32", "--model", str(model), "--mmproj", str(mmproj), "--image",
+                        str(IMAGES / "chelsea.png"), "--max-pixels", str(SMALL["max_pixels"]), "--prompt", "Describe it.",
+                        "--max-tokens", "6"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    msgs = conv(IMAGES / "chelsea.png", text="Describe it.")
+    (expected,) = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=6), mm_options=SMALL, use_tqdm=False)
+    assert out.out == expected.text + "\n"
+    args = cli.build_parser().parse_args(["serve", str(model), "--mmproj", str(mmproj)])
+    config = engine_config_from_args(args)
+    assert (config.model, config.mmproj) == (str(model), str(mmproj))
+    assert engine_config_from_args(cli.build_parser().parse_args(["serve", str(model)])).mmproj is None
