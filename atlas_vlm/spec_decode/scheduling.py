@@ -15,12 +15,21 @@ reproduces, token for token, what decoding without drafts would have done. The s
 accepted tokens and gives back the rejected drafts' slots (``free_uncomputed_tail``).
 
 Which requests get drafts: those without a structured-output grammar and not pooling; the
-others decode one token per step as without speculation.
+others decode one token per step as without speculation. How many: ``k``, unless the
+request's recent acceptance (a moving average over its verified steps,
+``Request.spec_acceptance``) fell below ``ACCEPTANCE_FLOOR``: drafts then cost a verification
+row each and rarely pay (free writing: ~2% accepted, measured), so the request decodes
+without them and probes with one draft every ``PROBE_EVERY`` tokens, which lifts the average
+again when its text turns to copying. Measured in ``scripts/bench.py --spec``.
 """
 
 from __future__ import annotations
 
 from mm_kv_cache_management import NoFreeBlocksError
+
+ACCEPTANCE_FLOOR = 0.25  # below this recent acceptance rate a request drafts only to probe
+ACCEPTANCE_DECAY = 0.7  # moving average: new = DECAY * old + (1 - DECAY) * this step's rate
+PROBE_EVERY = 8  # output tokens between probes (one draft) of a request below the floor
 
 
 def can_draft(req) -> bool:
@@ -34,7 +43,11 @@ def can_draft(req) -> bool:
 def draft_limit(req, k: int, budget: int, max_model_len: int | None) -> int:
     """Drafts ``req`` may carry this step: at most ``k``, ``budget - 1`` (tokens left in the
     step besides the sampled one), and no more than could be accepted before ``max_tokens``
-    or ``max_model_len`` ends the request (all drafts + the target's token must fit)."""
+    or ``max_model_len`` ends the request (all drafts + the target's token must fit); a
+    request whose recent acceptance is below ``ACCEPTANCE_FLOOR`` gets one draft every
+    ``PROBE_EVERY`` output tokens and none between."""
+    if req.spec_acceptance < ACCEPTANCE_FLOOR:
+        k = min(k, 1) if req.num_output_tokens % PROBE_EVERY == 0 else 0
     limit = min(k, budget - 1, req.max_tokens - req.num_output_tokens - 1)
     if max_model_len is not None:
         limit = min(limit, max_model_len - req.num_tokens - 1)
@@ -76,6 +89,7 @@ def take_verified(scheduler, req, sampled, first_row: int) -> list[int]:
         if j == len(drafts) or sampled.errors[row] is not None or sampled.token_ids[row] != drafts[j]:
             break
     accepted = len(rows) - 1
+    req.spec_acceptance = ACCEPTANCE_DECAY * req.spec_acceptance + (1 - ACCEPTANCE_DECAY) * accepted / len(drafts)
     for stats in (req.spec_decode, scheduler.spec_decode_stats):
         stats["drafts"] += 1
         stats["proposed"] += len(drafts)

@@ -89,3 +89,28 @@ def test_matches_brute_force_on_random_tokens(seed):
 def test_bad_settings_are_named(kwargs, field):
     with pytest.raises(ValueError, match=field):
         NgramProposer(**kwargs)
+
+
+def test_a_request_whose_drafts_keep_failing_drafts_only_to_probe():
+    from types import SimpleNamespace
+
+    from atlas_vlm.spec_decode.scheduling import ACCEPTANCE_FLOOR, PROBE_EVERY, draft_limit, take_verified
+
+    req = SimpleNamespace(spec_acceptance=1.0, num_output_tokens=3, max_tokens=100, num_tokens=50,
+                          spec_token_ids=[7, 8, 9, 10], token_ids=list(range(46)) + [7, 8, 9, 10],
+                          spec_decode={"drafts": 0, "proposed": 0, "accepted": 0})
+    assert draft_limit(req, 4, 100, None) == 4
+    scheduler = SimpleNamespace(spec_decode_stats={"drafts": 0, "proposed": 0, "accepted": 0})
+    sampled = SimpleNamespace(errors=[None] * 5, token_ids=[1, 2, 3, 4, 5])  # the first draft is rejected
+    for _ in range(4):  # four steps with every draft rejected
+        req.spec_token_ids, req.token_ids = [7, 8, 9, 10], req.token_ids[:46] + [7, 8, 9, 10]
+        assert take_verified(scheduler, req, sampled, 0) == [0]
+    assert req.spec_acceptance == pytest.approx(0.7 ** 4) and req.spec_acceptance < ACCEPTANCE_FLOOR
+    assert draft_limit(req, 4, 100, None) == 0  # 3 output tokens: not a probe step
+    req.num_output_tokens = PROBE_EVERY
+    assert draft_limit(req, 4, 100, None) == 1  # a probe
+    sampled.token_ids = [7, 5, 3, 4, 5]  # the probe's draft is accepted: the average climbs again
+    req.spec_token_ids, req.token_ids = [7], req.token_ids[:46] + [7]
+    assert take_verified(scheduler, req, sampled, 0) == [0, 1]
+    assert req.spec_acceptance == pytest.approx(0.7 ** 5 + 0.3)
+    assert req.spec_decode == {"drafts": 5, "proposed": 17, "accepted": 1}
