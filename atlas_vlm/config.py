@@ -78,8 +78,14 @@ class EngineConfig:
     num_speculative_tokens: int | None = None
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    # batch-invariant mode (docs/deterministic.md): a request's logits (so its greedy tokens and
+    # logprobs) do not depend on what else runs in its step, on chunked prefill or on the step's
+    # row count; CPU, dense weights, C decode kernel only (else ValueError at load); slower
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be True or False, got {self.deterministic!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if not (isinstance(self.compile_decode, bool) or self.compile_decode == "auto"):
