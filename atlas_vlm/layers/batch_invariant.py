@@ -62,10 +62,13 @@ class RowTiledLinear(nn.Module):
         return f"tile={self.tile}"
 
 
-def tile_linears(module: nn.Module, tile: int = ROW_TILE) -> int:
+def tile_linears(module: nn.Module, tile: int | None = None) -> int:
     """Wrap every ``nn.Linear`` / ``PackedLinear`` under ``module`` in a ``RowTiledLinear``
-    (in place; call after ``pack_linears``). Returns the number wrapped."""
+    of ``tile`` rows (None: ``ROW_TILE`` as it is at the call) in place; call after
+    ``pack_linears``. Returns the number wrapped."""
     from atlas_vlm.layers.linear import PackedLinear
+
+    tile = ROW_TILE if tile is None else tile
 
     count = 0
     for name, child in list(module.named_children()):
