@@ -79,6 +79,16 @@ def test_together_and_chunked_equal_alone(tiny_models, family, dtype):
     assert outputs(solo, PROMPTS, greedy()) == expected  # one big step of prefills, then decode rows together
 
 
+def test_same_tokens_and_close_logprobs_as_the_default_mode_in_fp32(tiny_models):
+    """The mode changes rounding only: greedy tokens as the default mode's, logprobs within 1e-4."""
+    folder = tiny_models["qwen2"][0]
+    ours = outputs(LLM(str(folder), dtype="float32", **BASE), PROMPTS, greedy())
+    default = outputs(LLM(str(folder), dtype="float32", **dict(BASE, deterministic=False)), PROMPTS, greedy())
+    for (tokens, logprobs, _), (ref_tokens, ref_logprobs, _) in zip(ours, default):
+        assert tokens == ref_tokens
+        assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)
+
+
 def test_speculative_verification_rows_equal_one_row_decode(tiny_models):
     folder = tiny_models["qwen2"][0]
     expected = alone(LLM(str(folder), dtype="bfloat16", **BASE), PROMPTS, greedy(24))
