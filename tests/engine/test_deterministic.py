@@ -2,7 +2,8 @@
 exactly (``==``, no tolerance) the tokens and logprobs it gets alone, whatever else shares
 its steps: requests of different lengths together, prefill chunked by a small
 ``max_num_batched_tokens`` and mixed with decode rows, speculative verification rows; in
-fp32 and bf16 on tiny models and in bf16 on the embedded SmolLM2-135M (12 requests
+fp32 and bf16 on tiny models (also with an int8 and a contiguous KV cache) and in bf16 on
+the embedded SmolLM2-135M (12 requests
 together gave other tokens than alone there without this mode). Also the pieces
 (``RowTiledLinear``, ``per_row_layout``), the refusals and the CLI flags."""
 
@@ -77,6 +78,14 @@ def test_together_and_chunked_equal_alone(tiny_models, family, dtype):
     assert together.engine.runner.attention_backend == "batch_invariant"
     assert outputs(together, PROMPTS, greedy()) == expected
     assert outputs(solo, PROMPTS, greedy()) == expected  # one big step of prefills, then decode rows together
+
+
+@pytest.mark.parametrize("cache", [dict(kv_cache_dtype="int8"), dict(kv_cache="contiguous", num_kvcache_blocks=8)])
+def test_8bit_and_contiguous_caches_chunked_equal_alone(tiny_models, cache):
+    folder = tiny_models["qwen2"][0]
+    kw = dict(BASE, dtype="bfloat16", **cache)
+    expected = alone(LLM(str(folder), **kw), PROMPTS, greedy())
+    assert outputs(LLM(str(folder), max_num_batched_tokens=8, **kw), PROMPTS, greedy()) == expected
 
 
 def test_same_tokens_and_close_logprobs_as_the_default_mode_in_fp32(tiny_models):
