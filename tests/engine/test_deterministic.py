@@ -3,8 +3,8 @@ exactly (``==``, no tolerance) the tokens and logprobs it gets alone, whatever e
 its steps: requests of different lengths together, prefill chunked by a small
 ``max_num_batched_tokens`` and mixed with decode rows, speculative verification rows; in
 fp32 and bf16 on tiny models (also with an int8 and a contiguous KV cache) and in bf16 on
-the embedded SmolLM2-135M (12 requests
-together gave other tokens than alone there without this mode). Also the pieces
+the embedded SmolLM2-135M (12 requests together gave other tokens than alone there without
+this mode). Also the pieces
 (``RowTiledLinear``, ``per_row_layout``), the refusals and the CLI flags."""
 
 from __future__ import annotations
