@@ -107,6 +107,19 @@ def test_speculative_verification_rows_equal_one_row_decode(tiny_models):
     assert total["accepted"] > 0, "no draft was accepted: the test does not cover verification rows"
 
 
+@pytest.mark.vlm
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_image_prompts_together_and_chunked_equal_alone(tiny_models, dtype):
+    from helpers import IMAGES, SMALL, conv
+
+    folder = tiny_models["qwen2_vl"][0]
+    prompts = [{"messages": conv(IMAGES / name, text=f"describe {i}"), "mm_options": SMALL}
+               for i, name in enumerate(("chelsea.png", "coffee.png", "camera.png"))] + PROMPTS[:2]
+    kw = dict(BASE, dtype=dtype, max_model_len=512)
+    expected = alone(LLM(str(folder), **kw), prompts, greedy())
+    assert outputs(LLM(str(folder), max_num_batched_tokens=32, **kw), prompts, greedy()) == expected
+
+
 def test_real_smollm2_bf16_twelve_together_equal_alone():
     from atlas_vlm.default_models import default_text_model
 
