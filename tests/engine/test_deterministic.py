@@ -88,6 +88,15 @@ def test_8bit_and_contiguous_caches_chunked_equal_alone(tiny_models, cache):
     assert outputs(LLM(str(folder), max_num_batched_tokens=8, **kw), PROMPTS, greedy()) == expected
 
 
+def test_seeded_sampled_requests_together_equal_alone(tiny_models):
+    folder = tiny_models["qwen2"][0]
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=7 + i, max_tokens=16, ignore_eos=True, logprobs=2)
+              for i in range(len(PROMPTS))]
+    llm = LLM(str(folder), dtype="bfloat16", max_num_batched_tokens=8, **BASE)
+    expected = [outputs(llm, p, sp)[0] for p, sp in zip(PROMPTS, params)]
+    assert outputs(llm, PROMPTS, params) == expected
+
+
 def test_same_tokens_and_close_logprobs_as_the_default_mode_in_fp32(tiny_models):
     """The mode changes rounding only: greedy tokens as the default mode's, logprobs within 1e-4."""
     folder = tiny_models["qwen2"][0]
