@@ -1,4 +1,5 @@
-"""Batch-invariant linears for ``EngineConfig.deterministic`` (docs/deterministic.md).
+"""The batch-invariant mode of ``EngineConfig.deterministic`` (docs/deterministic.md):
+linears in fixed row tiles, attention row by row through the C decode kernel.
 
 Why: a CPU GEMM library picks its kernel (and so the order of each output's reduction over
 ``in_features``) from the number of rows ``M``. Measured on this project's CPU (torch's MKL
@@ -12,7 +13,9 @@ How: every linear runs on exactly ``ROW_TILE`` rows per call: the input is cut i
 ``ROW_TILE`` rows, the last tile zero-padded, so the library always sees the same ``M`` and
 a row's result never depends on the batch. This is the idea of vLLM's batch-invariant
 matmul (one tile configuration whatever ``M``, "Defeating Nondeterminism in LLM
-Inference", Thinking Machines, 2025) done over the library's own kernel.
+Inference", Thinking Machines, 2025) done over the library's own kernel. Attention: every
+query row goes through the C decode kernel alone (``per_row_layout``), so a prefill row, a
+chunk's row, a verification row and a decode row at one position get the same bits.
 """
 
 from __future__ import annotations
