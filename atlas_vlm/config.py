@@ -108,8 +108,14 @@ class EngineConfig:
     # Needs prefix caching (and the paged cache). Size cap in bytes, least recently used out first.
     kv_cache_dir: str | None = None
     kv_cache_dir_max_bytes: int = DEFAULT_KV_CACHE_DIR_MAX_BYTES
+    # batch-invariant mode (docs/deterministic.md): a request's logits (so its greedy tokens and
+    # logprobs) do not depend on what else runs in its step, on chunked prefill or on the step's
+    # row count; CPU, dense weights, C decode kernel only (else ValueError at load); slower
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be True or False, got {self.deterministic!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if not (isinstance(self.compile_decode, bool) or self.compile_decode == "auto"):

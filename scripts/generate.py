@@ -56,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--speculative", default=None, choices=["ngram"],
                    help="exact speculative decoding: ngram (prompt-lookup drafts; greedy requests; docs/speculative.md)")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per decode step with --speculative (default 4)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant mode: the same tokens and logprobs whatever the batch (CPU, dense; docs/deterministic.md)")
     p.add_argument("--no-chat", action="store_true", help="send --prompt as raw text, without the chat template")
     return p.parse_args(argv)
 
@@ -89,7 +91,7 @@ def _generate(args: argparse.Namespace, streaming: list) -> int:
     kwargs = dict(kv_cache=args.kv_cache, kvcache_block_size=args.block_size, revision=args.revision, mmproj=args.mmproj,
                   dtype=args.dtype, device=args.device, quantization=args.quantization,
                   kv_cache_dtype=args.kv_cache_dtype, speculative=args.speculative,
-                  num_speculative_tokens=args.num_speculative_tokens)
+                  num_speculative_tokens=args.num_speculative_tokens, deterministic=args.deterministic)
     if args.max_model_len:
         kwargs["max_model_len"] = args.max_model_len
     for name in ("max_pixels", "min_pixels"):

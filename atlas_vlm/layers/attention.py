@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from atlas_vlm.kernels import decode_kernel
+from atlas_vlm.layers.batch_invariant import per_row_layout
 from atlas_vlm.layers.attention_bucketed import (BucketedLayout, block_table_tensor, bucketed_paged_attention,
                                                  build_bucketed_layout)
 
-ATTENTION_BACKENDS = ("reference", "bucketed", "decode_kernel")
+ATTENTION_BACKENDS = ("reference", "bucketed", "decode_kernel", "batch_invariant")  # the last: deterministic=True
 
 
 @dataclass
@@ -77,7 +78,8 @@ def build_attention_metadata(
     ``backend``: ``"reference"`` builds the padded query rows and the dense mask below;
     ``"bucketed"`` builds ``attention_bucketed.BucketedLayout`` instead (no dense mask);
     ``"decode_kernel"`` the same layout with the decode requests in one batch for the C
-    kernel (``attention_bucketed.DecodeBatch``).
+    kernel (``attention_bucketed.DecodeBatch``); ``"batch_invariant"`` (``deterministic=True``)
+    every query row in that batch (``layers.batch_invariant.per_row_layout``).
 
     Query ``i`` of a request with ``q`` new tokens and ``c`` context tokens sits at absolute
     position ``c - q + i`` and attends keys ``0 .. c - q + i``. Padded query rows attend key
@@ -104,7 +106,9 @@ def build_attention_metadata(
     query_pos = (c_lens - q_lens)[:, None] + rows[None, :]  # [num_seqs, max_q] absolute positions
     mask = bucketed = None
     tables = block_table_tensor(block_tables, device)  # [num_seqs, max_blocks], built once per step
-    if backend in ("bucketed", "decode_kernel"):
+    if backend == "batch_invariant":
+        bucketed = per_row_layout(list(query_lens), list(context_lens), tables, device)
+    elif backend in ("bucketed", "decode_kernel"):
         bucketed = build_bucketed_layout(list(query_lens), list(context_lens), block_tables, device,
                                          decode_kernel=backend == "decode_kernel", tables=tables)
     else:

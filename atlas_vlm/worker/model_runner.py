@@ -13,6 +13,7 @@ import torch
 from atlas_vlm import hardware
 from atlas_vlm.config import EngineConfig
 from atlas_vlm.layers.attention import resolve_attention_backend
+from atlas_vlm.layers.batch_invariant import enable_batch_invariance, tile_linears
 from atlas_vlm.layers.linear import can_pack, pack_linears
 from atlas_vlm.worker.encoder_cache import EncoderCache
 from atlas_vlm.worker.input_prep import ModelInput
@@ -77,6 +78,9 @@ class ModelRunner:
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device, self.dtype,
                                                            arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                                            config.kv_cache_dtype)
+        self.deterministic = config.deterministic
+        if self.deterministic:  # layers/batch_invariant.py: fixed-row linears, every row through the C kernel
+            self.attention_backend = enable_batch_invariance(self.model, config, self.device, self.dtype)
         self.vision = None  # built before the KV cache so the CUDA budget sees its weights
         if loaded.vision_state_dict is not None:
             from atlas_vlm.models.registry import import_named, resolve_family
@@ -86,6 +90,8 @@ class ModelRunner:
                                                dtype=self.dtype, device=self.device)
             if pack:
                 self.num_packed_linears += pack_linears(self.vision)
+            if self.deterministic:
+                tile_linears(self.vision)
         spec = kv_cache_spec(arch.num_layers, arch.num_kv_heads, arch.head_dim, self.dtype, config.kv_cache_dtype)
         contiguous = config.kv_cache == "contiguous"
         self.block_size = max_model_len if contiguous else config.kvcache_block_size
