@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from atlas_vlm.structured_output.backend import apply_token_bitmask
 from atlas_vlm.worker.sampler import SamplerOutput, _logprobs, _params_text, _sampling_probs, sample
 
 
@@ -77,15 +78,23 @@ def sample_with_drafts(logits: torch.Tensor, requests: list, grammar_bitmask=Non
     """``worker.sampler.sample`` over a step's rows, where the rows of a sampled request
     with drafts (``spec_token_ids``; consecutive, ``k + 1`` of them) are verified by
     ``rejection_sample``. Args and return as ``sample`` (``grammar_bitmask`` rows index
-    ``requests``; a request with a grammar never has drafts)."""
+    ``requests``; a drafted request with a grammar has one mask per row, row ``j`` the
+    grammar's mask after ``j`` drafts: those rows are masked before the verification)."""
     spec = [j for j, r in enumerate(requests) if r.spec_token_ids and not r.sampling_params.greedy]
     if not spec:
         return sample(logits, requests, grammar_bitmask)
-    plain = [j for j in range(len(requests)) if j not in set(spec)]
+    spec_set = set(spec)
+    plain = [j for j in range(len(requests)) if j not in spec_set]
     masks = None
     if grammar_bitmask is not None:
         where = {j: i for i, j in enumerate(plain)}
-        masks = ([where[j] for j in grammar_bitmask[0]], grammar_bitmask[1])
+        g_rows, g_mask = grammar_bitmask
+        keep = [i for i, j in enumerate(g_rows) if j in where]
+        masks = ([where[g_rows[i]] for i in keep], g_mask[keep])
+        drafted = [i for i, j in enumerate(g_rows) if j in spec_set]
+        if drafted:  # the verified rows sample from the masked distribution (logprobs too)
+            idx = torch.tensor([g_rows[i] for i in drafted], device=logits.device)
+            logits = logits.index_copy(0, idx, apply_token_bitmask(logits[idx], g_mask[drafted]))
     part = sample(logits[plain], [requests[j] for j in plain], masks)
     n = len(requests)
     out = SamplerOutput([None] * n, [None] * n, [None] * n, [None] * n)

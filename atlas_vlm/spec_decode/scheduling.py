@@ -14,8 +14,11 @@ plus the target's own next token. For greedy requests, taking those rows one by 
 reproduces, token for token, what decoding without drafts would have done. The scheduler then commits only the K/V of the
 accepted tokens and gives back the rejected drafts' slots (``free_uncomputed_tail``).
 
-Which requests get drafts: those without a structured-output grammar and not pooling; the
-others decode one token per step as without speculation. How many: ``k``, unless the
+Which requests get drafts: every decoding request but pooling ones (those decode one token
+per step as without speculation). A request with structured output keeps only the drafts
+before the first one its grammar refuses (``StructuredOutputManager.draft_prefix``; none
+while its reasoning runs), and its verified rows get one mask each, row ``j`` the mask after
+``j`` drafts; the matcher is then fed the taken tokens only, as vLLM does. How many: ``k``, unless the
 request's recent acceptance (a moving average over its verified steps,
 ``Request.spec_acceptance``) fell below ``ACCEPTANCE_FLOOR``: drafts then cost a verification
 row each and rarely pay (free writing: ~2% accepted, measured), so the request decodes
@@ -33,11 +36,11 @@ PROBE_EVERY = 8  # output tokens between probes (one draft) of a request below t
 
 
 def can_draft(req) -> bool:
-    """Whether ``req`` decodes with drafts: speculation on for it (``spec_decode`` set), no
-    structured-output grammar, not a pooling request. Greedy and sampled requests both do
-    (sampled ones are verified by ``spec_decode.rejection``)."""
-    return (req.spec_decode is not None and req.sampling_params.structured_outputs is None
-            and req.pooling_params is None)
+    """Whether ``req`` decodes with drafts: speculation on for it (``spec_decode`` set), not
+    a pooling request. Greedy and sampled requests both do (sampled ones are verified by
+    ``spec_decode.rejection``), with or without structured output (its drafts are cut to
+    what the request's grammar allows in ``add_drafts``)."""
+    return req.spec_decode is not None and req.pooling_params is None
 
 
 def draft_limit(req, k: int, budget: int, max_model_len: int | None) -> int:
@@ -57,11 +60,14 @@ def draft_limit(req, k: int, budget: int, max_model_len: int | None) -> int:
 def add_drafts(scheduler, req, budget: int) -> int:
     """Propose and append ``req``'s drafts and reserve their slots (call after its decode
     slot is reserved). Returns how many were added (0: none proposed, or no free block for
-    them; nothing changed then)."""
+    them, or its grammar refused the first; nothing changed then)."""
     if not can_draft(req):
         return 0
     k = draft_limit(req, scheduler.num_speculative_tokens, budget, scheduler.max_model_len)
     drafts = scheduler.proposer.propose(req.token_ids, k, req.mm_positions) if k else []
+    manager = scheduler.structured_output_manager
+    if drafts and manager is not None:
+        drafts = drafts[:manager.draft_prefix(req, drafts)]
     if not drafts:
         return 0
     req.token_ids.extend(drafts)

@@ -98,6 +98,37 @@ class StructuredOutputGrammar(abc.ABC):
     def error(self) -> str | None:
         """Why the matcher failed, if it did."""
 
+    @abc.abstractmethod
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        """How many of ``token_ids``, from the start, the grammar would accept in a row from
+        its current state (nothing is consumed)."""
+
+    @abc.abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens."""
+
+    def fill_draft_bitmasks(self, bitmask: torch.Tensor, first_row: int, drafts: list[int]) -> None:
+        """``bitmask[first_row + j]`` = the allowed tokens after ``drafts[:j]``, for ``j`` in
+        ``0 .. len(drafts)`` (speculative decoding's verified rows, as vLLM fills them with
+        xgrammar / llguidance rollback). The drafts are accepted one by one to fill the rows,
+        then all rolled back: the state afterwards is exactly the state before.
+
+        Raises:
+            ValueError: the grammar refuses a draft (drafts must be cut to
+                ``validate_tokens`` first); the state is restored before raising.
+        """
+        done = 0
+        try:
+            for j, token in enumerate(drafts):
+                self.fill_bitmask(bitmask, first_row + j)
+                if not self.accept_token(token):
+                    raise ValueError(f"draft token {token} at {j} is not allowed by the grammar")
+                done += 1
+            self.fill_bitmask(bitmask, first_row + len(drafts))
+        finally:
+            if done:
+                self.rollback(done)
+
 
 class StructuredOutputBackend(abc.ABC):
     """Compiles grammars for one tokenizer.
@@ -138,6 +169,13 @@ class GuidanceGrammar(StructuredOutputGrammar):
 
     def error(self) -> str | None:
         return self.matcher.get_error() or None
+
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        return int(self.matcher.validate_tokens(list(token_ids))) if token_ids else 0
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and not self.matcher.rollback(num_tokens):
+            raise RuntimeError(f"the grammar could not roll back {num_tokens} tokens: {self.error()}")
 
 
 def _ll_grammar(params: StructuredOutputsParams) -> str:

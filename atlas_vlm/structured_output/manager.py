@@ -30,6 +30,7 @@ import torch
 from atlas_vlm.reasoning.qwen3 import ENDED, MAYBE, REASONING
 from atlas_vlm.structured_output.backend import (GuidanceBackend, StructuredOutputBackend, StructuredOutputGrammar,
                                                  allocate_token_bitmask)
+from atlas_vlm.structured_output.drafts import allowed_prefix, fill_step_masks
 
 
 @dataclass
@@ -41,11 +42,15 @@ class StructuredOutputStats:
     mask_s: float = 0.0  # filling masks (on the worker thread, beside the forward)
     mask_wait_s: float = 0.0  # the sampler waiting for them after the forward
     num_masks: int = 0  # bitmask rows filled
+    drafts_checked: int = 0  # speculative draft tokens checked against a grammar
+    drafts_cut: int = 0  # of those, cut (the grammar refused them or a token before them)
 
 
 @dataclass
 class GrammarBitmask:
-    """One step's masks: ``bitmask[k]`` (int32 ``[words]``) is for ``request_ids[k]``.
+    """One step's masks: ``bitmask[k]`` (int32 ``[words]``) is for ``request_ids[k]``; a
+    request with ``d`` speculative drafts has ``d + 1`` consecutive entries (its verified rows,
+    in order).
 
     The masks are filled on a worker thread while the forward runs (the grammar library
     works outside the GIL); reading ``bitmask`` waits for them."""
@@ -184,9 +189,24 @@ class StructuredOutputManager:
         if future is not None:
             future.cancel()
 
+    def draft_prefix(self, req, drafts: list[int]) -> int:
+        """How many of ``req``'s proposed speculative ``drafts`` to keep: those before the
+        first one its grammar would refuse from its current state (nothing is consumed;
+        vLLM cuts drafts the same way). All of them for a request without a grammar; none
+        while its reasoning has not ended (the grammar's start is not known yet)."""
+        state = self._requests.get(req.request_id)
+        if state is None:
+            return len(drafts)
+        n = allowed_prefix(state.grammar, drafts) if state.reasoning == ENDED else 0
+        self.stats.drafts_checked += len(drafts)
+        self.stats.drafts_cut += len(drafts) - n
+        return n
+
     def grammar_bitmask(self, chunks) -> GrammarBitmask | None:
         """Masks for the scheduled chunks that will sample a token (those reaching their
-        request's end) and whose grammar applies now; None if there are none.
+        request's end) and whose grammar applies now; None if there are none. A chunk with
+        speculative drafts (``req.spec_token_ids``, cut by ``draft_prefix``) gets one row
+        per verified row: row ``j`` is the mask after its first ``j`` drafts (``drafts``).
 
         Args:
             chunks: ``[(request, num_new_tokens)]`` as ``SchedulerOutput.chunks``, before the
@@ -197,13 +217,14 @@ class StructuredOutputManager:
                 and self._requests[req.request_id].reasoning != REASONING]
         if not rows:
             return None
-        grammars = [self._requests[r.request_id].grammar for r in rows]
-        maybe = [k for k, r in enumerate(rows) if self._requests[r.request_id].reasoning == MAYBE]
-        bitmask = allocate_token_bitmask(len(rows), self.backend.mask_vocab_size)
+        entries = [(self._requests[r.request_id].grammar, list(r.spec_token_ids or ())) for r in rows]
+        request_ids = [r.request_id for r, (_, d) in zip(rows, entries) for _ in range(len(d) + 1)]
+        maybe = [k for k, rid in enumerate(request_ids) if self._requests[rid].reasoning == MAYBE]
+        bitmask = allocate_token_bitmask(len(request_ids), self.backend.mask_vocab_size)
 
         def fill() -> torch.Tensor:
             t0 = time.perf_counter()
-            self.backend.fill_bitmasks(grammars, bitmask)
+            fill_step_masks(self.backend, entries, bitmask)
             for k in maybe:  # the model may open its reasoning instead
                 t = self.reasoning_parser.start_token_id
                 bit = 1 << (t % 32)
@@ -213,8 +234,8 @@ class StructuredOutputManager:
 
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atlas-grammar")
-        self.stats.num_masks += len(rows)
-        return GrammarBitmask([r.request_id for r in rows], self._pool.submit(fill), self.stats)
+        self.stats.num_masks += len(request_ids)
+        return GrammarBitmask(request_ids, self._pool.submit(fill), self.stats)
 
     def accept_token(self, req, token_id: int) -> tuple[bool, str | None]:
         """Advance ``req``'s matcher by its sampled token.

@@ -224,8 +224,13 @@ class ModelRunner:
         logits, sampled = self.forward_logits(chunks)
         reqs = [chunks[i][0] for i in sampled]
         masks = None
-        if grammar_bitmask is not None:
-            pos = {rid: k for k, rid in enumerate(grammar_bitmask.request_ids)}
+        if grammar_bitmask is not None:  # a drafted request's k + 1 rows: k + 1 masks in a row
+            pos, first = {}, {}
+            for k, rid in enumerate(grammar_bitmask.request_ids):
+                pos.setdefault(rid, k)
+            for j, r in enumerate(reqs):
+                first.setdefault(r.request_id, j)
             rows = [j for j, r in enumerate(reqs) if r.request_id in pos]
-            masks = (rows, grammar_bitmask.bitmask[[pos[reqs[j].request_id] for j in rows]])
+            masks = (rows, grammar_bitmask.bitmask[[pos[reqs[j].request_id] + j - first[reqs[j].request_id]
+                                                    for j in rows]])
         return sampled, sample_with_drafts(logits, reqs, masks)
