@@ -111,7 +111,10 @@ class StructuredOutputGrammar(abc.ABC):
         """``bitmask[first_row + j]`` = the allowed tokens after ``drafts[:j]``, for ``j`` in
         ``0 .. len(drafts)`` (speculative decoding's verified rows, as vLLM fills them with
         xgrammar / llguidance rollback). The drafts are accepted one by one to fill the rows,
-        then all rolled back: the state afterwards is exactly the state before.
+        then all rolled back: the state afterwards is exactly the state before. Once a draft
+        ends the grammar, the drafts after it are not accepted (the library would not record
+        them) and their rows keep the ended grammar's mask: the request stops at that draft
+        if it is taken, so those rows are never taken.
 
         Raises:
             ValueError: the grammar refuses a draft (drafts must be cut to
@@ -121,6 +124,9 @@ class StructuredOutputGrammar(abc.ABC):
         try:
             for j, token in enumerate(drafts):
                 self.fill_bitmask(bitmask, first_row + j)
+                if self.is_terminated():
+                    bitmask[first_row + j + 1:first_row + len(drafts) + 1] = bitmask[first_row + j]
+                    return
                 if not self.accept_token(token):
                     raise ValueError(f"draft token {token} at {j} is not allowed by the grammar")
                 done += 1

@@ -102,6 +102,7 @@ class StructuredOutputManager:
         self._pool: ThreadPoolExecutor | None = None  # one worker: a step's masks beside its forward
         self._compile_pool: ThreadPoolExecutor | None = None  # one worker: grammars, off the engine thread
         self._backend_lock = threading.Lock()  # the backend is built on the compile thread or by a caller
+        self._last_fill: Future | None = None  # the latest step's masks (drafts accepted there, then rolled back)
 
     @property
     def backend(self) -> StructuredOutputBackend:
@@ -197,10 +198,19 @@ class StructuredOutputManager:
         state = self._requests.get(req.request_id)
         if state is None:
             return len(drafts)
+        self._settle()
         n = allowed_prefix(state.grammar, drafts) if state.reasoning == ENDED else 0
         self.stats.drafts_checked += len(drafts)
         self.stats.drafts_cut += len(drafts) - n
         return n
+
+    def _settle(self) -> None:
+        """Wait for the latest step's masks (normally long done: the sampler read them), so
+        no matcher is read or advanced here while the mask thread holds drafts in it (a
+        forward that raised before its sampler waited)."""
+        if self._last_fill is not None:
+            wait([self._last_fill])
+            self._last_fill = None
 
     def grammar_bitmask(self, chunks) -> GrammarBitmask | None:
         """Masks for the scheduled chunks that will sample a token (those reaching their
@@ -235,7 +245,8 @@ class StructuredOutputManager:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atlas-grammar")
         self.stats.num_masks += len(request_ids)
-        return GrammarBitmask(request_ids, self._pool.submit(fill), self.stats)
+        self._last_fill = self._pool.submit(fill)
+        return GrammarBitmask(request_ids, self._last_fill, self.stats)
 
     def accept_token(self, req, token_id: int) -> tuple[bool, str | None]:
         """Advance ``req``'s matcher by its sampled token.
@@ -247,6 +258,7 @@ class StructuredOutputManager:
         state = self._requests.get(req.request_id)
         if state is None:
             return False, None
+        self._settle()
         if state.reasoning == REASONING:
             if token_id == self.reasoning_parser.end_token_id:
                 state.reasoning = ENDED

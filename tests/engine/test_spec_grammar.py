@@ -211,3 +211,30 @@ def test_matcher_after_a_drafted_step_is_fed_only_the_accepted_tokens(folder):
     assert mgr.draft_prefix(req, [ids[0]]) == 0  # an ended grammar keeps no draft
     mgr.remove_request("r")
     assert not mgr.has("r")
+
+
+def test_drafts_past_the_end_of_the_grammar_leave_it_intact(folder):
+    """Drafts "yes" + EOS for the choice "yes": the grammar ends at "yes" (the library would
+    not record the EOS after it); every row after that keeps the ended grammar's mask and
+    the state afterwards is the state before."""
+    from atlas_vlm.structured_output.manager import StructuredOutputManager
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    mgr = StructuredOutputManager(tok, len(tok), {tok.eos_token_id})
+    params = StructuredOutputsParams(choice=["yes"])
+    grammar = mgr.backend.compile_grammar(params)
+    drafts = tok.encode("yes", add_special_tokens=False) + [tok.eos_token_id]
+    words = allocate_token_bitmask(1, mgr.backend.mask_vocab_size).shape[1]
+    before = _row(grammar, words)
+    masks = allocate_token_bitmask(len(drafts) + 1, mgr.backend.mask_vocab_size)
+    grammar.fill_draft_bitmasks(masks, 0, drafts)
+    assert not grammar.is_terminated() and grammar.error() is None
+    assert torch.equal(_row(grammar, words), before) and torch.equal(masks[0], before)
+    ended = mgr.backend.compile_grammar(params)
+    for t in drafts[:-1]:
+        assert ended.accept_token(t)
+    assert ended.is_terminated()
+    for j in range(len(drafts) - 1, len(drafts) + 1):
+        assert torch.equal(masks[j], _row(ended, words))
+    assert not torch.equal(masks[-1], before)
