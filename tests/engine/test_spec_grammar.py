@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from types import SimpleNamespace
 
 import jsonschema
