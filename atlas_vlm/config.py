@@ -103,6 +103,11 @@ class EngineConfig:
     num_speculative_tokens: int | None = None
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    # no drafts while more than this many requests run (vLLM's speculative_disable_by_batch_size;
+    # None: draft at any batch size). Measured (scripts/bench.py --spec, SmolLM2, CPU): one stream
+    # 2.2-4.3x on copying tasks, but 4, 8 and 16 requests ran at 0.8-0.92x with drafts: a batched
+    # step is no longer bound by reading the weights once, so verification rows cost compute
+    speculative_disable_by_batch_size: int | None = 2
     # disk tier below the prefix cache (mm_kv_cache_management/disk_tier.py): full KV blocks are
     # written to kv_cache_dir/<fingerprint>/ and found again, also after a restart; None: off.
     # Needs prefix caching (and the paged cache). Size cap in bytes, least recently used out first.
@@ -179,6 +184,9 @@ class EngineConfig:
         if k is not None and self.speculative is None:
             raise ValueError("num_speculative_tokens is set but speculative is None (off); "
                              "pass speculative='ngram' (--speculative ngram) to turn speculation on")
+        b = self.speculative_disable_by_batch_size
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"speculative_disable_by_batch_size must be an int >= 1 (requests) or None, got {b!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if isinstance(lo, bool) or not isinstance(lo, int) or lo < 1:
             raise ValueError(f"prompt_lookup_min must be an int >= 1 (tokens), got {lo!r}")

@@ -85,7 +85,8 @@ class LLMEngine:
                                    structured_output_manager=self.structured_output_manager,
                                    max_num_encoder_tokens=config.max_num_encoder_tokens or budget,
                                    is_encoded=self.runner.encoder_cache.__contains__,
-                                   proposer=self._proposer(), num_speculative_tokens=config.speculative_tokens)
+                                   proposer=self._proposer(), num_speculative_tokens=config.speculative_tokens,
+                                   speculative_disable_by_batch_size=config.speculative_disable_by_batch_size)
         self.input_processor = InputProcessor(self.tokenizer, self.hf_config, config, arch.vocab_size,
                                               self.max_model_len, self.block_manager, self.runner.device,
                                               loaded.image_settings)

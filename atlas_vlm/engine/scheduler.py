@@ -69,13 +69,14 @@ class Scheduler:
             cache (cost nothing); None: every item not yet embedded in its request costs.
         proposer: a draft proposer (``spec_decode.NgramProposer``) or None (no speculation).
         num_speculative_tokens: drafts per decode step at most (with a proposer).
+        speculative_disable_by_batch_size: no drafts while more requests than this run (None: any).
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, max_model_len: int | None = None,
                  eos_token_ids: set[int] | None = None, structured_output_manager=None,
                  max_num_encoder_tokens: int | None = None, is_encoded=None, proposer=None,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, speculative_disable_by_batch_size: int | None = None):
         self.block_manager = block_manager
         self.structured_output_manager = structured_output_manager
         self.max_model_len = max_model_len  # None: no limit here (the engine checks at entry)
@@ -89,6 +90,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0  # total, for tests and benchmarks
         self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens
+        self.speculative_disable_by_batch_size = speculative_disable_by_batch_size
         self.spec_decode_stats = {"drafts": 0, "proposed": 0, "accepted": 0}  # totals (/metrics)
 
     def add_request(self, req: Request) -> None:

@@ -14,6 +14,8 @@ plus the target's own next token. For greedy requests, taking those rows one by 
 reproduces, token for token, what decoding without drafts would have done. The scheduler then commits only the K/V of the
 accepted tokens and gives back the rejected drafts' slots (``free_uncomputed_tail``).
 
+No request drafts while more than ``speculative_disable_by_batch_size`` requests run (a
+batched step is bound by compute, not by reading the weights: measured, drafts lost there).
 Which requests get drafts: every decoding request but pooling ones (those decode one token
 per step as without speculation). A request with structured output keeps only the drafts
 before the first one its grammar refuses (``StructuredOutputManager.draft_prefix``; none
@@ -61,7 +63,8 @@ def add_drafts(scheduler, req, budget: int) -> int:
     """Propose and append ``req``'s drafts and reserve their slots (call after its decode
     slot is reserved). Returns how many were added (0: none proposed, or no free block for
     them, or its grammar refused the first; nothing changed then)."""
-    if not can_draft(req):
+    limit = scheduler.speculative_disable_by_batch_size
+    if not can_draft(req) or (limit is not None and len(scheduler.running) > limit):
         return 0
     k = draft_limit(req, scheduler.num_speculative_tokens, budget, scheduler.max_model_len)
     drafts = scheduler.proposer.propose(req.token_ids, k, req.mm_positions) if k else []

@@ -20,7 +20,8 @@ from atlas_vlm import LLM, SamplingParams
 from atlas_vlm.layers.batch_invariant import RowTiledLinear, per_row_layout
 
 pytestmark = pytest.mark.text
-BASE = dict(max_model_len=256, kvcache_block_size=4, num_kvcache_blocks=512, device="cpu", deterministic=True)
+BASE = dict(max_model_len=256, kvcache_block_size=4, num_kvcache_blocks=512, device="cpu", deterministic=True,
+            speculative_disable_by_batch_size=None)  # drafts in batches too: verification rows covered
 PROMPTS = [  # different lengths; the repetitive ones give the n-gram proposer drafts
     "Hello",
     "The quick brown fox jumps over the lazy dog and then runs far away into the forest.",

@@ -38,6 +38,7 @@ def plain(folder):
 
 
 def spec_llm(folder, k=3, **kw):
+    kw.setdefault("speculative_disable_by_batch_size", None)  # drafts in batches too: the tests batch requests
     return LLM(str(folder), speculative="ngram", num_speculative_tokens=k, **{**BASE, **kw})
 
 
@@ -311,3 +312,21 @@ def test_contiguous_kv_cache_equals_plain_decode(folder):
         assert_same(r, o)
     assert llm.engine.scheduler.spec_decode_stats["accepted"] > 0
     assert_all_blocks_back(llm)
+
+
+def test_no_drafts_while_more_requests_than_the_limit_run(folder, plain):
+    params = [greedy(n) for n in (24, 17, 30, 9)]
+    ref = plain.generate(PROMPTS, params, use_tqdm=False)
+    same_length = spec_llm(folder, 3, speculative_disable_by_batch_size=3)  # 4 run together to the end
+    out = same_length.generate(PROMPTS, [greedy(20)] * 4, use_tqdm=False)
+    assert same_length.engine.scheduler.spec_decode_stats["proposed"] == 0
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain.generate(PROMPTS, [greedy(20)] * 4,
+                                                                                  use_tqdm=False)]
+    staggered = spec_llm(folder, 3, speculative_disable_by_batch_size=2)  # drafts once two have finished
+    out = staggered.generate(PROMPTS, params, use_tqdm=False)
+    for r, o in zip(ref, out):
+        assert_same(r, o)
+    assert [o.spec_decode["proposed"] > 0 for o in out] == [True, False, True, False]
+    assert_all_blocks_back(staggered)
+    with pytest.raises(ValueError, match="speculative_disable_by_batch_size must be an int >= 1"):
+        spec_llm(folder, 3, speculative_disable_by_batch_size=0)

@@ -55,7 +55,8 @@ def reference(folder):
 
 
 def spec_llm(folder, k):
-    return LLM(str(folder), speculative="ngram", num_speculative_tokens=k, **BASE)
+    return LLM(str(folder), speculative="ngram", num_speculative_tokens=k, speculative_disable_by_batch_size=None,
+               **BASE)  # drafts in batches too: the tests batch requests
 
 
 def assert_same(ref, out):

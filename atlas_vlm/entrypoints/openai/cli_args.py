@@ -119,6 +119,8 @@ def add_engine_args(p) -> None:
     p.add_argument("--speculative", default=None, choices=["ngram"],
                    help="exact speculative decoding: ngram (prompt-lookup drafts; greedy requests; docs/speculative.md)")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per decode step with --speculative (default 4)")
+    p.add_argument("--speculative-disable-by-batch-size", type=int, default=2,
+                   help="no drafts while more requests than this run (default 2: measured, drafts lose in batches)")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant mode: a request's tokens and logprobs do not depend on the batch "
                         "(CPU, dense weights; slower; docs/deterministic.md)")
@@ -137,6 +139,7 @@ def engine_config_from_args(args):
                   reasoning_parser=args.reasoning_parser, tool_call_parser=getattr(args, "tool_call_parser", None),
                   speculative=getattr(args, "speculative", None),
                   num_speculative_tokens=getattr(args, "num_speculative_tokens", None),
+                  speculative_disable_by_batch_size=getattr(args, "speculative_disable_by_batch_size", 2),
                   deterministic=getattr(args, "deterministic", False),
                   limit_request_pixels=True)  # a request may lower the server's image bounds, never raise them
     for name in ("kv_cache_memory", "max_pixels", "min_pixels"):
