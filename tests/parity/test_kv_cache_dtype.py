@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from teacher_forcing import record_logits
 from test_attention_backends import HEAD_DIM, HEADS, NUM_BLOCKS, random_step, run_both
 from test_decode_kernel import needs_kernel
 from atlas_vlm import LLM, SamplingParams
@@ -84,18 +85,7 @@ def _run(model: str, kv_dtype: str, backend: str = "auto", forced: dict | None =
     makes each step emit the given token (teacher forcing) while its own logits are recorded."""
     llm = LLM(model, dtype="float32", kv_cache_dtype=kv_dtype, attention_backend=backend, num_kvcache_blocks=96,
               max_model_len=512, **kwargs)
-    logits: dict[tuple, list[torch.Tensor]] = {}
-
-    def observe(chunks, inp, step_logits, sampled):
-        for row, index in enumerate(sampled):
-            req = chunks[index][0]
-            key = tuple(req.token_ids[:req.num_prompt_tokens])
-            logits.setdefault(key, []).append(step_logits[row].float().clone())
-            if forced is not None:
-                step_logits[row] = -1e9
-                step_logits[row, forced[key][req.num_output_tokens]] = 0.0
-
-    llm.engine.runner.observers.append(observe)
+    logits = record_logits(llm, forced)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     keys = [tuple(o.prompt_token_ids) for o in outs]

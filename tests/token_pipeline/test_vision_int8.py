@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from teacher_forcing import record_logits
 from helpers import IMAGES, conv
 from atlas_vlm import LLM, SamplingParams
 from atlas_vlm.layers.quant_linear import Int8Linear, quant_kernel_available
@@ -41,18 +42,7 @@ def _run(folder, forced=None):
     """Greedy tokens and each step's logits per prompt (text as key); ``forced``: {key: tokens}
     makes every step emit the given token while its own logits are recorded."""
     llm = LLM(str(folder), dtype="float32", device="cpu", max_model_len=1024, num_kvcache_blocks=64)
-    logits: dict[tuple, list[torch.Tensor]] = {}
-
-    def observe(chunks, inp, step_logits, sampled):
-        for row, index in enumerate(sampled):
-            req = chunks[index][0]
-            key = tuple(req.token_ids[:req.num_prompt_tokens])
-            logits.setdefault(key, []).append(step_logits[row].float().clone())
-            if forced is not None:
-                step_logits[row] = -1e9
-                step_logits[row, forced[key][req.num_output_tokens]] = 0.0
-
-    llm.engine.runner.observers.append(observe)
+    logits = record_logits(llm, forced)
     convs = [conv(IMAGES / "chelsea.png", text="Describe this image."),
              conv(IMAGES / "camera.png", text="What is in the picture?")]
     outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True),
