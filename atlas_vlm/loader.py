@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from atlas_vlm.models import CausalLM, ModelArch
 from atlas_vlm.models.registry import model_class, resolve_family, text_config_of
-from atlas_vlm.tokenizer import apply_gguf_tokenizer_settings, eos_token_ids, gguf_tokenizer_settings
+from atlas_vlm.tokenizer import apply_gguf_tokenizer_settings, eos_token_ids, gguf_tokenizer_settings, save_gguf_tokenizer
 
 __all__ = ["GGUF_CONVERSION_VERSION", "LoadedModel", "ModelNotFoundError", "cache_dir", "eos_token_ids",
            "gguf_to_folder", "load_model"]
@@ -120,14 +120,7 @@ def gguf_to_folder(gguf_path: Path) -> Path:
 
     def save(tmp: Path) -> None:
         hf_model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        # transformers 5 leaves these out of tokenizer_config.json; the header's values are
-        # written down so the folder says what it does whatever a later version defaults to
-        config_path = tmp / "tokenizer_config.json"
-        config = json.loads(config_path.read_text())
-        config.update(add_bos_token=settings.add_bos_token, add_eos_token=settings.add_eos_token,
-                      clean_up_tokenization_spaces=settings.clean_up_tokenization_spaces)
-        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        save_gguf_tokenizer(tokenizer, settings, tmp)
 
     return build_folder_once(out, save)
 

@@ -116,6 +116,21 @@ def apply_gguf_tokenizer_settings(tokenizer, settings: GGUFTokenizerSettings):
     return tokenizer
 
 
+def save_gguf_tokenizer(tokenizer, settings: GGUFTokenizerSettings, folder: Path) -> None:
+    """``tokenizer.save_pretrained(folder)``, then the GGUF header's ``add_bos_token`` /
+    ``add_eos_token`` / ``clean_up_tokenization_spaces`` written into its
+    ``tokenizer_config.json``: transformers 5 leaves them out, and the folder must say what it
+    does whatever a later version defaults to."""
+    import json
+
+    tokenizer.save_pretrained(folder)
+    path = Path(folder) / "tokenizer_config.json"
+    values = json.loads(path.read_text())
+    values.update(add_bos_token=settings.add_bos_token, add_eos_token=settings.add_eos_token,
+                  clean_up_tokenization_spaces=settings.clean_up_tokenization_spaces)
+    path.write_text(json.dumps(values, indent=2, ensure_ascii=False) + "\n")
+
+
 def eos_token_ids(tokenizer, model_dir: str | Path) -> set[int]:
     """The ids that end generation: ``tokenizer.eos_token_id`` plus the model folder's
     ``generation_config.json`` ``eos_token_id`` (an int or a list), as HF ``generate`` uses.

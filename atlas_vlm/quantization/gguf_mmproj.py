@@ -19,7 +19,6 @@ Values the mmproj header does not hold are the released checkpoints' (Qwen2.5-VL
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 from atlas_vlm.quantization.gguf_mmproj_names import check_pair, field, text_state_dict, vision_state_dict
@@ -93,6 +92,8 @@ def _save(tmp: Path, model_path: Path, mmproj_path: Path, model, mm, model_type:
     from safetensors.torch import save_file
     from transformers import AutoConfig, GenerationConfig, Qwen2VLImageProcessor
 
+    from atlas_vlm.tokenizer import save_gguf_tokenizer
+
     tokenizer, settings = _tokenizer(model_path)
     arch = field(model, "general.architecture")
     names = {t.name for t in model.tensors}
@@ -111,12 +112,7 @@ def _save(tmp: Path, model_path: Path, mmproj_path: Path, model, mm, model_type:
     config.save_pretrained(tmp)
     GenerationConfig(bos_token_id=ids.get("bos"), pad_token_id=ids.get("pad"),
                      eos_token_id=eos if len(eos) > 1 else (eos[0] if eos else None)).save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tok_config = tmp / "tokenizer_config.json"
-    values = json.loads(tok_config.read_text())
-    values.update(add_bos_token=settings.add_bos_token, add_eos_token=settings.add_eos_token,
-                  clean_up_tokenization_spaces=settings.clean_up_tokenization_spaces)
-    tok_config.write_text(json.dumps(values, indent=2, ensure_ascii=False) + "\n")
+    save_gguf_tokenizer(tokenizer, settings, tmp)
     from mm_token_pipeline.processor_config import RELEASED_DEFAULTS
 
     released = RELEASED_DEFAULTS[model_type]
