@@ -3,7 +3,8 @@
 Owns which block of KV memory holds which token of which request (`BlockManager`,
 `BlockTable`, `RequestState`), the KV tensors themselves (`PagedKVCache`, and the
 `ContiguousKVCache` reference it is aligned to), capacity math, the chained block
-hashes used by prefix caching, and the disk tier below the prefix cache (`DiskKVTier`,
+hashes used by prefix caching, the per-sequence recurrent state of hybrid models'
+linear-attention layers (`StateCache`), and the disk tier below the prefix cache (`DiskKVTier`,
 `KVBlockTier`). Imports torch and the standard library only.
 """
 
@@ -14,6 +15,7 @@ from mm_kv_cache_management.hashing import block_hash
 from mm_kv_cache_management.kv_cache import ContiguousKVCache, KVCacheSpec, PagedKVCache
 from mm_kv_cache_management.kv_tier import KVBlockTier
 from mm_kv_cache_management.request_state import PlaceholderRange, RequestState, RequestStatus
+from mm_kv_cache_management.state_cache import (NoFreeStateSlotsError, StateCache, StateMetadata, StateSpec)
 
 __all__ = [
     "BlockManager",
@@ -23,9 +25,13 @@ __all__ = [
     "KVBlockTier",
     "KVCacheSpec",
     "NoFreeBlocksError",
+    "NoFreeStateSlotsError",
     "PagedKVCache",
     "PlaceholderRange",
     "RequestState",
     "RequestStatus",
+    "StateCache",
+    "StateMetadata",
+    "StateSpec",
     "block_hash",
 ]

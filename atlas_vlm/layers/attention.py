@@ -35,6 +35,8 @@ class AttentionMetadata:
     token_index: torch.Tensor  # [num_tokens] int64: padded row (seq * max_query_len + i) of each token
     attn_mask: torch.Tensor | None  # [num_seqs, 1, max_query_len, max_context_len] bool, True = attend
     bucketed: BucketedLayout | None = None  # set (and attn_mask None) for the "bucketed" backend
+    # hybrid models only: each sequence's recurrent-state slot (mm_kv_cache_management.StateMetadata)
+    state: object | None = None
 
     @property
     def max_context_len(self) -> int:
