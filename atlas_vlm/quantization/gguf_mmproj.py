@@ -139,7 +139,7 @@ def gguf_pair_folder(model_path: Path, mmproj_path: Path, *, dense: bool) -> Pat
             (``vision.safetensors``), for ``quantization="gguf"``.
 
     Returns:
-        the folder (under ``loader.cache_dir()/gguf-pair``, keyed by both files' path, size
+        the folder (under ``checkpoint.cache_dir()/gguf-pair``, keyed by both files' path, size
         and modification time and ``GGUF_PAIR_VERSION``).
 
     Raises:
@@ -149,7 +149,7 @@ def gguf_pair_folder(model_path: Path, mmproj_path: Path, *, dense: bool) -> Pat
     """
     from gguf import GGUFReader
 
-    from atlas_vlm.loader import ModelNotFoundError, build_folder_once, cache_dir
+    from atlas_vlm.checkpoint import ModelNotFoundError, build_folder_once, cache_dir
 
     for what, path in (("model", model_path), ("mmproj", mmproj_path)):
         if not path.is_file():
