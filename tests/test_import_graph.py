@@ -20,8 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("atlas_vlm", "mm_token_pipeline", "mm_kv_cache_management")
 # known lazy pairs, each a function-level import that breaks the circle at run time; the list
 # only shrinks: params.validate_structured_outputs calls the backend to check a grammar
-KNOWN = {frozenset({"atlas_vlm.structured_output.backend", "atlas_vlm.structured_output.params"}),
-         frozenset({"mm_token_pipeline.smolvlm", "mm_token_pipeline.smolvlm_video"})}
+KNOWN = {frozenset({"atlas_vlm.structured_output.backend", "atlas_vlm.structured_output.params"})}
 
 
 def _modules() -> dict[str, Path]:

@@ -57,23 +57,23 @@ class ModelFamily:
 
 
 _QWEN_VL = dict(nested_text_config=True, multimodal=True, mrope=True, modalities=("image", "video"),
-                mm_inputs="atlas_vlm.engine.mm_inputs:QwenVLInputs")
+                mm_inputs="atlas_vlm.models.qwen2_vl.inputs:QwenVLInputs")
 
 FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("llama", ("LlamaForCausalLM",), ("llama",)),
     ModelFamily("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), qkv_bias=True),
     ModelFamily("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), qkv_bias=None, qk_norm=True),
     ModelFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",), ("qwen2_vl",), qkv_bias=True,
-                vision_tower="mm_token_pipeline.vision:VisionEncoder", **_QWEN_VL),
+                vision_tower="atlas_vlm.models.qwen2_vl.vision:VisionEncoder", **_QWEN_VL),
     ModelFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), ("qwen2_5_vl",), qkv_bias=True,
-                vision_tower="mm_token_pipeline.vision:VisionEncoder", **_QWEN_VL),
+                vision_tower="atlas_vlm.models.qwen2_vl.vision:VisionEncoder", **_QWEN_VL),
     ModelFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",), ("qwen3_vl",),
-                model_cls="atlas_vlm.models.qwen3_vl:Qwen3VLForCausalLM", qkv_bias=None, qk_norm=True,
-                vision_tower="mm_token_pipeline.qwen3_vl:Qwen3VLVisionEncoder", **_QWEN_VL),
+                model_cls="atlas_vlm.models.qwen3_vl.model:Qwen3VLForCausalLM", qkv_bias=None, qk_norm=True,
+                vision_tower="atlas_vlm.models.qwen3_vl.vision:Qwen3VLVisionEncoder", **_QWEN_VL),
     ModelFamily("smolvlm", ("SmolVLMForConditionalGeneration",), ("smolvlm",),
                 nested_text_config=True, qkv_bias=None, multimodal=True, modalities=("image", "video"),
-                mm_inputs="atlas_vlm.engine.mm_inputs:SmolVLMInputs",
-                vision_tower="mm_token_pipeline.smolvlm:SmolVLMVisionEncoder"),
+                mm_inputs="atlas_vlm.models.smolvlm.inputs:SmolVLMInputs",
+                vision_tower="atlas_vlm.models.smolvlm.vision:SmolVLMVisionEncoder"),
 )
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {a: f.name for f in FAMILIES for a in f.architectures}
