@@ -17,11 +17,22 @@ class QwenVLInputs(MediaInputs):
     frame sampling and per-frame bounds under ``total_pixels`` (``preprocess_video``).
     Positions: HF ``get_rope_index`` of the family (Qwen2.5-VL scales the temporal axis by
     ``second_per_grid_t * tokens_per_second``; Qwen3-VL writes timestamps in the prompt).
+    The family subclasses (``Qwen2VLInputs``, ``Qwen2_5_VLInputs``,
+    ``qwen3_vl.inputs.Qwen3VLInputs``) set what differs:
+
+    Attributes:
+        video_needs_fps: a video's source fps is required (seconds per temporal group feed
+            M-RoPE or timestamps); Qwen2-VL's positions do not use it.
+        default_chat_template: the template when the tokenizer has none (None: the shared default).
+        video_timestamps: ``'<t seconds>'`` per temporal group in the prompt (Qwen3-VL).
     """
+
+    video_needs_fps: bool = True
+    default_chat_template: str | None = None
+    video_timestamps: bool = False
 
     def prompt_ids(self, p: dict) -> tuple[list[int], list]:
         from mm_token_pipeline import build_prompt_ids, preprocess_image
-        from atlas_vlm.models.qwen3_vl.vision import QWEN3_VL_CHAT_TEMPLATE
 
         family = self.hf_config.model_type
         geometry = self.image_settings.preprocess_kwargs()
@@ -40,7 +51,7 @@ class QwenVLInputs(MediaInputs):
                 bounds = {k: opts[k] for k in ("min_pixels", "max_pixels", "total_pixels") if k in opts}
                 check = self._video_token_check(bounds, index, sum(it.num_tokens for it in items))
                 frames = load_video(medium, fetch=self._fetch, before_decode=check, **sampling)  # seeking
-                if frames.sample_fps is None and family != "qwen2_vl":
+                if frames.sample_fps is None and self.video_needs_fps:
                     raise VideoInputError(frames.source, f"the source fps is unknown, and {family} needs it "
                                           "(seconds per temporal group: M-RoPE / timestamps); give a file that "
                                           "states its frame rate, or a list of frames with sample_fps")
@@ -52,8 +63,8 @@ class QwenVLInputs(MediaInputs):
                                          add_generation_prompt=q["add_generation_prompt"],
                                          continue_final_message=q["continue_final_message"],
                                          chat_template=q["chat_template"], chat_template_kwargs=template_kwargs,
-                                         default_template=QWEN3_VL_CHAT_TEMPLATE if family == "qwen3_vl" else None,
-                                         video_timestamps=family == "qwen3_vl"))  # Qwen3-VL: '<t seconds>' per group
+                                         default_template=self.default_chat_template,
+                                         video_timestamps=self.video_timestamps))
 
         return render_with_tools(render, p), items  # a template without tools: the system-prompt fallback
 
@@ -101,13 +112,33 @@ class QwenVLInputs(MediaInputs):
                       vision_start_token_id=cfg.vision_start_token_id)
         if not videos:
             return get_rope_index(ids, images, **common)
-        if cfg.model_type == "qwen3_vl":
-            from mm_token_pipeline import get_rope_index_qwen3_vl
+        return self.video_positions(ids, images, videos, common)
 
-            return get_rope_index_qwen3_vl(ids, images, [v.grid_thw for v in videos],
-                                           video_token_id=cfg.video_token_id, **common)
-        tokens_per_second = getattr(cfg.vision_config, "tokens_per_second", None) \
-            if cfg.model_type == "qwen2_5_vl" else None
+    def video_positions(self, ids: list[int], images: list, videos: list, common: dict) -> tuple[torch.Tensor, int]:
+        """Positions of a prompt with videos: HF ``get_rope_index`` (temporal axis per frame
+        group, scaled by ``second_per_grid_t * tokens_per_second``, which only Qwen2.5-VL
+        states: :meth:`tokens_per_second`)."""
+        from mm_token_pipeline import get_rope_index
+
+        cfg = self.hf_config
+        tokens_per_second = self.tokens_per_second()
         return get_rope_index(ids, images, video_grid_thw=[v.grid_thw for v in videos],
                               second_per_grid_ts=[v.second_per_grid_t for v in videos],
                               tokens_per_second=tokens_per_second, video_token_id=cfg.video_token_id, **common)
+
+    def tokens_per_second(self) -> float | None:
+        """Temporal M-RoPE units per second of video (None: positions count frame groups)."""
+        return None
+
+
+class Qwen2VLInputs(QwenVLInputs):
+    """Qwen2-VL: positions count frame groups, so a video's fps is not needed."""
+
+    video_needs_fps = False
+
+
+class Qwen2_5_VLInputs(QwenVLInputs):
+    """Qwen2.5-VL: the temporal axis advances ``second_per_grid_t * tokens_per_second``."""
+
+    def tokens_per_second(self) -> float | None:
+        return getattr(self.hf_config.vision_config, "tokens_per_second", None)
