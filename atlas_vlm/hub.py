@@ -63,7 +63,7 @@ def resolve_model_path(model: str | os.PathLike, revision: str | None = None, *,
         ModelNotFoundError: the path does not exist and is no Hub id, or the Hub id is neither
             cached nor downloadable; the message says how to get the model.
     """
-    from atlas_vlm.loader import ModelNotFoundError
+    from atlas_vlm.checkpoint import ModelNotFoundError
 
     path = Path(model).expanduser()
     if path.exists() or not looks_like_repo_id(str(model)):

@@ -10,12 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
-import shutil
 import sys
-import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,64 +18,17 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
+from atlas_vlm.checkpoint import LoadedModel, ModelNotFoundError, build_folder_once, cache_dir, copy_dense, our_name
 from atlas_vlm.models import CausalLM, ModelArch
 from atlas_vlm.models.registry import model_class, resolve_family, text_config_of
 from atlas_vlm.tokenizer import apply_gguf_tokenizer_settings, eos_token_ids, gguf_tokenizer_settings, save_gguf_tokenizer
 
-__all__ = ["GGUF_CONVERSION_VERSION", "LoadedModel", "ModelNotFoundError", "cache_dir", "eos_token_ids",
-           "gguf_to_folder", "load_model"]
+__all__ = ["GGUF_CONVERSION_VERSION", "LoadedModel", "ModelNotFoundError", "build_folder_once", "cache_dir", "copy_dense",
+           "eos_token_ids", "gguf_to_folder", "load_model", "our_name"]
 
 #: Part of the converted folder's cache key: bump when the conversion changes, so that stale
 #: folders in the cache are not reused (v2: tokenizer settings taken from the GGUF header).
 GGUF_CONVERSION_VERSION = "v4"  # v4: saved by transformers 5, tokenizer settings written
-
-_STACKED = {  # HF name part -> (our fused name part, shard index)
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
-_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """The model path does not exist or holds no loadable checkpoint."""
-
-
-@dataclass
-class LoadedModel:
-    model: CausalLM  # our decoder, weights loaded, in eval mode
-    hf_config: object  # the transformers config
-    tokenizer: object  # the transformers tokenizer
-    vision_state_dict: dict[str, torch.Tensor] | None  # "visual.*" weights without the prefix
-    model_dir: Path  # the folder actually loaded (the GGUF cache folder for a .gguf)
-    image_settings: object = None  # mm_token_pipeline.ImageProcessorSettings of a VLM, else None
-
-
-def cache_dir() -> Path:
-    """Where converted checkpoints live: ``$ATLAS_VLM_CACHE`` or ``~/.cache/atlas_vlm``."""
-    return Path(os.environ.get("ATLAS_VLM_CACHE", Path.home() / ".cache" / "atlas_vlm"))
-
-
-def build_folder_once(out: Path, build: Callable[[Path], None]) -> Path:
-    """Fill the cache folder ``out`` with ``build(tmp)`` in a temporary sibling (one per
-    process), then rename it into place, so a half-written folder is never used; when a
-    concurrent build wins the race, its folder is kept. Returns ``out``.
-
-    Raises:
-        OSError: the rename failed and no finished ``out`` exists.
-    """
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
-        build(tmp)
-        try:
-            tmp.rename(out)
-        except OSError:
-            if not (out / "config.json").exists():  # not a concurrent build that won the race
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def gguf_to_folder(gguf_path: Path) -> Path:
@@ -136,38 +84,7 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _our_name(hf_name: str) -> tuple[str | None, str, int | None]:
-    """HF tensor name -> ("text" | "visual" | None, our name, shard index or None)."""
-    name = re.sub(r"^model\.(language_model|text_model)\.", "model.", hf_name)  # text_model: SmolVLM
-    if name.startswith(("model.vision_model.", "model.connector.")):  # SmolVLM tower + connector
-        return "visual", name[len("model."):], None
-    if name.startswith(("visual.", "model.visual.")):
-        return "visual", name.split("visual.", 1)[1], None
-    if _IGNORED.search(name):
-        return None, name, None
-    for part, (fused, shard) in _STACKED.items():
-        if f".{part}." in name:
-            return "text", name.replace(f".{part}.", f".{fused}."), shard
-    return "text", name, None
-
-
-def copy_dense(target: torch.Tensor, name: str, shard: int | None, tensor: torch.Tensor, hf_name: str, arch,
-               qkv_sizes: list[int]) -> str:
-    """Copy one HF tensor into our parameter ``target`` (its rows ``shard`` of a fused
-    qkv / gate_up projection when ``shard`` is not None). Returns the loaded name
-    (``name#shard`` for a shard).
-
-    Raises:
-        ValueError: the shapes differ (both named).
-    """
-    if shard is not None:
-        sizes = qkv_sizes if "qkv_proj" in name else [arch.intermediate_size] * 2
-        target = target.narrow(0, sum(sizes[:shard]), sizes[shard])  # [rows of this shard, in]
-        name = f"{name}#{shard}"
-    if target.shape != tensor.shape:
-        raise ValueError(f"weight {hf_name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-    target.copy_(tensor)
-    return name
+_our_name = our_name  # the old private name (tests/parity/test_real_vlm_geometry.py)
 
 
 def _load_weights(model: CausalLM, files: list[Path]) -> dict[str, torch.Tensor]:
@@ -183,7 +100,7 @@ def _load_weights(model: CausalLM, files: list[Path]) -> dict[str, torch.Tensor]
     for path in tqdm(files, desc="Loading safetensors", unit="file", leave=False):
         with safe_open(str(path), framework="pt") as f:
             for hf_name in f.keys():
-                kind, name, shard = _our_name(hf_name)
+                kind, name, shard = our_name(hf_name)
                 if kind == "visual":
                     visual[name] = f.get_tensor(hf_name)
                     continue

@@ -18,12 +18,12 @@ with figures computed from the config. Figures, for a dtype of ``b`` bytes:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from atlas_vlm.models.param_count import head_dim, num_kv_heads, text_config, text_params, vision_params
+from atlas_vlm.models.registry import vision_hooks
 from mm_kv_cache_management import KVCacheSpec, PagedKVCache
 
 GiB = 1 << 30
@@ -54,7 +54,8 @@ def kv_cache_budget(total_bytes: int, gpu_memory_utilization: float, used_bytes:
 
 
 def visual_tokens_per_image(hf_config, max_pixels: int) -> int:
-    """Most visual tokens one image can take at ``max_pixels``.
+    """Most visual tokens one image can take at ``max_pixels`` (the family's
+    ``FamilyHooks.visual_tokens_per_image``).
 
     Qwen2-VL / 2.5-VL / 3-VL: ``max_pixels // (patch_size * spatial_merge_size)**2``
     (``smart_resize`` keeps ``h * w <= max_pixels`` on multiples of that factor).
@@ -63,11 +64,7 @@ def visual_tokens_per_image(hf_config, max_pixels: int) -> int:
     plus one global view when there is more than one tile; each tile gives
     ``(image_size // patch_size)**2 // scale_factor**2`` tokens.
     """
-    v = hf_config.vision_config
-    if v.model_type in ("smolvlm_vision", "idefics3_vision"):
-        tiles, per_tile, _ = _smolvlm_tiles(hf_config, max_pixels)
-        return tiles * per_tile // hf_config.scale_factor**2
-    return max_pixels // (v.patch_size * v.spatial_merge_size) ** 2
+    return vision_hooks(hf_config).visual_tokens_per_image(hf_config, max_pixels)
 
 
 def largest_image_pixels(hf_config, max_tokens: int) -> int:
@@ -76,28 +73,7 @@ def largest_image_pixels(hf_config, max_tokens: int) -> int:
     spatial_merge_size)**2`` (a multiple of that patch area, e.g. 28x28 = 784 pixels for
     Qwen2.5-VL); SmolVLM the largest ``(n * tile)**2`` square of ``n x n`` tiles (plus the
     global view) that fits (``visual_tokens_per_image``'s rules inverted)."""
-    v = hf_config.vision_config
-    if v.model_type in ("smolvlm_vision", "idefics3_vision"):
-        tile = _smolvlm_tiles(hf_config, 1)[2]
-        best, last = 0, 0
-        for n in range(1, 64):  # stops at the processor's longest edge, where tokens stop growing
-            pixels = (n * tile) ** 2
-            tokens = visual_tokens_per_image(hf_config, pixels)
-            if tokens > max_tokens or tokens == last:
-                break
-            best, last = pixels, tokens
-        return best
-    return max(0, max_tokens) * (v.patch_size * v.spatial_merge_size) ** 2
-
-
-def _smolvlm_tiles(hf_config, max_pixels: int) -> tuple[int, int, int]:
-    """(tiles incl. the global view, patches per tile, tile side in pixels)."""
-    v = hf_config.vision_config
-    tile = (getattr(v, "max_image_size", None) or {}).get("longest_edge", v.image_size)
-    longest = (getattr(v, "size", None) or {}).get("longest_edge", 4 * tile)
-    side = min(math.isqrt(max_pixels), longest)
-    n = math.ceil(side / tile)
-    return n * n + (1 if n > 1 else 0), (v.image_size // v.patch_size) ** 2, tile
+    return vision_hooks(hf_config).largest_image_pixels(hf_config, max_tokens)
 
 
 def video_tokens_per_clip(hf_config, seconds: float, video_sampling: dict | None = None, *,
@@ -117,26 +93,8 @@ def video_tokens_per_clip(hf_config, seconds: float, video_sampling: dict | None
     checkpoint's ``video_sampling``, each one ``max_image_size`` square of one tile's tokens;
     without a ``video_sampling`` the count is not stated (zeros).
     """
-    v = hf_config.vision_config
-    if v.model_type in ("smolvlm_vision", "idefics3_vision"):
-        sampling = {**(video_sampling or {}), **({"fps": fps} if fps else {}),
-                    **({"max_frames": max_frames} if max_frames else {})}
-        if nframes:
-            frames = int(nframes)
-        elif "fps" not in sampling:
-            return 0, 0, 0
-        else:
-            frames = int(round(sampling["fps"] * seconds))
-            frames = max(1, min(frames, int(sampling["max_frames"])) if "max_frames" in sampling else frames)
-        _, per_tile, tile = _smolvlm_tiles(hf_config, 1)
-        return frames, tile * tile, frames * per_tile // hf_config.scale_factor**2
-    from mm_token_pipeline import sample_frame_indices, video_frame_bounds
-
-    frames = sample_frame_indices(max(1, int(round(seconds * 30))), 30.0, fps=fps, nframes=nframes,
-                                  max_frames=max_frames).nframes
-    bounds = video_frame_bounds(frames, patch_size=v.patch_size, merge_size=v.spatial_merge_size)
-    per_group = int(bounds.max_pixels) // (v.patch_size * v.spatial_merge_size) ** 2
-    return frames, int(bounds.max_pixels), frames // v.temporal_patch_size * per_group
+    return vision_hooks(hf_config).video_tokens_per_clip(hf_config, seconds, video_sampling, fps=fps,
+                                                          max_frames=max_frames, nframes=nframes)
 
 
 def engine_max_pixels(config, image_settings) -> int | None:
@@ -167,16 +125,9 @@ def vision_activation_peak(hf_config, max_pixels: int, dtype_bytes: int) -> int:
     ``2 * heads * N**2 * dtype_bytes``. Source: the block structure of HF
     ``Qwen2_5_VLVisionBlock`` / ``Qwen3VLVisionBlock`` / ``SmolVLMEncoderLayer``.
     """
-    v = getattr(hf_config, "vision_config", None)
-    if v is None:
+    if getattr(hf_config, "vision_config", None) is None:
         return 0
-    if v.model_type in ("smolvlm_vision", "idefics3_vision"):
-        tiles, per_tile, _ = _smolvlm_tiles(hf_config, max_pixels)
-        n, d, inter = tiles * per_tile, v.hidden_size, v.intermediate_size
-    else:
-        d = v.embed_dim if v.model_type.removesuffix("_vision") == "qwen2_vl" else v.hidden_size
-        inter = int(d * v.mlp_ratio) if v.model_type.removesuffix("_vision") == "qwen2_vl" else v.intermediate_size
-        n = max_pixels // v.patch_size**2
+    n, d, inter = vision_hooks(hf_config).vision_activation_shape(hf_config, max_pixels)
     return VISION_PEAK_FACTOR * n * (5 * d + 2 * inter) * dtype_bytes
 
 

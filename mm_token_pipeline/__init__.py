@@ -3,10 +3,14 @@
 Scope: image loading and normalisation (``load_image``; URLs through ``fetch_url`` with an
 overall deadline and a byte cap), per-request options (``MultiModalOptions``), qwen-vl-utils ``smart_resize``
 with ``min_pixels``/``max_pixels``, patchify with HF ``Qwen2VLImageProcessor``
-(``preprocess_image``), the HF vision tower (``VisionEncoder``), placeholder expansion and
-prompt ids (``build_prompt_ids``), M-RoPE positions (``get_rope_index``). Imports only
-torch, Pillow, numpy, transformers, qwen-vl-utils, PyAV (``av``, on first video use) and the
-standard library; never ``atlas_vlm`` or ``mm_kv_cache_management``.
+(``preprocess_image``), placeholder expansion and prompt ids (``build_prompt_ids``), M-RoPE
+positions (``get_rope_index``): the stages every family shares. Imports only torch, Pillow,
+numpy, transformers, qwen-vl-utils, PyAV (``av``, on first video use) and the standard
+library; never ``atlas_vlm`` or ``mm_kv_cache_management`` at import time. Each family's own
+code (its vision tower, prompt rules, media inputs) lives in its folder under
+``atlas_vlm/models/`` (see ``atlas_vlm.models.registry``); ``mm_token_pipeline.VisionEncoder``
+(the Qwen2-VL / Qwen2.5-VL tower, ``atlas_vlm.models.qwen2_vl.vision``) is still importable
+from here, on first use.
 
 Data path of one request (shapes for the default geometry: patch 14 px, merge 2)::
 
@@ -39,9 +43,9 @@ images and videos in prompt order; ``video_timestamps=True`` for Qwen3-VL);
 ``get_rope_index(..., video_token_id, video_grid_thw, second_per_grid_ts, tokens_per_second)``
 and ``get_rope_index_qwen3_vl`` give the positions. Bad input raises ``VideoInputError``.
 
-Other families live in their own modules: ``mm_token_pipeline.qwen3_vl`` (patch 16,
-DeepStack tower, chat template) and ``mm_token_pipeline.smolvlm`` (prompt and tiles from the
-HF ``SmolVLMProcessor``, longest-edge bound, SigLIP tower + connector).
+Other families live in their own folders: ``atlas_vlm.models.qwen3_vl`` (patch 16, DeepStack
+tower, chat template) and ``atlas_vlm.models.smolvlm`` (prompt and tiles from the HF
+``SmolVLMProcessor``, longest-edge bound, SigLIP tower + connector).
 
 Errors: every bad image input raises ``ImageInputError`` (a ``ValueError``) whose message
 names the source and the cause; the caller can refuse that request before allocating any
@@ -62,7 +66,6 @@ from .resize import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, MAX_ASPECT_RATIO, sm
 from .video_io import (VideoFrameBounds, VideoFrames, VideoInputError, VideoProbe, load_video, probe_video,
                        sample_frame_indices, video_frame_bounds, video_resized_size)
 from .video_processor import ProcessedVideo, preprocess_video
-from .vision import VisionEncoder
 
 __all__ = [
     "ImageInputError",
@@ -105,3 +108,14 @@ __all__ = [
     "ProcessedVideo",
     "preprocess_video",
 ]
+
+
+def __getattr__(name: str):
+    """``VisionEncoder``, imported on first use (PEP 562): the Qwen2-VL / Qwen2.5-VL tower now
+    lives in ``atlas_vlm.models.qwen2_vl.vision``, and this package imports no ``atlas_vlm``
+    module at import time."""
+    if name == "VisionEncoder":
+        from atlas_vlm.models.qwen2_vl.vision import VisionEncoder
+
+        return VisionEncoder
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

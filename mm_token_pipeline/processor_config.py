@@ -16,21 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
-
-__all__ = ["ImageProcessorSettings", "image_processor_settings", "RELEASED_DEFAULTS"]
-
-#: What the released checkpoints' ``preprocessor_config.json`` say, per ``model_type``
-#: (Qwen2-VL / Qwen2.5-VL: ``min_pixels`` 3136, ``max_pixels`` 12845056; Qwen3-VL:
-#: ``size`` ``{shortest_edge: 65536, longest_edge: 16777216}``, mean = std = 0.5).
-RELEASED_DEFAULTS: dict[str, dict] = {
-    "qwen2_vl": dict(min_pixels=56 * 56, max_pixels=28 * 28 * 16384, image_mean=tuple(OPENAI_CLIP_MEAN),
-                     image_std=tuple(OPENAI_CLIP_STD)),
-    "qwen2_5_vl": dict(min_pixels=56 * 56, max_pixels=28 * 28 * 16384, image_mean=tuple(OPENAI_CLIP_MEAN),
-                       image_std=tuple(OPENAI_CLIP_STD)),
-    "qwen3_vl": dict(min_pixels=65536, max_pixels=16777216, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5)),
-}
-
+__all__ = ["ImageProcessorSettings", "image_processor_settings", "settings_from_processor"]
 
 @dataclass(frozen=True)
 class ImageProcessorSettings:
@@ -68,9 +54,14 @@ class ImageProcessorSettings:
 def image_processor_settings(model_dir: Path | str | None, hf_config) -> ImageProcessorSettings | None:
     """The image settings of the checkpoint in ``model_dir`` (None for a text-only model).
 
+    The family's hooks read them (``FamilyHooks.image_processor_settings``: Qwen families
+    through :func:`settings_from_processor`, SmolVLM its longest edge); the family is found
+    by ``atlas_vlm.models.registry.find_family`` (imported here on first use: this package
+    imports no ``atlas_vlm`` module at import time).
+
     Args:
         model_dir: the model folder (may be None or lack ``preprocessor_config.json``: the
-            released defaults of ``hf_config.model_type`` are used then).
+            released defaults of the family are used then).
         hf_config: its transformers config (``vision_config`` gives the patch geometry where
             the processor config has none).
 
@@ -78,21 +69,34 @@ def image_processor_settings(model_dir: Path | str | None, hf_config) -> ImagePr
         ValueError: the processor's patch geometry disagrees with the vision tower's config,
             its bounds are not ``0 < min <= max``, or the family has no known defaults.
     """
+    from atlas_vlm.models.registry import find_family
+
     vision = getattr(hf_config, "vision_config", None)
     if vision is None:
         return None
     model_type = getattr(hf_config, "model_type", None)
     path = Path(model_dir) / "preprocessor_config.json" if model_dir is not None else None
     has_file = path is not None and path.is_file()
-    if model_type == "smolvlm":
-        return _smolvlm_settings(path if has_file else None, vision)
-    if model_type not in RELEASED_DEFAULTS:
+    family = find_family(hf_config, by_parts=False)
+    if family is None:
         raise ValueError(f"no image-processor defaults for model_type {model_type!r}")
+    return family.family_hooks().image_processor_settings(path if has_file else None, hf_config, model_type)
+
+
+def settings_from_processor(path: Path | None, vision, released: dict, label: str) -> ImageProcessorSettings:
+    """Qwen-style settings: ``released`` (the family's released defaults: ``min_pixels``,
+    ``max_pixels``, ``image_mean``, ``image_std``) with the tower's patch geometry, overridden
+    by ``path`` (a ``preprocessor_config.json``, read by ``AutoImageProcessor``) when given.
+
+    Raises:
+        ValueError: the file's patch geometry disagrees with the tower's, or its bounds are
+            not ``0 < min <= max``.
+    """
     geometry = dict(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
                     temporal_patch_size=vision.temporal_patch_size)
-    values = {**RELEASED_DEFAULTS[model_type], **geometry}
-    source = f"released {model_type} defaults (no preprocessor_config.json)"
-    if has_file:
+    values = {**released, **geometry}
+    source = f"released {label} defaults (no preprocessor_config.json)"
+    if path is not None:
         from transformers import AutoImageProcessor
 
         proc = AutoImageProcessor.from_pretrained(path.parent)
@@ -110,21 +114,3 @@ def image_processor_settings(model_dir: Path | str | None, hf_config) -> ImagePr
         raise ValueError(f"{source}: need 0 < min_pixels <= max_pixels, got {values['min_pixels']} and "
                          f"{values['max_pixels']}")
     return ImageProcessorSettings(source=source, **values)
-
-
-def _smolvlm_settings(path: Path | None, vision) -> ImageProcessorSettings:
-    """SmolVLM: the bound is ``size["longest_edge"]`` (released: 4 tiles of ``max_image_size``)."""
-    tile = vision.image_size
-    longest, mean, std = 4 * tile, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
-    source = "released smolvlm defaults (no preprocessor_config.json)"
-    if path is not None:
-        from transformers import AutoImageProcessor
-
-        proc = AutoImageProcessor.from_pretrained(path.parent)
-        longest = int(proc.size["longest_edge"])
-        mean, std = tuple(float(x) for x in proc.image_mean), tuple(float(x) for x in proc.image_std)
-        source = str(path)
-    return ImageProcessorSettings(min_pixels=1, max_pixels=longest * longest, patch_size=0, merge_size=0,
-                                  temporal_patch_size=0, image_mean=mean, image_std=std, source=source,
-                                  longest_edge=longest)
-

@@ -36,7 +36,7 @@ def build_tiny_qwen3_vl(out_dir: Path, seed: int = 0):
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     from mm_token_pipeline import qwen_tokenizer_dir
-    from mm_token_pipeline.qwen3_vl import QWEN3_VL_CHAT_TEMPLATE
+    from atlas_vlm.models.qwen3_vl.vision import QWEN3_VL_CHAT_TEMPLATE
 
     torch.manual_seed(seed)
     config = Qwen3VLConfig(

@@ -98,7 +98,7 @@ class ChatInput:
             ``limit_request_pixels``, ``allow_http_images``, ``http_image_timeout_s``,
             ``http_image_max_bytes``).
         hf_config: the model's transformers config; its ``ModelFamily.mm_inputs`` handles
-            the media (``engine.mm_inputs``), text models take none.
+            the media (``engine.mm_inputs.MediaInputs``, one subclass per family folder), text models take none.
         image_settings: the checkpoint's ``ImageProcessorSettings`` (its
             ``preprocessor_config.json``; ``LoadedModel.image_settings``), None for text models
             (read from ``hf_config`` alone, i.e. the released defaults, when not given).

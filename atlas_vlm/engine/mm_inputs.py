@@ -1,8 +1,9 @@
 """Per-family media inputs: a checked chat prompt -> prompt ids and media items, any modality.
 
 Scope: what each model family does with the images and videos of a chat prompt, behind one
-interface (``MediaInputs``) that ``ModelFamily.mm_inputs`` names, so no caller branches on
-``model_type``. A family's inputs object
+interface (``MediaInputs``, here) that ``ModelFamily.mm_inputs`` names, so no caller branches on
+the model type; each family's subclass lives in its folder (``atlas_vlm.models.qwen2_vl.inputs``,
+``qwen3_vl.inputs``, ``smolvlm.inputs``). A family's inputs object
 
 - loads every media item in prompt order (``load_image`` / ``load_video``; http(s) under the
   engine's policy), with the item's options over the request's ``mm_options`` over the
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import torch
 
-from atlas_vlm.engine.tool_prompt import render_with_tools
 from mm_token_pipeline import MultiModalOptions
 from mm_token_pipeline.messages import VIDEO_OPTIONS as VIDEO_ITEM_OPTIONS
 
@@ -118,170 +118,3 @@ class MediaInputs:
             if self.config.limit_request_pixels:
                 self._check_limits(MultiModalOptions(max_pixels=opts.get("max_pixels")), where)
             yield modality, index, opts, source
-
-
-class QwenVLInputs(MediaInputs):
-    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL: qwen-vl-utils resizing, HF patchify, M-RoPE.
-
-    Images: ``smart_resize`` under ``min_pixels`` / ``max_pixels``; videos: qwen-vl-utils'
-    frame sampling and per-frame bounds under ``total_pixels`` (``preprocess_video``).
-    Positions: HF ``get_rope_index`` of the family (Qwen2.5-VL scales the temporal axis by
-    ``second_per_grid_t * tokens_per_second``; Qwen3-VL writes timestamps in the prompt).
-    """
-
-    def prompt_ids(self, p: dict) -> tuple[list[int], list]:
-        from mm_token_pipeline import build_prompt_ids, preprocess_image
-        from mm_token_pipeline.qwen3_vl import QWEN3_VL_CHAT_TEMPLATE
-
-        family = self.hf_config.model_type
-        geometry = self.image_settings.preprocess_kwargs()
-        items = []
-        for modality, index, opts, medium in self.media(p):
-            if modality == "image":
-                if opts.longest_edge is not None:
-                    raise ValueError(f"longest_edge is SmolVLM's image bound; {family} takes min_pixels / max_pixels")
-                min_pixels, max_pixels = opts.resolved()
-                items.append(preprocess_image(medium, min_pixels=min_pixels, max_pixels=max_pixels, **geometry))
-            else:
-                from mm_token_pipeline import VideoInputError, load_video, preprocess_video
-
-                sampling = {k: opts[k] for k in ("fps", "nframes", "min_frames", "max_frames", "video_start",
-                                                 "video_end", "sample_fps") if k in opts}
-                bounds = {k: opts[k] for k in ("min_pixels", "max_pixels", "total_pixels") if k in opts}
-                check = self._video_token_check(bounds, index, sum(it.num_tokens for it in items))
-                frames = load_video(medium, fetch=self._fetch, before_decode=check, **sampling)  # seeking
-                if frames.sample_fps is None and family != "qwen2_vl":
-                    raise VideoInputError(frames.source, f"the source fps is unknown, and {family} needs it "
-                                          "(seconds per temporal group: M-RoPE / timestamps); give a file that "
-                                          "states its frame rate, or a list of frames with sample_fps")
-                items.append(preprocess_video(frames, source=frames.source, **bounds, **geometry))
-
-        def render(q: dict) -> list[int]:
-            template_kwargs = {**(q["chat_template_kwargs"] or {}), **({"tools": q["tools"]} if q["tools"] else {})}
-            return list(build_prompt_ids(self.tokenizer, q["messages"], items,
-                                         add_generation_prompt=q["add_generation_prompt"],
-                                         continue_final_message=q["continue_final_message"],
-                                         chat_template=q["chat_template"], chat_template_kwargs=template_kwargs,
-                                         default_template=QWEN3_VL_CHAT_TEMPLATE if family == "qwen3_vl" else None,
-                                         video_timestamps=family == "qwen3_vl"))  # Qwen3-VL: '<t seconds>' per group
-
-        return render_with_tools(render, p), items  # a template without tools: the system-prompt fallback
-
-    def _video_token_check(self, bounds: dict, index: int, before: int):
-        """``load_video``'s ``before_decode`` hook: refuse a video whose tokens (with the
-        ``before`` tokens of earlier items) reach ``max_prompt_tokens``, from the stream's
-        facts and the sampled frame count alone, so an oversized request costs no decoding
-        memory. None when there is no bound.
-
-        Raises (from the hook):
-            RequestTooLongError: the video's frames and tokens named.
-        """
-        if self.max_prompt_tokens is None:
-            return None
-        from atlas_vlm.engine.input_processor import RequestTooLongError
-        from mm_token_pipeline import video_resized_size
-
-        geometry = self.image_settings
-
-        def check(probe, sampling) -> None:
-            nframes = sampling.nframes
-            h, w = video_resized_size(probe.height, probe.width, nframes, patch_size=geometry.patch_size,
-                                      merge_size=geometry.merge_size, source=probe.source, **bounds)
-            factor = geometry.patch_size * geometry.merge_size
-            tokens = nframes // geometry.temporal_patch_size * (h // factor) * (w // factor)
-            if before + tokens >= self.max_prompt_tokens:
-                raise RequestTooLongError(
-                    f"video {index} ({probe.source}): {nframes} frames of {w}x{h} pixels are {tokens} visual "
-                    f"tokens{f' after {before} of earlier media' if before else ''}; max_model_len is "
-                    f"{self.max_prompt_tokens + 1}: lower fps / max_frames / max_pixels / total_pixels or raise "
-                    "max_model_len")
-        return check
-
-    def placeholder_token_ids(self) -> dict[str, int]:
-        cfg = self.hf_config
-        return {"image": cfg.image_token_id, "video": cfg.video_token_id}
-
-    def positions(self, ids: list[int], items: list) -> tuple[torch.Tensor, int]:
-        from mm_token_pipeline import get_rope_index
-
-        cfg = self.hf_config
-        images = [it.grid_thw for it in items if it.modality == "image"]
-        videos = [it for it in items if it.modality == "video"]
-        common = dict(spatial_merge_size=cfg.vision_config.spatial_merge_size, image_token_id=cfg.image_token_id,
-                      vision_start_token_id=cfg.vision_start_token_id)
-        if not videos:
-            return get_rope_index(ids, images, **common)
-        if cfg.model_type == "qwen3_vl":
-            from mm_token_pipeline.qwen3_vl import get_rope_index_qwen3_vl
-
-            return get_rope_index_qwen3_vl(ids, images, [v.grid_thw for v in videos],
-                                           video_token_id=cfg.video_token_id, **common)
-        tokens_per_second = getattr(cfg.vision_config, "tokens_per_second", None) \
-            if cfg.model_type == "qwen2_5_vl" else None
-        return get_rope_index(ids, images, video_grid_thw=[v.grid_thw for v in videos],
-                              second_per_grid_ts=[v.second_per_grid_t for v in videos],
-                              tokens_per_second=tokens_per_second, video_token_id=cfg.video_token_id, **common)
-
-
-class SmolVLMInputs(MediaInputs):
-    """SmolVLM2: prompt ids and tiles from the checkpoint's HF processor (loaded once from the
-    tokenizer's folder); images bounded by a longest edge (``longest_edge``, or
-    ``max_pixels`` mapped to one: item, then ``mm_options``, then the engine's
-    ``max_pixels``); 1-D RoPE (no M-RoPE positions)."""
-
-    _processor = None
-
-    @property
-    def hf_processor(self):
-        """The checkpoint's HF ``SmolVLMProcessor`` (loaded once, from the tokenizer's folder)."""
-        if self._processor is None:
-            from transformers import AutoProcessor
-
-            self._processor = AutoProcessor.from_pretrained(self.tokenizer.name_or_path, fix_mistral_regex=False)
-        return self._processor
-
-    def placeholder_token_ids(self) -> dict[str, int]:
-        token = self.hf_config.image_token_id  # video frames are images to SmolVLM
-        return {"image": token, "video": token}
-
-    def prompt_ids(self, p: dict) -> tuple[list[int], list]:
-        """Raises:
-            ValueError: ``continue_final_message`` / a template override (not supported on
-                this path), or per-image bounds that differ (the processor resizes alike)."""
-        from mm_token_pipeline.smolvlm import longest_edge_for, smolvlm_prompt
-
-        if p["continue_final_message"] or not p["add_generation_prompt"] or p["chat_template"] \
-                or p["chat_template_kwargs"] or p["tools"]:
-            raise ValueError("SmolVLM2 prompts take the processor's template with add_generation_prompt=True only; "
-                             "continue_final_message, chat_template, chat_template_kwargs and tools are not supported")
-        proc = self.hf_processor
-        tile, default = proc.image_processor.max_image_size["longest_edge"], proc.image_processor.size["longest_edge"]
-        edges, pils, videos = [], [], []
-        for modality, index, opts, medium in self.media(p):
-            if modality == "video":
-                videos.append(self._load_video(medium, opts, index))
-                continue
-            edges.append(longest_edge_for(opts.max_pixels, opts.longest_edge, tile=tile, default=default))
-            pils.append(medium)
-        if len(set(edges)) > 1:
-            raise ValueError(f"SmolVLM resizes all images of a prompt alike; got per-image longest edges {edges}")
-        return smolvlm_prompt(proc, p["messages"], pils, edges[0] if edges else default, videos=videos or None)
-
-    def _load_video(self, source, opts: dict, index: int):
-        """One video sampled by SmolVLM's own rule (HF ``SmolVLMVideoProcessor.sample_frames``:
-        the item's ``fps`` and ``max_frames`` / ``nframes`` over the checkpoint's
-        ``video_sampling``); frames resize to the checkpoint's video size (pixel bounds do
-        not apply: refused by name).
-
-        Raises:
-            ValueError: an option SmolVLM's sampling has no counterpart for (named).
-        """
-        from mm_token_pipeline.smolvlm_video import load_smolvlm_video
-
-        unsupported = sorted(k for k in opts if k not in ("fps", "max_frames", "nframes", "sample_fps"))
-        if unsupported:
-            raise ValueError(f"video {index}: option(s) {unsupported} do not apply to SmolVLM2, whose video "
-                             "processor samples by fps / max_frames and resizes frames to its own video size")
-        num_frames = opts.get("nframes", opts.get("max_frames"))
-        return load_smolvlm_video(source, self.hf_processor.video_processor, fps=opts.get("fps"),
-                                  num_frames=num_frames, source_fps=opts.get("sample_fps"), fetch=self._fetch)

@@ -28,7 +28,7 @@ def load_config(model: str, revision: str | None = None):
     ``preprocessor_config.json`` where the cache has it).
 
     Raises:
-        atlas_vlm.loader.ModelNotFoundError: none of those has it.
+        atlas_vlm.checkpoint.ModelNotFoundError: none of those has it.
         ValueError: ``model`` is a file other than a ``.gguf``.
     """
     from transformers import AutoConfig

@@ -9,10 +9,6 @@ from atlas_vlm.models.registry import SUPPORTED_ARCHITECTURES, UnsupportedModelE
 
 __all__ = ["ModelArch", "SUPPORTED_ARCHITECTURES", "UnsupportedModelError", "rope_parameters"]
 
-#: Qwen3-VL's section when its config has none: HF ``Qwen3VLTextRotaryEmbedding``'s default.
-QWEN3_VL_DEFAULT_MROPE_SECTION = (24, 20, 20)
-
-
 def rope_parameters(hf_config) -> dict:
     """The RoPE settings of a (text) config as one dict, whichever layout wrote it.
 
@@ -81,17 +77,18 @@ class ModelArch:
             UnsupportedModelError: architecture not in ``SUPPORTED_ARCHITECTURES``.
             ValueError: a family that needs M-RoPE (Qwen2-VL, Qwen2.5-VL) whose config has no
                 ``mrope_section`` under ``rope_parameters`` or ``rope_scaling`` (never run with
-                1-D positions). Qwen3-VL without one takes HF's default (24, 20, 20).
+                1-D positions). A family with ``default_mrope_section`` (Qwen3-VL: HF
+                ``Qwen3VLTextRotaryEmbedding``'s (24, 20, 20)) takes that instead.
         """
         fam = resolve_family(hf_config)
         text = text_config_of(hf_config, fam)
         section = rope_parameters(hf_config).get("mrope_section")
         if fam.mrope and section is None:
-            if fam.name != "qwen3_vl":
+            if fam.default_mrope_section is None:
                 raise ValueError(f"{fam.name} needs M-RoPE but its config has no mrope_section: set "
                                  "text_config.rope_parameters['mrope_section'] (transformers 5) or "
                                  "rope_scaling['mrope_section'] (transformers 4)")
-            section = QWEN3_VL_DEFAULT_MROPE_SECTION
+            section = fam.default_mrope_section
         attention_bias = bool(getattr(text, "attention_bias", False))
         return cls(
             family=fam.name,
@@ -111,5 +108,5 @@ class ModelArch:
             max_position_embeddings=text.max_position_embeddings,
             mrope_section=tuple(section) if fam.mrope else None,
             qk_norm=fam.qk_norm,
-            mrope_interleaved=fam.name == "qwen3_vl",  # HF Qwen3-VL always interleaves
+            mrope_interleaved=fam.mrope_interleaved,  # HF Qwen3-VL always interleaves
         )

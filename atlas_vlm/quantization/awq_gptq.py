@@ -103,7 +103,7 @@ def load_awq_gptq(model: nn.Module, files: list[Path], method: str, qc: dict, de
         ValueError: a tensor is missing, unexpected, or of the wrong shape (named); GPTQ
             ``g_idx`` not ``k // group_size``.
     """
-    from atlas_vlm.loader import _our_name, copy_dense
+    from atlas_vlm.checkpoint import copy_dense, our_name as _our_name
 
     group_cfg = check_config(method, qc)
     arch = model.arch

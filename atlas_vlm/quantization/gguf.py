@@ -70,7 +70,7 @@ def gguf_meta_folder(gguf_path: Path) -> Path:
     header's BOS / EOS / PAD, as ``loader.gguf_to_folder`` sets them) and no weights."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from atlas_vlm.loader import build_folder_once, cache_dir
+    from atlas_vlm.checkpoint import build_folder_once, cache_dir
     from atlas_vlm.tokenizer import apply_gguf_tokenizer_settings, gguf_tokenizer_settings
 
     stat = gguf_path.stat()
@@ -158,7 +158,7 @@ def load_gguf_quantized(gguf_path: str | os.PathLike, *, dtype: torch.dtype = to
     (a VLM pair's, whose decoder architecture transformers' GGUF support does not read).
 
     Returns:
-        ``loader.LoadedModel`` (``model_dir``: the :func:`gguf_meta_folder`).
+        ``checkpoint.LoadedModel`` (``model_dir``: the :func:`gguf_meta_folder`).
 
     Raises:
         UnsupportedQuantizationError: a tensor type outside ``SUPPORTED_TYPES`` (named, before
@@ -169,7 +169,7 @@ def load_gguf_quantized(gguf_path: str | os.PathLike, *, dtype: torch.dtype = to
     from transformers import AutoConfig, AutoTokenizer
 
     from atlas_vlm.layers.quant_linear import finalize_quantized, quant_kernel_available
-    from atlas_vlm.loader import LoadedModel
+    from atlas_vlm.checkpoint import LoadedModel
     from atlas_vlm.models import ModelArch
     from atlas_vlm.models.registry import model_class, resolve_family, text_config_of
 

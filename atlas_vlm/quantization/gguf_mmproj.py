@@ -13,7 +13,7 @@ the decoder dequantized (``quantization="gguf"`` keeps it as stored instead).
 
 Values the mmproj header does not hold are the released checkpoints' (Qwen2.5-VL
 ``window_size`` 112 and ``tokens_per_second`` 2; spatial merge 2; the processor's
-``min_pixels`` / ``max_pixels``: ``processor_config.RELEASED_DEFAULTS``).
+``min_pixels`` / ``max_pixels``: the family's ``FamilyHooks.processor_defaults``).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from atlas_vlm.quantization.gguf_mmproj_names import check_pair, field, text_state_dict, vision_state_dict
+from atlas_vlm.models.registry import get_family
+from atlas_vlm.quantization.gguf_mmproj_names import GATED_TOWER, check_pair, field, text_state_dict, vision_state_dict
 
 __all__ = ["GGUF_PAIR_VERSION", "gguf_pair_folder"]
 
 GGUF_PAIR_VERSION = "v1"  # part of the cache key: bump when the folder's content changes
-_HF_ARCHITECTURE = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
 
 def _f32(x) -> float:
@@ -56,7 +56,7 @@ def _vision_config(mm, model_type: str) -> dict:
                   spatial_merge_size=int(field(mm, "clip.vision.spatial_merge_size", 2)), temporal_patch_size=2,
                   in_channels=3)
     ffn, out = int(field(mm, "clip.vision.feed_forward_length")), int(field(mm, "clip.vision.projection_dim"))
-    if model_type == "qwen2_vl":
+    if not GATED_TOWER[model_type]:
         if ffn % width:
             raise ValueError(f"mmproj: clip.vision.feed_forward_length {ffn} is no multiple of the width {width}, "
                              f"as Qwen2-VL's mlp_ratio needs")
@@ -104,7 +104,7 @@ def _save(tmp: Path, model_path: Path, mmproj_path: Path, model, mm, model_type:
     text = dict(_text_config(model, arch, n_vocab), bos_token_id=ids.get("bos"), eos_token_id=eos[0] if eos else None)
     config = AutoConfig.for_model(
         model_type, text_config=text, vision_config=_vision_config(mm, model_type),
-        tie_word_embeddings="output.weight" not in names, architectures=[_HF_ARCHITECTURE[model_type]],
+        tie_word_embeddings="output.weight" not in names, architectures=[get_family(model_type).architectures[0]],
         image_token_id=_token_id(tokenizer, "<|image_pad|>", model_path),
         video_token_id=_token_id(tokenizer, "<|video_pad|>", model_path),
         vision_start_token_id=_token_id(tokenizer, "<|vision_start|>", model_path),
@@ -113,9 +113,7 @@ def _save(tmp: Path, model_path: Path, mmproj_path: Path, model, mm, model_type:
     GenerationConfig(bos_token_id=ids.get("bos"), pad_token_id=ids.get("pad"),
                      eos_token_id=eos if len(eos) > 1 else (eos[0] if eos else None)).save_pretrained(tmp)
     save_gguf_tokenizer(tokenizer, settings, tmp)
-    from mm_token_pipeline.processor_config import RELEASED_DEFAULTS
-
-    released = RELEASED_DEFAULTS[model_type]
+    released = get_family(model_type).family_hooks().processor_defaults
     Qwen2VLImageProcessor(image_mean=[_f32(x) for x in field(mm, "clip.vision.image_mean")],
                           image_std=[_f32(x) for x in field(mm, "clip.vision.image_std")],
                           min_pixels=released["min_pixels"], max_pixels=released["max_pixels"],
@@ -139,7 +137,7 @@ def gguf_pair_folder(model_path: Path, mmproj_path: Path, *, dense: bool) -> Pat
             (``vision.safetensors``), for ``quantization="gguf"``.
 
     Returns:
-        the folder (under ``loader.cache_dir()/gguf-pair``, keyed by both files' path, size
+        the folder (under ``checkpoint.cache_dir()/gguf-pair``, keyed by both files' path, size
         and modification time and ``GGUF_PAIR_VERSION``).
 
     Raises:
@@ -149,7 +147,7 @@ def gguf_pair_folder(model_path: Path, mmproj_path: Path, *, dense: bool) -> Pat
     """
     from gguf import GGUFReader
 
-    from atlas_vlm.loader import ModelNotFoundError, build_folder_once, cache_dir
+    from atlas_vlm.checkpoint import ModelNotFoundError, build_folder_once, cache_dir
 
     for what, path in (("model", model_path), ("mmproj", mmproj_path)):
         if not path.is_file():

@@ -15,13 +15,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["PROJECTORS", "LM_ARCHITECTURES", "field", "dequantized", "check_pair", "vision_state_dict",
+__all__ = ["PROJECTORS", "LM_ARCHITECTURES", "GATED_TOWER", "field", "dequantized", "check_pair", "vision_state_dict",
            "text_state_dict"]
 
 #: ``clip.projector_type`` -> the HF ``model_type`` it belongs to (the families we run)
 PROJECTORS = {"qwen2vl_merger": "qwen2_vl", "qwen2.5vl_merger": "qwen2_5_vl"}
 #: the model GGUF's ``general.architecture`` each family's decoder is written as
 LM_ARCHITECTURES = {"qwen2_vl": "qwen2vl", "qwen2_5_vl": "qwen2vl"}
+#: the tower's layout per family: gated MLP and RMSNorms (Qwen2.5-VL) or fc1/fc2 of
+#: ``mlp_ratio`` and LayerNorms with bias (Qwen2-VL)
+GATED_TOWER = {"qwen2_vl": False, "qwen2_5_vl": True}
 
 _MISSING = object()
 
@@ -84,8 +87,8 @@ def check_pair(model, mm, model_path: Path, mmproj_path: Path) -> str:
 
 
 _BLOCK = {"attn_out": "attn.proj", "ln1": "norm1", "ln2": "norm2"}
-_MLP = {"qwen2_5_vl": {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"},
-        "qwen2_vl": {"ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}}
+_MLP = {True: {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"},  # by GATED_TOWER
+        False: {"ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}}
 _TOP = {"v.post_ln": "merger.ln_q", "mm.0": "merger.mlp.0", "mm.2": "merger.mlp.2"}
 
 
@@ -108,8 +111,8 @@ def vision_state_dict(mm, model_type: str, mmproj_path: Path) -> dict[str, torch
     halves = [take("v.patch_embd.weight"), take("v.patch_embd.weight.1")]  # [out, in, h, w] each
     out["patch_embed.proj.weight"] = torch.stack(halves, dim=2)  # HF Conv3D [out, in, t=2, h, w]
     depth = int(field(mm, "clip.vision.block_count"))
-    parts = {**_BLOCK, **_MLP[model_type]}
-    rms = model_type == "qwen2_5_vl"  # Qwen2.5-VL's norms are RMSNorms: weight only
+    parts = {**_BLOCK, **_MLP[GATED_TOWER[model_type]]}
+    rms = GATED_TOWER[model_type]  # Qwen2.5-VL's norms are RMSNorms: weight only
     for i in range(depth):
         for kind in ("weight", "bias"):
             out[f"blocks.{i}.attn.qkv.{kind}"] = torch.cat([take(f"v.blk.{i}.attn_{p}.{kind}") for p in "qkv"])

@@ -20,8 +20,8 @@ CONFIGS = REPO / "tests" / "data" / "configs"
 
 
 def _ours(config):
-    from mm_token_pipeline.qwen3_vl import Qwen3VLVisionEncoder
-    from mm_token_pipeline.smolvlm import SmolVLMVisionEncoder
+    from atlas_vlm.models.qwen3_vl.vision import Qwen3VLVisionEncoder
+    from atlas_vlm.models.smolvlm.vision import SmolVLMVisionEncoder
 
     arch = ModelArch.from_hf_config(config)
     family = resolve_family(config)

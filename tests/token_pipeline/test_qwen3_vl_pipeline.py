@@ -12,7 +12,7 @@ import pytest
 from transformers import Qwen2VLImageProcessorFast
 
 import mm_token_pipeline as mtp
-from mm_token_pipeline.qwen3_vl import QWEN3_VL_IMAGE_MEAN, QWEN3_VL_IMAGE_STD
+from atlas_vlm.models.qwen3_vl.vision import QWEN3_VL_IMAGE_MEAN, QWEN3_VL_IMAGE_STD
 from helpers import IMAGES as IMAGE_DIR
 from tiny_vlms import QWEN3_VL_PIX
 

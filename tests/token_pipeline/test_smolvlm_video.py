@@ -1,4 +1,4 @@
-"""SmolVLM2 video (mm_token_pipeline.smolvlm_video) against transformers 5.24's own path:
+"""SmolVLM2 video (atlas_vlm.models.smolvlm.video) against transformers 5.24's own path:
 ``SmolVLMProcessor.apply_chat_template(tokenize=True)`` on the same clip, its video processor
 reading the file with transformers' PyAV reader (``video_utils.read_video_pyav``; the default
 torchcodec is not installed here) and sampling with ``SmolVLMVideoProcessor.sample_frames``.
@@ -21,8 +21,8 @@ from transformers.video_utils import load_video as hf_load_video
 
 from tiny_vlms import SMOLVLM_SEQ_LEN, SMOLVLM_TILE, smolvlm_tokenizer
 from mm_token_pipeline import load_image
-from mm_token_pipeline.smolvlm import SmolVLMTile, smolvlm_prompt
-from mm_token_pipeline.smolvlm_video import (SmolVLMVideoFrame, load_smolvlm_video, smolvlm_sample_indices,
+from atlas_vlm.models.smolvlm.prompt import SmolVLMTile, smolvlm_prompt
+from atlas_vlm.models.smolvlm.video import (SmolVLMVideoFrame, load_smolvlm_video, smolvlm_sample_indices,
                                              smolvlm_video_prompt)
 from mm_token_pipeline.video_sampling import VideoInputError
 
@@ -205,7 +205,7 @@ def test_items_fill_hf_image_features_in_order(proc, hf):
     frames) in the same order, so the engine's k-th <image> run gets HF's k-th features."""
     from transformers import SmolVLMConfig, SmolVLMModel
 
-    from mm_token_pipeline.smolvlm import SmolVLMVisionEncoder
+    from atlas_vlm.models.smolvlm.vision import SmolVLMVisionEncoder
 
     torch.manual_seed(0)
     config = SmolVLMConfig(

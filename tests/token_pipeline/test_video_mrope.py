@@ -114,7 +114,7 @@ def test_qwen2_5_literal_text_after_video_starts_at_max_hw():
 
 @pytest.mark.parametrize("qwen3", [False, True], ids=["qwen2_5_vl", "qwen3_vl"])
 def test_real_prompt_equals_hf(qwen3):
-    from mm_token_pipeline.qwen3_vl import QWEN3_VL_CHAT_TEMPLATE
+    from atlas_vlm.models.qwen3_vl.vision import QWEN3_VL_CHAT_TEMPLATE
 
     tok = AutoTokenizer.from_pretrained(mtp.qwen_tokenizer_dir())
     geometry = dict(patch_size=16, image_mean=(0.5,) * 3, image_std=(0.5,) * 3) if qwen3 else {}

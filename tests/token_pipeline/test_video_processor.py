@@ -21,7 +21,7 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.video_utils import VideoMetadata
 
 import mm_token_pipeline as mtp
-from mm_token_pipeline.qwen3_vl import QWEN3_VL_IMAGE_MEAN, QWEN3_VL_IMAGE_STD
+from atlas_vlm.models.qwen3_vl.vision import QWEN3_VL_IMAGE_MEAN, QWEN3_VL_IMAGE_STD
 from test_video_io import write_clip
 
 pytestmark = pytest.mark.vlm

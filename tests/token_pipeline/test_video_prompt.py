@@ -20,7 +20,7 @@ from transformers import (AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLImageProces
 
 import mm_token_pipeline as mtp
 from helpers import IMAGES, VIDEO_PAD_ID
-from mm_token_pipeline.qwen3_vl import QWEN3_VL_CHAT_TEMPLATE, QWEN3_VL_IMAGE_MEAN, QWEN3_VL_IMAGE_STD
+from atlas_vlm.models.qwen3_vl.vision import QWEN3_VL_CHAT_TEMPLATE, QWEN3_VL_IMAGE_MEAN, QWEN3_VL_IMAGE_STD
 from mm_token_pipeline.video_processor import resize_frames
 from test_video_processor import VIDEOS
 

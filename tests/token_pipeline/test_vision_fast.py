@@ -1,4 +1,4 @@
-"""``FastQwenVisionTower`` (mm_token_pipeline/vision_fast.py) against HF's tower, the reference.
+"""``FastQwenVisionTower`` (atlas_vlm/models/qwen2_vl/vision_fast.py) against HF's tower, the reference.
 
 Same weights, same pixels: fp32 within 1e-4 (tiny Qwen2.5-VL / Qwen2-VL from
 tests/conftest.py and a mid-size random Qwen2.5-VL tower with partial windows, several
@@ -16,8 +16,9 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTra
 from helpers import IMAGES, conv
 from atlas_vlm import LLM, SamplingParams
 from atlas_vlm.layers.linear import PackedLinear, can_pack, pack_linears
-from mm_token_pipeline import VisionEncoder, load_image, preprocess_image
-from mm_token_pipeline.vision_fast import FAST_TOWER_ENV, FastQwenVisionTower, fast_tower_unsupported
+from atlas_vlm.models.qwen2_vl.vision import VisionEncoder
+from mm_token_pipeline import load_image, preprocess_image
+from atlas_vlm.models.qwen2_vl.vision_fast import FAST_TOWER_ENV, FastQwenVisionTower, fast_tower_unsupported
 
 pytestmark = pytest.mark.vlm
 

@@ -13,8 +13,8 @@ from teacher_forcing import record_logits
 from helpers import IMAGES, conv
 from atlas_vlm import LLM, SamplingParams
 from atlas_vlm.layers.quant_linear import Int8Linear, quant_kernel_available
-from mm_token_pipeline import VisionEncoder
-from mm_token_pipeline.vision_fast import FAST_TOWER_ENV
+from atlas_vlm.models.qwen2_vl.vision import VisionEncoder
+from atlas_vlm.models.qwen2_vl.vision_fast import FAST_TOWER_ENV
 from test_vision_fast import GRIDS, MID, _pixels, mid_state  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.vlm

@@ -51,11 +51,12 @@ from typing import Callable, ClassVar
 import numpy as np
 import torch
 
-from .image_io import ImageInputError, load_image
-from .smolvlm import SmolVLMTile, _as_template_messages, global_blocks
-from .video_decode import _build_index, _decode_frames, _open, _probe
-from .video_io import _read_source
-from .video_sampling import VideoInputError
+from mm_token_pipeline.image_io import ImageInputError, load_image
+from mm_token_pipeline.video_decode import _build_index, _decode_frames, _open, _probe
+from mm_token_pipeline.video_io import _read_source
+from mm_token_pipeline.video_sampling import VideoInputError
+
+from .tiles import SmolVLMTile, _as_template_messages, global_blocks
 
 __all__ = ["SmolVLMVideo", "SmolVLMVideoFrame", "load_smolvlm_video", "smolvlm_sample_indices", "smolvlm_video_prompt"]
 

@@ -21,7 +21,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTra
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLConfig, Qwen2VLVisionConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
-from .processor import ProcessedImage
+from mm_token_pipeline.processor import ProcessedImage
 from .vision_fast import FastQwenVisionTower, fast_tower_unsupported, tower_choice
 
 __all__ = ["VisionEncoder"]

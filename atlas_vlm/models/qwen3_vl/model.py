@@ -6,7 +6,7 @@ Source of the rules: HF transformers 4.57.6 ``modeling_qwen3_vl.py``
 
 DeepStack meets the engine through the image-embedding rows the runner already routes:
 the vision tower hands back, per image token, ``[main | deepstack_0 | ... | deepstack_{K-1}]``
-side by side (``mm_token_pipeline.qwen3_vl.Qwen3VLVisionEncoder``), so
+side by side (``atlas_vlm.models.qwen3_vl.vision.Qwen3VLVisionEncoder``), so
 
 - a chunk that holds part of an image gets the matching rows of every DeepStack feature
   (``image_rows_for_chunk`` slices rows, all columns come along);

@@ -23,8 +23,8 @@ import torch
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
-from .mrope import get_rope_index_qwen3_vl
-from .vision import VisionEncoder
+from mm_token_pipeline.mrope import get_rope_index_qwen3_vl
+from atlas_vlm.models.qwen2_vl.vision import VisionEncoder
 
 __all__ = ["QWEN3_VL_CHAT_TEMPLATE", "QWEN3_VL_IMAGE_MEAN", "QWEN3_VL_IMAGE_STD",
            "Qwen3VLVisionEncoder", "get_rope_index_qwen3_vl"]
@@ -57,7 +57,7 @@ QWEN3_VL_CHAT_TEMPLATE = (
 class Qwen3VLVisionEncoder(VisionEncoder):
     """Qwen3-VL vision tower (HF ``Qwen3VLVisionModel``: patch embed with learned position
     embedding, ViT blocks, 2x2 merger, DeepStack mergers); loading, the grid check and
-    ``encode_images`` are :class:`~mm_token_pipeline.vision.VisionEncoder`'s.
+    ``encode_images`` are :class:`~atlas_vlm.models.qwen2_vl.vision.VisionEncoder`'s.
 
     ``encode_images`` returns per image ``[num_tokens, out_hidden * (1 + K)]``: columns
     ``[0, out_hidden)`` are the merged features that replace the ``<|image_pad|>``

@@ -1,0 +1,109 @@
+"""What the loader, the Hub resolver and the quantized loaders share: the checkpoint cache,
+its errors, the loaded-model record and the HF -> our tensor naming.
+
+This module sits below ``atlas_vlm.loader``, ``atlas_vlm.hub`` and ``atlas_vlm.quantization``:
+they all import it, it imports none of them (so no import circle runs through the loader;
+``tests/test_import_graph.py`` checks that). ``atlas_vlm.loader`` re-exports every public
+name here, so ``from atlas_vlm.loader import ModelNotFoundError`` keeps working.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["LoadedModel", "ModelNotFoundError", "build_folder_once", "cache_dir", "copy_dense", "our_name"]
+
+_STACKED = {  # HF name part -> (our fused name part, shard index)
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model path does not exist or holds no loadable checkpoint."""
+
+
+@dataclass
+class LoadedModel:
+    model: object  # our decoder (atlas_vlm.models.CausalLM), weights loaded, in eval mode
+    hf_config: object  # the transformers config
+    tokenizer: object  # the transformers tokenizer
+    vision_state_dict: dict[str, torch.Tensor] | None  # "visual.*" weights without the prefix
+    model_dir: Path  # the folder actually loaded (the GGUF cache folder for a .gguf)
+    image_settings: object = None  # mm_token_pipeline.ImageProcessorSettings of a VLM, else None
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints live: ``$ATLAS_VLM_CACHE`` or ``~/.cache/atlas_vlm``."""
+    return Path(os.environ.get("ATLAS_VLM_CACHE", Path.home() / ".cache" / "atlas_vlm"))
+
+
+def build_folder_once(out: Path, build: Callable[[Path], None]) -> Path:
+    """Fill the cache folder ``out`` with ``build(tmp)`` in a temporary sibling (one per
+    process), then rename it into place, so a half-written folder is never used; when a
+    concurrent build wins the race, its folder is kept. Returns ``out``.
+
+    Raises:
+        OSError: the rename failed and no finished ``out`` exists.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        build(tmp)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not (out / "config.json").exists():  # not a concurrent build that won the race
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def our_name(hf_name: str) -> tuple[str | None, str, int | None]:
+    """HF tensor name -> ("text" | "visual" | None, our name, shard index or None).
+
+    ``q/k/v_proj`` become shards 0-2 of ``qkv_proj``, ``gate/up_proj`` shards 0-1 of
+    ``gate_up_proj``; ``visual.*`` / SmolVLM's ``vision_model.*`` and ``connector.*`` go to
+    the vision tower; ``rotary_emb.inv_freq`` buffers are ignored (None).
+    """
+    name = re.sub(r"^model\.(language_model|text_model)\.", "model.", hf_name)  # text_model: SmolVLM
+    if name.startswith(("model.vision_model.", "model.connector.")):  # SmolVLM tower + connector
+        return "visual", name[len("model."):], None
+    if name.startswith(("visual.", "model.visual.")):
+        return "visual", name.split("visual.", 1)[1], None
+    if _IGNORED.search(name):
+        return None, name, None
+    for part, (fused, shard) in _STACKED.items():
+        if f".{part}." in name:
+            return "text", name.replace(f".{part}.", f".{fused}."), shard
+    return "text", name, None
+
+
+def copy_dense(target: torch.Tensor, name: str, shard: int | None, tensor: torch.Tensor, hf_name: str, arch,
+               qkv_sizes: list[int]) -> str:
+    """Copy one HF tensor into our parameter ``target`` (its rows ``shard`` of a fused
+    qkv / gate_up projection when ``shard`` is not None). Returns the loaded name
+    (``name#shard`` for a shard).
+
+    Raises:
+        ValueError: the shapes differ (both named).
+    """
+    if shard is not None:
+        sizes = qkv_sizes if "qkv_proj" in name else [arch.intermediate_size] * 2
+        target = target.narrow(0, sum(sizes[:shard]), sizes[shard])  # [rows of this shard, in]
+        name = f"{name}#{shard}"
+    if target.shape != tensor.shape:
+        raise ValueError(f"weight {hf_name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+    target.copy_(tensor)
+    return name
