@@ -3,7 +3,6 @@ state cache, for the Qwen3.5 decoder tests (nothing downloaded)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
@@ -35,16 +34,22 @@ def tiny_config():
         architectures=["Qwen3_5ForConditionalGeneration"])
 
 
-def build_tiny_qwen3_5(out_dir: Path, seed: int = 0, mtp: dict[str, torch.Tensor] | None = None):
-    """Save a random tiny ``Qwen3_5ForConditionalGeneration`` (fp32) + the Qwen tokenizer to
-    ``out_dir``; ``mtp`` tensors are added to the checkpoint under ``mtp.<name>``. Returns the
-    HF model (eval)."""
-    from transformers import AutoTokenizer, Qwen3_5ForConditionalGeneration
+def build_tiny_qwen3_5(out_dir: Path, seed: int = 0, mtp: dict[str, torch.Tensor] | None = None,
+                       text_only: bool = False):
+    """Save a random tiny ``Qwen3_5ForConditionalGeneration`` (``text_only``: a
+    ``Qwen3_5ForCausalLM`` of its text config) in fp32 + the Qwen tokenizer to ``out_dir``;
+    ``mtp`` tensors are added to the checkpoint under ``mtp.<name>``. Returns the HF model (eval)."""
+    from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
     from conftest import qwen_tokenizer_dir
 
     torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(tiny_config()).eval()
+    if text_only:
+        config = tiny_config().text_config
+        config.architectures = ["Qwen3_5ForCausalLM"]
+        model = Qwen3_5ForCausalLM(config).eval()
+    else:
+        model = Qwen3_5ForConditionalGeneration(tiny_config()).eval()
     with torch.no_grad():  # random norms (their zero-centred form is tested) and larger weights
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -61,19 +66,15 @@ def build_tiny_qwen3_5(out_dir: Path, seed: int = 0, mtp: dict[str, torch.Tensor
     return model
 
 
-def copy_checkpoint(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
-
-
 class StepDriver:
     """Runs our model step by step over a ``PagedKVCache`` + ``StateCache``, as the engine
     would: each sequence owns blocks and one state slot; ``step`` takes each sequence's new
-    tokens and returns each sequence's logits ``[new_tokens, vocab]``."""
+    tokens and returns each sequence's logits ``[new_tokens, vocab]``. ``backend``: the
+    attention metadata's backend (``layers.attention.ATTENTION_BACKENDS``)."""
 
-    def __init__(self, model, num_blocks: int = 128, num_slots: int = 4):
+    def __init__(self, model, num_blocks: int = 128, num_slots: int = 4, backend: str = "reference"):
         arch = model.arch
-        self.model = model
+        self.model, self.backend = model, backend
         spec = KVCacheSpec(num_layers=model.num_kv_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
                            dtype=torch.float32)
         self.kv = PagedKVCache(spec, num_blocks=num_blocks, block_size=BLOCK_SIZE)
@@ -100,7 +101,7 @@ class StepDriver:
             tables.append(list(seq["blocks"]))
             positions += range(start, seq["len"])
             ids += toks
-        meta = build_attention_metadata(q_lens, c_lens, slots, tables)
+        meta = build_attention_metadata(q_lens, c_lens, slots, tables, backend=self.backend)
         meta.state = StateMetadata(self.state, torch.tensor([self.seqs[n]["slot"] for n in new_tokens]),
                                    torch.tensor([c > q for q, c in zip(q_lens, c_lens)]))
         pos = torch.tensor(positions)[None].expand(3, -1)
