@@ -61,3 +61,20 @@ def test_layer_types_must_name_known_layers():
     config.text_config.layer_types = ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]
     with pytest.raises(ValueError, match="layer_types"):
         Qwen3_5ForCausalLM(ModelArch.from_hf_config(config), config.text_config)
+
+
+@pytest.mark.parametrize("which", ["tiny", "released_default"])
+def test_text_param_count_equals_hf(which):
+    """``param_count.text_params`` == HF's decoder + LM head, built on the meta device."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from atlas_vlm.models.param_count import text_params
+
+    config = tiny_config() if which == "tiny" else Qwen3_5Config()
+    with torch.device("meta"):
+        hf = Qwen3_5ForConditionalGeneration(config)
+    decoder = hf.model.language_model
+    expected = sum(p.numel() for p in decoder.parameters())
+    if not config.tie_word_embeddings:
+        expected += hf.lm_head.weight.numel()
+    assert text_params(config) == expected
