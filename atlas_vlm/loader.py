@@ -2,7 +2,9 @@
 GGUF file (converted once through transformers' GGUF support and cached as a folder).
 
 HF's separate q/k/v and gate/up projections are stacked into our fused ``qkv_proj`` and
-``gate_up_proj``; Qwen2.5-VL's ``visual.*`` weights are handed back for the vision tower.
+``gate_up_proj`` (row sizes from the model's ``qkv_sizes`` where it has one); Qwen2.5-VL's
+``visual.*`` weights are handed back for the vision tower; Qwen3.5's ``mtp.*`` tensors go to
+the model's ``mtp_state_dict``.
 """
 
 from __future__ import annotations
@@ -183,7 +185,7 @@ def _load_weights(model: CausalLM, files: list[Path]) -> dict[str, torch.Tensor]
     # q_proj is query + gate), else heads x head_dim / kv_heads x head_dim
     qkv_sizes = getattr(model, "qkv_sizes", None) or \
         [arch.num_heads * arch.head_dim] + [arch.num_kv_heads * arch.head_dim] * 2
-    extra = getattr(model, "mtp_state_dict", None)  # a model that keeps the checkpoint's mtp.* tensors
+    mtp = getattr(model, "mtp_state_dict", None)  # a model that keeps the checkpoint's mtp.* tensors
     for path in tqdm(files, desc="Loading safetensors", unit="file", leave=False):
         with safe_open(str(path), framework="pt") as f:
             for hf_name in f.keys():
@@ -193,8 +195,8 @@ def _load_weights(model: CausalLM, files: list[Path]) -> dict[str, torch.Tensor]
                     continue
                 if kind is None:
                     continue
-                if extra is not None and hf_name.startswith("mtp."):  # Qwen3.5's multi-token prediction head
-                    extra[hf_name[len("mtp."):]] = f.get_tensor(hf_name)
+                if mtp is not None and hf_name.startswith("mtp."):  # Qwen3.5's multi-token prediction head
+                    mtp[hf_name[len("mtp."):]] = f.get_tensor(hf_name)
                     continue
                 if name in quant:
                     _load_quantized_rows(quant[name], name, shard, f.get_tensor(hf_name), arch, qkv_sizes, loaded)
