@@ -106,3 +106,41 @@ def test_text_only_checkpoint_matches_hf(tmp_path):
     assert_close(run.step({"a": ids[:9]})["a"], ref[:9], "prefill")
     for t in range(9, 12):
         assert_close(run.step({"a": [ids[t]]})["a"][0], ref[t], f"decode at {t}")
+
+
+def test_mixed_step_prefill_beside_decode_and_one_token_prompt(tiny):
+    """One step holding a decoding sequence, a prefill chunk and a one-token prompt (a fresh
+    sequence in the decode batch: its state starts at zero whatever its slot held)."""
+    _, hf, model = tiny
+    a, b, c = tokens(10, seed=9), tokens(7, seed=10), tokens(3, seed=11)
+    refs = {"a": hf_logits(hf, a), "b": hf_logits(hf, b), "c": hf_logits(hf, c)}
+    run = StepDriver(model)
+    for name in ("a", "b", "c"):
+        run.add(name)
+    run.state.conv.fill_(1.0)  # stale state a fresh sequence must not read
+    run.state.recurrent.fill_(1.0)
+    out = run.step({"a": a[:6]})
+    assert_close(out["a"], refs["a"][:6], "prefill a")
+    out = run.step({"a": [a[6]], "b": b[:5], "c": c[:1]})
+    assert_close(out["a"][0], refs["a"][6], "decode a")
+    assert_close(out["b"], refs["b"][:5], "prefill b")
+    assert_close(out["c"][0], refs["c"][0], "one-token prompt c")
+    out = run.step({"c": [c[1]], "a": [a[7]], "b": [b[5]]})
+    for name, seq, t in (("a", a, 7), ("b", b, 5), ("c", c, 1)):
+        assert_close(out[name][0], refs[name][t], f"decode {name}")
+
+
+def test_cache_free_full_prefill_and_missing_state(tiny):
+    """Without caches a full prefill still matches HF; a continuing sequence without
+    ``meta.state`` is refused by name."""
+    from atlas_vlm.layers.attention import build_attention_metadata
+
+    _, hf, model = tiny
+    ids = tokens(9, seed=12)
+    meta = build_attention_metadata([9], [9], list(range(9)), [[0]])
+    with torch.no_grad():
+        out = model.compute_logits(model(model.embed(torch.tensor(ids)), torch.arange(9), None, meta))
+    assert_close(out, hf_logits(hf, ids), "cache-free prefill")
+    meta = build_attention_metadata([1], [9], [8], [[1, 2, 3]])
+    with pytest.raises(ValueError, match="meta.state"):
+        model(model.embed(torch.tensor(ids[:1])), torch.tensor([8]), None, meta)

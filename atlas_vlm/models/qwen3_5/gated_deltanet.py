@@ -76,7 +76,8 @@ class GatedDeltaNet(nn.Module):
         Raises:
             ValueError: ``meta.state`` is None while some sequence continues an earlier step
                 (only a full prefill from token 0 may run without a state cache; its state
-                is then dropped), or the query lengths do not cover ``x``.
+                is then dropped), its slots / flags are not one per sequence, or the query
+                lengths do not cover ``x``.
         """
         q_lens, state = list(meta.query_lens), meta.state
         if sum(q_lens) != x.shape[0]:
@@ -84,6 +85,9 @@ class GatedDeltaNet(nn.Module):
         if state is None and list(meta.context_lens) != q_lens:
             raise ValueError("a Gated DeltaNet layer needs meta.state (a StateMetadata) for sequences that "
                              "continue an earlier step")
+        if state is not None and not (len(state.slots) == len(state.has_initial_state) == len(q_lens)):
+            raise ValueError(f"meta.state gives {len(state.slots)} slots and {len(state.has_initial_state)} "
+                             f"has_initial_state flags for {len(q_lens)} sequences")
         qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)  # [T, conv_dim], [T, value_dim]
         b, a = self.in_proj_b(x), self.in_proj_a(x)  # [T, num_v_heads]
         out = torch.empty(x.shape[0], self.value_dim, dtype=x.dtype, device=x.device)
