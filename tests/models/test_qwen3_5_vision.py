@@ -91,3 +91,13 @@ def test_bad_inputs_are_refused_by_name(hf_tower):
         Qwen3_5VisionEncoder.from_state_dict(VISION, prefixed)
     with pytest.raises(TypeError, match="Qwen3_5VisionConfig"):
         Qwen3_5VisionEncoder.from_state_dict(42, hf_tower.state_dict())
+
+
+def test_the_registry_strings_name_these_classes():
+    """The ``vision_tower=`` / ``mm_inputs=`` strings the qwen3_5 ``ModelFamily`` line is to carry."""
+    from atlas_vlm.engine.mm_inputs import QwenVLInputs
+    from atlas_vlm.models.registry import import_named
+
+    assert import_named("atlas_vlm.models.qwen3_5.vision:Qwen3_5VisionEncoder") is Qwen3_5VisionEncoder
+    assert import_named("atlas_vlm.engine.mm_inputs:QwenVLInputs") is QwenVLInputs
+    assert "qwen3_5" in QwenVLInputs.TIMESTAMPED_VIDEOS
