@@ -7,7 +7,7 @@ subclasses ``Qwen3VLVisionModel`` and only deletes ``deepstack_visual_indexes`` 
 class (patch embed with Conv3d 16x16x2, learned position embedding interpolated
 bilinearly from a ``sqrt(num_position_embeddings)`` grid, 2-D rotary, ViT blocks with
 LayerNorm and a GELU-tanh MLP, the 2x2 merger) is the same code as Qwen3-VL's
-(checked line by line against ``modeling_qwen3_vl.py``). ``Qwen3_5VisionConfig`` is
+(compared class by class with ``modeling_qwen3_vl.py``: identical). ``Qwen3_5VisionConfig`` is
 Qwen3-VL's vision config without ``deepstack_visual_indexes``; released checkpoints still
 write ``"deepstack_visual_indexes": []`` and ``"model_type": "qwen3_5"`` in it, which
 transformers accepts (``Qwen3_5Config`` renames that model_type to ``qwen3_5_vision``).
