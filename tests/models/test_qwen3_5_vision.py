@@ -101,3 +101,20 @@ def test_the_registry_strings_name_these_classes():
     assert import_named("atlas_vlm.models.qwen3_5.vision:Qwen3_5VisionEncoder") is Qwen3_5VisionEncoder
     assert import_named("atlas_vlm.engine.mm_inputs:QwenVLInputs") is QwenVLInputs
     assert "qwen3_5" in QwenVLInputs.TIMESTAMPED_VIDEOS
+
+
+@pytest.mark.parametrize("which", ["tiny", "released_default"])
+def test_vision_param_count_equals_hf_on_meta(which):
+    """``param_count.vision_params`` == HF's ``Qwen3_5VisionModel`` built on the meta device (no
+    DeepStack mergers), and with the decoder's count the whole ``Qwen3_5ForConditionalGeneration``."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from atlas_vlm.models.param_count import text_params, vision_params
+
+    config = Qwen3_5Config(vision_config=VISION) if which == "tiny" else Qwen3_5Config()
+    with torch.device("meta"):
+        hf = Qwen3_5ForConditionalGeneration(config)
+    tower = sum(p.numel() for p in hf.model.visual.parameters())
+    assert not hasattr(hf.model.visual, "deepstack_merger_list") and tower > 0
+    assert vision_params(config) == tower
+    assert text_params(config) + vision_params(config) == sum(p.numel() for p in hf.parameters())
