@@ -93,14 +93,21 @@ def test_bad_inputs_are_refused_by_name(hf_tower):
         Qwen3_5VisionEncoder.from_state_dict(42, hf_tower.state_dict())
 
 
-def test_the_registry_strings_name_these_classes():
-    """The ``vision_tower=`` / ``mm_inputs=`` strings the qwen3_5 ``ModelFamily`` line is to carry."""
+def test_the_registry_line_names_these_classes():
+    """The qwen3_5 ``ModelFamily`` line carries this tower and ``QwenVLInputs`` (timestamped
+    videos); the text-only ``Qwen3_5ForCausalLM`` line neither."""
     from atlas_vlm.engine.mm_inputs import QwenVLInputs
-    from atlas_vlm.models.registry import import_named
+    from atlas_vlm.models.registry import get_family, import_named, resolve_family
 
-    assert import_named("atlas_vlm.models.qwen3_5.vision:Qwen3_5VisionEncoder") is Qwen3_5VisionEncoder
-    assert import_named("atlas_vlm.engine.mm_inputs:QwenVLInputs") is QwenVLInputs
+    family = resolve_family(Qwen3_5Config(architectures=["Qwen3_5ForConditionalGeneration"]))
+    assert family.name == "qwen3_5" and family.multimodal and family.mrope
+    assert family.modalities == ("image", "video")
+    assert import_named(family.vision_tower) is Qwen3_5VisionEncoder
+    assert import_named(family.mm_inputs) is QwenVLInputs
     assert "qwen3_5" in QwenVLInputs.TIMESTAMPED_VIDEOS
+    text = get_family("qwen3_5_text")
+    assert text.architectures == ("Qwen3_5ForCausalLM",) and text.model_cls == family.model_cls
+    assert (text.multimodal, text.vision_tower, text.mm_inputs, text.modalities) == (False, None, None, ())
 
 
 @pytest.mark.parametrize("which", ["tiny", "released_default"])
