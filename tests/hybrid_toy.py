@@ -24,7 +24,7 @@ from torch import nn
 
 from atlas_vlm.layers.attention import build_attention_metadata
 from atlas_vlm.models.decoder import CausalLM
-from mm_kv_cache_management import StateSpec
+from mm_kv_cache_management import StateSpec, state_spec_from_config
 
 DECAY = 0.9
 
@@ -50,7 +50,7 @@ class ToyRecurrentMixer(nn.Module):
         s = self.spec
         window = torch.cat([conv.T, u.float()])  # [K - 1 + T, conv_dim]
         mixed = F.silu((window.unfold(0, s.conv_kernel, 1) * self.conv_weight.float()).sum(-1))  # [T, conv_dim]
-        kd = s.num_v_heads * s.k_head_dim
+        kd = s.num_v_heads * s.k_head_dim  # the toy's key heads are its value heads
         q, k, v = mixed.split([kd, kd, s.num_v_heads * s.v_head_dim], dim=-1)
         q = q.view(-1, s.num_v_heads, s.k_head_dim) * s.k_head_dim ** -0.5
         k = F.normalize(k.view(-1, s.num_v_heads, s.k_head_dim), dim=-1)
@@ -99,10 +99,12 @@ class HybridToyLM(CausalLM):
         return self._spec
 
     @classmethod
-    def from_causal_lm(cls, base: CausalLM, hf_text_config, linear_layers, seed: int = 0) -> HybridToyLM:
-        """The toy with ``base``'s weights (the replaced attentions' dropped), mixers seeded."""
-        spec = StateSpec(num_layers=len(linear_layers), conv_dim=2 * 2 * 8 + 2 * 8, conv_kernel=4, num_v_heads=2,
-                         k_head_dim=8, v_head_dim=8)
+    def from_causal_lm(cls, base: CausalLM, hf_text_config, seed: int = 0) -> HybridToyLM:
+        """The toy with ``base``'s weights (the replaced attentions' dropped), mixers seeded;
+        its recurrent layers and their state are the config's (``layer_types``, ``linear_*``:
+        ``state_spec_from_config``, as for Qwen3.5)."""
+        spec = state_spec_from_config(hf_text_config)
+        linear_layers = [i for i, t in enumerate(hf_text_config.layer_types) if t == "linear_attention"]
         torch.manual_seed(seed)
         toy = cls(base.arch, hf_text_config, linear_layers, spec)
         missing, _ = toy.load_state_dict(base.state_dict(), strict=False)
@@ -128,17 +130,23 @@ def reference_greedy(model: HybridToyLM, prompt_ids: list[int], max_tokens: int)
     return tokens, logprobs
 
 
-def build_tiny_llama(out_dir: Path, num_layers: int = 4, seed: int = 0) -> Path:
-    """A random tiny Llama (``num_layers`` layers) + the Qwen2.5 tokenizer saved in ``out_dir``."""
+HYBRID_FIELDS = dict(layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
+                     linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4)
+
+
+def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
+    """A random tiny 4-layer Llama + the Qwen2.5 tokenizer saved in ``out_dir``; its config also
+    carries Qwen3.5's hybrid fields (``HYBRID_FIELDS``: layers 0-2 linear attention), which
+    the toy and the planner read and HF's Llama ignores."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from conftest import QWEN_VOCAB, qwen_tokenizer_dir
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=QWEN_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+    config = LlamaConfig(vocab_size=QWEN_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                          tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
-                         architectures=["LlamaForCausalLM"])
+                         architectures=["LlamaForCausalLM"], **HYBRID_FIELDS)
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # std 0.02 weights give near-ties; scaled up, tokens differ clearly
         for name, p in model.named_parameters():
@@ -150,16 +158,16 @@ def build_tiny_llama(out_dir: Path, num_layers: int = 4, seed: int = 0) -> Path:
 
 
 @contextmanager
-def toy_swapped_in(linear_layers=(0, 1, 2)):
-    """While open, every engine built loads its model as ``HybridToyLM`` (``linear_layers``
-    recurrent); yields the list of toys built (the reference runs on the same weights)."""
+def toy_swapped_in():
+    """While open, every engine built loads its model as ``HybridToyLM`` (recurrent layers as
+    its config says); yields the list of toys built (the reference runs on the same weights)."""
     import atlas_vlm.engine.engine as engine_module
 
     real, built = engine_module.load_model, []
 
     def load(*args, **kwargs):
         loaded = real(*args, **kwargs)
-        loaded.model = HybridToyLM.from_causal_lm(loaded.model, loaded.hf_config, linear_layers)
+        loaded.model = HybridToyLM.from_causal_lm(loaded.model, loaded.hf_config)
         built.append(loaded.model)
         return loaded
 
