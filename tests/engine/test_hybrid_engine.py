@@ -52,9 +52,11 @@ def generate_and_check(llm, model, max_tokens=MAX_TOKENS):
     assert llm.engine.runner.state_cache.num_free_slots == MAX_SEQS  # every slot back
 
 
-@pytest.mark.parametrize("budget", [2048, 8], ids=["whole_prompts", "chunked_prefill"])
-def test_batch_equals_reference(folder, budget):
-    llm, model = make_llm(folder, max_num_batched_tokens=budget)
+@pytest.mark.parametrize("options", [dict(max_num_batched_tokens=2048), dict(max_num_batched_tokens=8),
+                                     dict(kv_cache="contiguous", max_model_len=64)],
+                         ids=["whole_prompts", "chunked_prefill", "contiguous_kv"])
+def test_batch_equals_reference(folder, options):
+    llm, model = make_llm(folder, **options)
     generate_and_check(llm, model)
     assert llm.engine.scheduler.num_preemptions == 0
 
@@ -111,9 +113,26 @@ def test_finish_frees_the_slot_and_admission_needs_one(folder):
     assert engine.runner.state_cache.num_free_slots == 2
 
 
-def test_state_and_kv_share_one_budget(folder):
+def test_reset_gives_every_slot_back(folder):
+    llm, model = make_llm(folder)
+    engine = llm.engine
+    for p in PROMPTS[:3]:
+        engine.add_request({"prompt_token_ids": p}, params(5))
+    engine.step()
+    assert engine.runner.state_cache.num_free_slots == MAX_SEQS - 3
+    assert len(engine.reset()) == 3
+    assert engine.runner.state_cache.num_free_slots == MAX_SEQS
+    (out,) = llm.generate([{"prompt_token_ids": PROMPTS[3]}], params(4), use_tqdm=False)
+    assert_equals_reference(model, PROMPTS[3], out, 4)
+
+
+def test_state_and_kv_share_one_budget(folder, caplog):
     budget = 1 << 20
-    llm, _ = make_llm(folder, kv_cache_memory=budget, enable_prefix_caching=True)
+    with caplog.at_level("INFO", logger="atlas_vlm.engine.engine"):
+        llm, _ = make_llm(folder, kv_cache_memory=budget, enable_prefix_caching=True)
+    assert [r.message for r in caplog.records if "prefix caching off" in r.message] == [
+        "prefix caching off for HybridToyLM: a hybrid model's prefix hit would skip tokens whose recurrent "
+        "state is not stored"]
     runner = llm.engine.runner
     state = runner.state_cache
     state_bytes = state.conv.nbytes + state.recurrent.nbytes
