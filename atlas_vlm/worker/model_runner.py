@@ -128,7 +128,7 @@ class ModelRunner:
         self.state_cache, state_bytes = None, 0  # hybrid: one state slot per running sequence, first
         if state_spec is not None:
             state_bytes = state_spec.bytes_per_seq * config.max_num_seqs
-            if state_bytes > budget:
+            if state_bytes > budget and config.num_kvcache_blocks == -1:  # explicit blocks: no budget to share
                 raise KVBudgetError(
                     f"KV budget of {budget} bytes cannot hold the state slots of this hybrid model: "
                     f"max_num_seqs={config.max_num_seqs} x {state_spec.bytes_per_seq} bytes = {state_bytes} bytes; "

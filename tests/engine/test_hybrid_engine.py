@@ -148,6 +148,8 @@ def test_state_and_kv_share_one_budget(folder, caplog):
 def test_budget_too_small_for_the_state_names_the_numbers(folder):
     with pytest.raises(KVBudgetError, match=r"max_num_seqs=4 x \d+ bytes = \d+ bytes"):
         make_llm(folder, kv_cache_memory=4096)
+    llm, _ = make_llm(folder, kv_cache_memory=4096, num_kvcache_blocks=8)  # explicit blocks: no budget shared
+    assert llm.engine.runner.num_blocks == 8 and llm.engine.runner.state_cache.num_slots == MAX_SEQS
 
 
 @pytest.mark.parametrize("option, pattern", [
