@@ -11,6 +11,9 @@ __all__ = ["ModelArch", "SUPPORTED_ARCHITECTURES", "UnsupportedModelError", "rop
 
 #: Qwen3-VL's section when its config has none: HF ``Qwen3VLTextRotaryEmbedding``'s default.
 QWEN3_VL_DEFAULT_MROPE_SECTION = (24, 20, 20)
+#: Qwen3.5's section when its config has none: HF ``Qwen3_5TextRotaryEmbedding``'s default.
+QWEN3_5_DEFAULT_MROPE_SECTION = (11, 11, 10)
+_INTERLEAVED_MROPE = {"qwen3_vl": QWEN3_VL_DEFAULT_MROPE_SECTION, "qwen3_5": QWEN3_5_DEFAULT_MROPE_SECTION}
 
 
 def rope_parameters(hf_config) -> dict:
@@ -71,7 +74,7 @@ class ModelArch:
     max_position_embeddings: int  # max_position_embeddings
     mrope_section: tuple[int, ...] | None  # rope_parameters / rope_scaling "mrope_section" (Qwen2/2.5/3-VL)
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
-    mrope_interleaved: bool = False  # M-RoPE sections interleaved, not in blocks (Qwen3-VL)
+    mrope_interleaved: bool = False  # M-RoPE sections interleaved, not in blocks (Qwen3-VL, Qwen3.5)
 
     @classmethod
     def from_hf_config(cls, hf_config) -> "ModelArch":
@@ -81,17 +84,18 @@ class ModelArch:
             UnsupportedModelError: architecture not in ``SUPPORTED_ARCHITECTURES``.
             ValueError: a family that needs M-RoPE (Qwen2-VL, Qwen2.5-VL) whose config has no
                 ``mrope_section`` under ``rope_parameters`` or ``rope_scaling`` (never run with
-                1-D positions). Qwen3-VL without one takes HF's default (24, 20, 20).
+                1-D positions). Qwen3-VL / Qwen3.5 without one take HF's default ((24, 20, 20) /
+                (11, 11, 10)).
         """
         fam = resolve_family(hf_config)
         text = text_config_of(hf_config, fam)
         section = rope_parameters(hf_config).get("mrope_section")
         if fam.mrope and section is None:
-            if fam.name != "qwen3_vl":
+            if fam.name not in _INTERLEAVED_MROPE:
                 raise ValueError(f"{fam.name} needs M-RoPE but its config has no mrope_section: set "
                                  "text_config.rope_parameters['mrope_section'] (transformers 5) or "
                                  "rope_scaling['mrope_section'] (transformers 4)")
-            section = QWEN3_VL_DEFAULT_MROPE_SECTION
+            section = _INTERLEAVED_MROPE[fam.name]
         attention_bias = bool(getattr(text, "attention_bias", False))
         return cls(
             family=fam.name,
@@ -111,5 +115,5 @@ class ModelArch:
             max_position_embeddings=text.max_position_embeddings,
             mrope_section=tuple(section) if fam.mrope else None,
             qk_norm=fam.qk_norm,
-            mrope_interleaved=fam.name == "qwen3_vl",  # HF Qwen3-VL always interleaves
+            mrope_interleaved=fam.name in _INTERLEAVED_MROPE,  # HF Qwen3-VL and Qwen3.5 always interleave
         )

@@ -29,8 +29,13 @@ def num_kv_heads(text) -> int:
 
 def text_params(hf_config) -> int:
     """Decoder parameters: embeddings, layers (attention, SwiGLU MLP, 2 RMSNorms), final
-    norm, and ``lm_head`` unless ``tie_word_embeddings`` (modeling_llama / qwen2 / qwen3)."""
+    norm, and ``lm_head`` unless ``tie_word_embeddings`` (modeling_llama / qwen2 / qwen3; Qwen3.5:
+    ``models.qwen3_5.param_count``)."""
     t = text_config(hf_config)
+    if t.model_type == "qwen3_5_text":  # hybrid: Gated DeltaNet + gated full attention
+        from atlas_vlm.models.qwen3_5.param_count import qwen3_5_text_params
+
+        return qwen3_5_text_params(t, bool(getattr(hf_config, "tie_word_embeddings", False)))
     h, hd, nh, nkv, inter = t.hidden_size, head_dim(t), t.num_attention_heads, num_kv_heads(t), t.intermediate_size
     bias = bool(getattr(t, "attention_bias", False))
     qkv_bias = True if t.model_type in _QKV_BIAS_TYPES else bias
