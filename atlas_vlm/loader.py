@@ -317,6 +317,7 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
     from mm_token_pipeline import image_processor_settings
 
     settings = image_processor_settings(path, hf_config) if family.multimodal else None
+    visual = visual if family.multimodal else None  # a family registered text-only has no tower to take them
     return LoadedModel(model, hf_config, tokenizer, visual or None, path, settings)
 
 
