@@ -73,3 +73,21 @@ def test_video_prompt(q35):
     p = assert_matches_hf(llm, hf, c, out, rec, N, BOUNDS)
     assert len(p.videos) == 1 and p.videos[0].grid_thw[0] > 1
     assert_slots_back(llm)
+
+
+def test_plan_counts_the_engine_weights(q35):
+    """``plan`` of the VLM config: its weight bytes equal what the engine holds (decoder and
+    tower, fp32), its state bytes the engine's state cache."""
+    from transformers import AutoConfig
+
+    from atlas_vlm.memory_plan import plan
+
+    folder, _ = q35
+    llm = make_llm(folder)
+    runner = llm.engine.runner
+    p = plan(AutoConfig.from_pretrained(folder), dtype="fp32", block_size=16, max_num_seqs=MAX_SEQS)
+    tower = sum(t.numel() for t in runner.vision.parameters()) * 4
+    decoder = sum(t.numel() for t in runner.model.parameters()) * 4  # tied weights counted once
+    assert p.vision_weight_bytes == tower > 0
+    assert p.weight_bytes == decoder + tower
+    assert p.state_bytes == runner.state_cache.conv.nbytes + runner.state_cache.recurrent.nbytes
