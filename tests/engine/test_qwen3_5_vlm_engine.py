@@ -3,7 +3,9 @@ media inputs together) against HF 5.25 ``Qwen3_5ForConditionalGeneration`` ``gen
 same random weights (fp32, CPU): greedy tokens equal, the first step's and every sampled step's
 logits within 1e-4, prompt positions equal HF ``get_rope_index``, decode positions shifted by
 the rope delta -- an image prompt batched beside a text and a two-image prompt, a chunked
-prefill cut inside the image, and a video, with every state slot given back.
+prefill cut inside the image, a video, preemption recomputing image prompts, a repeated image
+served by the encoder cache -- with every state slot given back; and ``plan``'s weight and state
+bytes equal the engine's.
 """
 
 from __future__ import annotations
@@ -91,3 +93,32 @@ def test_plan_counts_the_engine_weights(q35):
     assert p.vision_weight_bytes == tower > 0
     assert p.weight_bytes == decoder + tower
     assert p.state_bytes == runner.state_cache.conv.nbytes + runner.state_cache.recurrent.nbytes
+
+
+def test_preemption_recomputes_the_images_and_the_state(q35):
+    """Too few blocks for two image prompts (about 50 tokens each, 3 blocks of 16) decoding 24
+    tokens (2 more blocks each) in 8 blocks: one is preempted, its state slot given back and its
+    prompt (images included) recomputed from a fresh state; both still equal HF."""
+    from helpers import assert_preempted_match_hf
+
+    folder, hf = q35
+    llm = make_llm(folder, num_kvcache_blocks=8)
+    convs = [conv(IMAGES / "chelsea.png", text="Describe this image."),
+             conv(IMAGES / "grace_hopper.jpg", text="Who is this?")]
+    outs, rec = chat(llm, convs, 24, BOUNDS)
+    assert_preempted_match_hf(llm, hf, convs, outs, rec, 24, BOUNDS)
+    assert_slots_back(llm)
+
+
+def test_a_repeated_image_is_encoded_once(q35):
+    """Prefix caching is off for a hybrid model, but the encoder cache still serves a repeated
+    image: the second prompt runs no tower and still equals HF."""
+    folder, hf = q35
+    llm = make_llm(folder)
+    for text in ("Describe this image.", "What colour is the cat?"):
+        c = conv(IMAGES / "chelsea.png", text=text)
+        (out,), rec = chat(llm, [c], N, BOUNDS)
+        assert_matches_hf(llm, hf, c, out, rec, N, BOUNDS)
+        assert rec.by_request[out.request_id][0]["req"].num_cached_tokens == 0
+    assert llm.engine.runner.num_encoder_runs == 1
+    assert_slots_back(llm)
