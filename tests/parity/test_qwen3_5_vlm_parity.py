@@ -137,16 +137,15 @@ def test_chunked_prefill_cut_inside_an_image(setup):
 
 
 def test_media_rows_matter(setup):
-    """The image rows are really used: HF's logits with the image differ from the same ids
-    with its pads left as embeddings (so the parity above checks the tower and its placement)."""
-    hf, model, tower, media = setup
+    """The image rows are really used: HF's logits with the image differ from ours on the same
+    ids with the pads left as token embeddings (so the parity above checks the tower and where
+    its rows go)."""
+    hf, model, _, media = setup
     p = prompt(media, CONVERSATIONS["one_image"])
     full = hf_reference(hf, p)[0]
-    bare = ProcessedPrompt(p.prompt_token_ids, mm_positions=p.mm_positions, mrope_positions=p.mrope_positions,
-                           rope_delta=p.rope_delta)
     run = StepDriver(model, num_blocks=256, num_slots=1)
     run.add("a")
-    no_image = run.step({"a": bare.prompt_token_ids}, {"a": bare.mrope_positions.long()})["a"]
+    no_image = run.step({"a": p.prompt_token_ids}, {"a": p.mrope_positions.long()})["a"]  # no media rows
     assert (no_image[-1] - full[-1]).abs().max() > 100 * TOL
 
 
