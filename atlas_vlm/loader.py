@@ -2,7 +2,9 @@
 GGUF file (converted once through transformers' GGUF support and cached as a folder).
 
 HF's separate q/k/v and gate/up projections are stacked into our fused ``qkv_proj`` and
-``gate_up_proj``; Qwen2.5-VL's ``visual.*`` weights are handed back for the vision tower.
+``gate_up_proj`` (row sizes from the model's ``qkv_sizes`` where it has one); Qwen2.5-VL's
+``visual.*`` weights are handed back for the vision tower; Qwen3.5's ``mtp.*`` tensors go to
+the model's ``mtp_state_dict``.
 """
 
 from __future__ import annotations
@@ -96,7 +98,11 @@ def _load_weights(model: CausalLM, files: list[Path]) -> dict[str, torch.Tensor]
     loaded: set[str] = set()
     unexpected, visual = [], {}
     arch = model.arch
-    qkv_sizes = [arch.num_heads * arch.head_dim] + [arch.num_kv_heads * arch.head_dim] * 2
+    # rows of q / k / v in the fused qkv_proj: the model's own sizes where it has them (Qwen3.5's
+    # q_proj is query + gate), else heads x head_dim / kv_heads x head_dim
+    qkv_sizes = getattr(model, "qkv_sizes", None) or \
+        [arch.num_heads * arch.head_dim] + [arch.num_kv_heads * arch.head_dim] * 2
+    mtp = getattr(model, "mtp_state_dict", None)  # a model that keeps the checkpoint's mtp.* tensors
     for path in tqdm(files, desc="Loading safetensors", unit="file", leave=False):
         with safe_open(str(path), framework="pt") as f:
             for hf_name in f.keys():
@@ -105,6 +111,9 @@ def _load_weights(model: CausalLM, files: list[Path]) -> dict[str, torch.Tensor]
                     visual[name] = f.get_tensor(hf_name)
                     continue
                 if kind is None:
+                    continue
+                if mtp is not None and hf_name.startswith("mtp."):  # Qwen3.5's multi-token prediction head
+                    mtp[hf_name[len("mtp."):]] = f.get_tensor(hf_name)
                     continue
                 if name in quant:
                     _load_quantized_rows(quant[name], name, shard, f.get_tensor(hf_name), arch, qkv_sizes, loaded)
@@ -196,6 +205,11 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
     from atlas_vlm.quantization import resolve_quantization
 
     method, quant_config = resolve_quantization(quantization, hf_config)
+    if method is not None and not getattr(model_class(family), "quantizable", True):
+        from atlas_vlm.quantization import UnsupportedQuantizationError
+
+        raise UnsupportedQuantizationError(f"quantization={method!r} is not supported for {family.name} yet; "
+                                           "load it dense (quantization=None)")
     if method is None:
         from atlas_vlm.quantization import build_empty, materialize
 
@@ -219,7 +233,9 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
     tokenizer = AutoTokenizer.from_pretrained(path, fix_mistral_regex=False)
     from mm_token_pipeline import image_processor_settings
 
-    return LoadedModel(model, hf_config, tokenizer, visual or None, path, image_processor_settings(path, hf_config))
+    settings = image_processor_settings(path, hf_config) if family.multimodal else None
+    visual = visual if family.multimodal else None  # a family registered text-only has no tower to take them
+    return LoadedModel(model, hf_config, tokenizer, visual or None, path, settings)
 
 
 def _load_gguf_pair(path: Path, mmproj: Path, dtype, device, quantization: str | None) -> LoadedModel:

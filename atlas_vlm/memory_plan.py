@@ -8,7 +8,11 @@ with figures computed from the config. Figures, for a dtype of ``b`` bytes:
   with ``quantization`` the decoder projections at that scheme's bytes
   (``atlas_vlm.quantization.sizes``: int8 ``N K + N b``, int4 ``N K / 2 + 2 (K / g) N b``).
 - KV per token: ``2 (K, V) * num_layers * num_kv_heads * head_dim * b``
-  (``KVCacheSpec.bytes_per_token``); per block: that times ``kvcache_block_size``.
+  (``KVCacheSpec.bytes_per_token``); per block: that times ``kvcache_block_size``. A hybrid
+  model (``layer_types`` with ``"linear_attention"``: Qwen3.5) counts its full-attention layers
+  only, and its state slots (``StateSpec.bytes_per_seq`` fp32 bytes per sequence, independent
+  of length; ``mm_kv_cache_management.state_spec_from_config``) take ``max_num_seqs`` of them
+  off the budget first, as the engine allocates them.
 - vision activation peak at ``max_pixels``: see ``vision_activation_peak``.
 - KV budget (CUDA, ``num_kvcache_blocks=-1``): ``int(total * gpu_memory_utilization)``
   minus what is in use (weights + ``RUNTIME_OVERHEAD_BYTES``, measured by the engine) minus
@@ -24,7 +28,8 @@ import torch
 
 from atlas_vlm.models.param_count import head_dim, num_kv_heads, text_config, text_params, vision_params
 from atlas_vlm.models.registry import vision_hooks
-from mm_kv_cache_management import KVCacheSpec, PagedKVCache
+from mm_kv_cache_management import KVCacheSpec, PagedKVCache, state_spec_from_config
+from mm_kv_cache_management.state_config import num_full_attention_layers
 
 GiB = 1 << 30
 ACTIVATION_RESERVE_BYTES = 512 << 20  # decoder activations of one engine step (the engine's reserve)
@@ -165,8 +170,9 @@ class MemoryPlan:
     def why_not(self) -> str | None:
         """Why no sequence fits (None when one does), in a user's terms."""
         if self.kv_budget_bytes == 0 or self.num_blocks == 0:
+            state = f", {self.state_bytes / GiB:.2f} GiB of state slots (--max-num-seqs)" if self.state_slots else ""
             return (f"does not fit: {self.gpu_memory / GiB:.2f} GiB x {self.gpu_memory_utilization} holds no KV block "
-                    f"after {self.weight_bytes / GiB:.2f} GiB of weights and the activation reserve "
+                    f"after {self.weight_bytes / GiB:.2f} GiB of weights{state} and the activation reserve "
                     "(a larger GPU, a smaller dtype or a smaller model)")
         if self.max_model_len < self.image_tokens:
             return (f"does not fit: one image at max_pixels={self.max_pixels:,} is {self.image_tokens:,} visual "
@@ -180,6 +186,13 @@ class MemoryPlan:
     note: str = ""  # what the caller changed (plan_model: planned at usable_max_pixels), for the user
     bound_image_tokens: int = 0  # then: visual tokens of one image at the checkpoint's own bound (over L)
     kv_cache_dtype: str = "auto"  # K/V storage ("int8" / "fp8_e4m3": 8-bit codes + a 2-byte scale per head)
+    state_bytes_per_seq: int = 0  # hybrid models: recurrent state of one sequence (any length); 0 otherwise
+    state_slots: int = 0  # hybrid models: state slots allocated (the engine's max_num_seqs)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of all state slots, taken off ``kv_budget_bytes`` before the blocks."""
+        return self.state_bytes_per_seq * self.state_slots
 
     @property
     def blocks_per_seq(self) -> int:
@@ -198,7 +211,7 @@ def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_u
          block_size: int = 16, image_settings=None, quantization: str | None = None,
          video_seconds: float = 10.0, video_sampling: dict | None = None, video_fps: float | None = None,
          video_max_frames: int | None = None, video_frames: int | None = None,
-         kv_cache_dtype: str = "auto") -> MemoryPlan:
+         kv_cache_dtype: str = "auto", max_num_seqs: int = 64) -> MemoryPlan:
     """Plan one model on one GPU (see the module docstring for every formula).
 
     Args:
@@ -214,6 +227,8 @@ def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_u
             ``video_fps`` / ``video_max_frames`` / ``video_frames``: the clip's own options.
         kv_cache_dtype: the engine's K/V storage ("auto": ``dtype``; "int8" / "fp8_e4m3": one
             byte per element plus a 2-byte scale per token and KV head).
+        max_num_seqs: the engine's ``max_num_seqs`` (its default, 64): a hybrid model's state
+            slots; its sequences held at once are at most that many.
 
     Raises:
         ValueError: unknown ``dtype`` or ``quantization``, or a vision tower without a formula.
@@ -234,13 +249,18 @@ def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_u
     max_pixels = max_pixels if vis else 0
     weights = text_weight_bytes(hf_config, quantization, b) + vis
     peak = vision_activation_peak(hf_config, max_pixels, b)
-    spec = kv_cache_spec(text.num_hidden_layers, num_kv_heads(text), head_dim(text), TORCH_DTYPES[b], kv_cache_dtype)
+    spec = kv_cache_spec(num_full_attention_layers(text), num_kv_heads(text), head_dim(text), TORCH_DTYPES[b],
+                         kv_cache_dtype)
     budget = kv_cache_budget(gpu_memory, gpu_memory_utilization, weights + RUNTIME_OVERHEAD_BYTES,
                              ACTIVATION_RESERVE_BYTES + peak)
-    blocks = num_kv_blocks(budget, spec, block_size)
+    state = state_spec_from_config(text)
+    slots = max_num_seqs if state is not None else 0
+    state_per_seq = state.bytes_per_seq if state is not None else 0
+    blocks = num_kv_blocks(budget - slots * state_per_seq, spec, block_size) if budget >= slots * state_per_seq else 0
     length = max_model_len or min(text.max_position_embeddings, 4096)
     image_tokens = visual_tokens_per_image(hf_config, max_pixels) if vis else 0
     seqs = blocks // -(-length // block_size) if length >= image_tokens else 0
+    seqs = min(seqs, slots) if state is not None else seqs
     frames, frame_pixels, video_tokens = video_tokens_per_clip(
         hf_config, video_seconds, video_sampling, fps=video_fps, max_frames=video_max_frames,
         nframes=video_frames) if vis else (0, 0, 0)
@@ -248,4 +268,4 @@ def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_u
     return MemoryPlan(model, b, weights, vis, peak, spec.bytes_per_token, spec.bytes_per_token * block_size,
                       block_size, gpu_memory, gpu_memory_utilization, budget, blocks, length, max_pixels,
                       image_tokens, seqs, source, video_seconds, frames, frame_pixels, video_tokens, quantization,
-                      usable, kv_cache_dtype=kv_cache_dtype)
+                      usable, kv_cache_dtype=kv_cache_dtype, state_bytes_per_seq=state_per_seq, state_slots=slots)

@@ -16,6 +16,7 @@ from mm_kv_cache_management.kv_cache import ContiguousKVCache, KVCacheSpec, Page
 from mm_kv_cache_management.kv_tier import KVBlockTier
 from mm_kv_cache_management.request_state import PlaceholderRange, RequestState, RequestStatus
 from mm_kv_cache_management.state_cache import (NoFreeStateSlotsError, StateCache, StateMetadata, StateSpec)
+from mm_kv_cache_management.state_config import state_spec_from_config
 
 __all__ = [
     "BlockManager",
@@ -34,4 +35,5 @@ __all__ = [
     "StateMetadata",
     "StateSpec",
     "block_hash",
+    "state_spec_from_config",
 ]

@@ -10,6 +10,11 @@ also written there when it is registered (write-through; ``kv_tier.py`` says why
 admission goes on past the last in-memory hit: each next block hash found in the tier is
 loaded into one of the request's fresh blocks, registered, and counts as cached. Hashes are
 chained, so the walk stops at the first block found in neither.
+
+With a ``state_cache`` (``StateCache``: a hybrid model's recurrent-state slots, the second
+cache group beside the blocks, as vLLM v1's ``MambaSpec`` group), a request also takes one
+slot when it gets its blocks and gives it back with them: admission needs a free slot too, and
+every path that frees a request's blocks (finish, abort, preemption) frees its slot.
 """
 
 from __future__ import annotations
@@ -42,13 +47,17 @@ class BlockManager:
         kv_tier: None, or an object with ``save(block_hash, block_id)`` and ``load(block_hash,
             block_id) -> bool`` (``KVBlockTier``): a
             lower cache tier (disk) for registered blocks; needs prefix caching.
+        state_cache: None, or the hybrid model's ``StateCache`` (its slots are handed out with
+            the blocks: ``RequestState.state_slot``); prefix caching must then be off (a hit
+            would skip tokens whose recurrent state is not stored).
 
     Raises:
-        ValueError: ``num_blocks`` or ``block_size`` below 1; a ``kv_tier`` without prefix caching.
+        ValueError: ``num_blocks`` or ``block_size`` below 1; a ``kv_tier`` without prefix
+            caching; a ``state_cache`` with prefix caching.
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False,
-                 kv_tier=None):
+                 kv_tier=None, state_cache=None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}: the KV budget holds no block")
         if block_size < 1:
@@ -59,6 +68,10 @@ class BlockManager:
         if kv_tier is not None and not enable_prefix_caching:
             raise ValueError("a KV tier (kv_cache_dir) needs prefix caching on (enable_prefix_caching=True)")
         self.kv_tier = kv_tier
+        if state_cache is not None and enable_prefix_caching:
+            raise ValueError("a state cache (hybrid model) runs without prefix caching: a hit would skip "
+                             "tokens whose recurrent state is not stored")
+        self.state_cache = state_cache
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU order
         self._cached: dict[bytes, int] = {}  # block hash -> block id
@@ -115,7 +128,9 @@ class BlockManager:
         block.ref_count += 1
 
     def can_allocate(self, req: RequestState) -> bool:
-        """Whether ``prefill_allocate(req)`` would succeed now."""
+        """Whether ``prefill_allocate(req)`` would succeed now (blocks, and a state slot if any)."""
+        if self.state_cache is not None and self.state_cache.num_free_slots == 0:
+            return False
         hits = self._cache_hits(req)
         fresh_hits = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         needed = self.num_blocks_needed(req.num_tokens) - len(hits)
@@ -126,11 +141,12 @@ class BlockManager:
 
         With prefix caching, the longest cached prefix is shared (reference count + 1) and
         ``req.num_computed_tokens`` / ``req.num_cached_tokens`` start past it; with a KV
-        tier, past the blocks then loaded from it too.
+        tier, past the blocks then loaded from it too. With a state cache the request also
+        takes a zeroed slot (``req.state_slot``).
 
         Raises:
             ValueError: the request already holds blocks.
-            NoFreeBlocksError: not enough free blocks; nothing is allocated.
+            NoFreeBlocksError: not enough free blocks or no free state slot; nothing is allocated.
         """
         if req.block_table is not None:
             raise ValueError(f"request {req.request_id!r} already holds blocks")
@@ -138,7 +154,10 @@ class BlockManager:
             raise NoFreeBlocksError(
                 f"request {req.request_id!r} needs {self.num_blocks_needed(req.num_tokens)} blocks "
                 f"for {req.num_tokens} tokens, only {self.num_free_blocks} free"
+                + ("" if self.state_cache is None else f", and a state slot ({self.state_cache.num_free_slots} free)")
             )
+        if self.state_cache is not None:
+            req.state_slot = self.state_cache.allocate()
         hits = self._cache_hits(req)
         for block_id in hits:
             self._touch(block_id)
@@ -239,7 +258,11 @@ class BlockManager:
         return freed
 
     def free_request(self, req: RequestState) -> None:
-        """Give back every block of ``req`` (tail first, so the LRU evicts tails first). Idempotent."""
+        """Give back every block of ``req`` (tail first, so the LRU evicts tails first) and its
+        state slot, if any. Idempotent."""
+        if req.state_slot is not None and self.state_cache is not None:
+            self.state_cache.free(req.state_slot)
+        req.state_slot = None
         table = req.block_table
         if table is None:
             return

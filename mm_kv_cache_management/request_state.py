@@ -57,6 +57,7 @@ class RequestState:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens served by prefix-cache hits at admission
     status: RequestStatus = RequestStatus.WAITING
+    state_slot: int | None = None  # hybrid models: its ``StateCache`` slot while it holds blocks
     _block_hashes: list[bytes] = field(default_factory=list, repr=False)  # of full blocks
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import threading
 
 from atlas_vlm import hardware
@@ -31,6 +32,8 @@ from mm_kv_cache_management import BlockManager
 
 __all__ = ["LLMEngine", "RequestTooLongError"]
 
+log = logging.getLogger(__name__)
+
 _COMPILE_WAIT_S = 0.05  # longest a step with nothing to run waits for a grammar to compile
 
 
@@ -43,6 +46,27 @@ def _locked(method):
     return wrapper
 
 
+def _check_hybrid(config: EngineConfig, model_name: str) -> bool:
+    """The options a hybrid model (recurrent-state layers) runs with: prefix caching off (a hit
+    would skip tokens whose recurrent state is not stored; one log line when it was asked for);
+    returns that (False).
+
+    Raises:
+        ValueError: speculative decoding (the recurrent state cannot roll back rejected drafts)
+            or ``kv_cache_dir`` (a tier below the prefix cache, which is off) asked for.
+    """
+    if config.speculative is not None:
+        raise ValueError(f"speculative={config.speculative!r} cannot run {model_name}, a hybrid model: its "
+                         "recurrent state cannot roll back rejected drafts yet; pass speculative=None")
+    if config.kv_cache_dir is not None:
+        raise ValueError(f"kv_cache_dir cannot serve {model_name}, a hybrid model: it runs without prefix "
+                         "caching (the tier sits below it); unset kv_cache_dir")
+    if config.enable_prefix_caching and config.kv_cache == "paged":
+        log.info("prefix caching off for %s: a hybrid model's prefix hit would skip tokens whose recurrent "
+                 "state is not stored", model_name)
+    return False
+
+
 class LLMEngine:
     """The engine behind ``LLM``.
 
@@ -51,7 +75,8 @@ class LLMEngine:
 
     Raises:
         ModelNotFoundError, UnsupportedModelError: from loading.
-        KVBudgetError: the KV budget holds no block.
+        KVBudgetError: the KV budget holds no block (or not a hybrid model's state slots).
+        ValueError: an option a hybrid model cannot run with (``_check_hybrid``).
     """
 
     def __init__(self, config: EngineConfig):
@@ -66,13 +91,15 @@ class LLMEngine:
         arch = loaded.model.arch
         self.max_model_len = config.max_model_len or min(arch.max_position_embeddings, 4096)
         self.runner = ModelRunner(loaded, config, self.max_model_len)
+        state_cache = self.runner.state_cache  # hybrid models' recurrent-state slots (None otherwise)
+        prefix_caching = config.enable_prefix_caching and config.kv_cache == "paged"
+        if state_cache is not None:
+            prefix_caching = _check_hybrid(config, type(loaded.model).__name__)
         # the disk tier below the prefix cache (None without kv_cache_dir)
         self.kv_tier = build_kv_tier(config, loaded.model_dir, loaded.hf_config, self.runner)
-        self.block_manager = BlockManager(
-            self.runner.num_blocks, self.runner.block_size,
-            enable_prefix_caching=config.enable_prefix_caching and config.kv_cache == "paged",
-            kv_tier=self.kv_tier,
-        )
+        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
+                                          enable_prefix_caching=prefix_caching, kv_tier=self.kv_tier,
+                                          state_cache=state_cache)
         budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             budget = max(budget, self.max_model_len)
@@ -203,8 +230,11 @@ class LLMEngine:
         be trusted. Returns the ids of the requests dropped (their outputs are not handed out)."""
         dropped = list(self.requests)
         old = self.block_manager
+        for req in self.requests.values():  # their state slots back (the blocks go with the old manager)
+            old.free_request(req)
         self.block_manager = BlockManager(old.num_blocks, old.block_size,
-                                          enable_prefix_caching=old.enable_prefix_caching, kv_tier=old.kv_tier)
+                                          enable_prefix_caching=old.enable_prefix_caching, kv_tier=old.kv_tier,
+                                          state_cache=old.state_cache)
         sched = self.scheduler
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
                                    sched.enable_chunked_prefill, max_model_len=sched.max_model_len,

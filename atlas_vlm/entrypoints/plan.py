@@ -66,7 +66,8 @@ def plan_model(model: str, args, **overrides) -> MemoryPlan:
                   quantization=getattr(args, "quantization", None),
                   video_seconds=getattr(args, "video_seconds", 10.0), video_sampling=_video_sampling(folder),
                   video_fps=getattr(args, "fps", None), video_max_frames=getattr(args, "max_frames", None),
-                  video_frames=getattr(args, "frames", None), kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
+                  video_frames=getattr(args, "frames", None), kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                  max_num_seqs=getattr(args, "max_num_seqs", 64))
     kwargs.update(overrides)
     p = plan(cfg, **kwargs)
     if p.image_tokens > p.max_model_len and kwargs["max_pixels"] is None and p.usable_max_pixels:
@@ -127,9 +128,13 @@ def format_plan(p: MemoryPlan) -> str:
         (f"KV per block ({p.block_size} tokens)", f"{p.kv_bytes_per_block:,} bytes"),
         ("GPU memory", f"{_gib(p.gpu_memory)} x gpu_memory_utilization {p.gpu_memory_utilization}"),
         ("KV budget", f"{_gib(p.kv_budget_bytes)} ({p.kv_budget_bytes:,} bytes)"),
+        *([("state slots (hybrid)", f"{p.state_slots} (max_num_seqs) x {p.state_bytes_per_seq:,} bytes = "
+            f"{p.state_bytes:,} bytes, off the KV budget first; per sequence, independent of its length")]
+          if p.state_slots else []),
         ("blocks (num_kvcache_blocks=-1)", f"{p.num_blocks:,} ({p.num_blocks * p.block_size:,} tokens)"),
         (f"sequences of L={p.max_model_len}", f"{p.max_num_seqs:,} at once ({p.blocks_per_seq} blocks each"
-                                              + (", one image each)" if p.image_tokens else ")")),
+                                              + (", one image each" if p.image_tokens else "")
+                                              + (f"; at most {p.state_slots} state slots)" if p.state_slots else ")")),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
@@ -210,6 +215,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--frames", type=int, default=None,
                    help="exactly this many frames (a video item's nframes; wins over --fps)")
     p.add_argument("--block-size", type=int, default=16, help="kvcache_block_size")
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="as the engine's (default 64): a hybrid model's (Qwen3.5) state slots, one per running sequence")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
                    help="as the engine's: auto (the dtype's bytes), int8 / fp8_e4m3 (1 byte + a 2-byte scale per "
                         "token and KV head); --matrix adds 'kv int8' rows when not given")
@@ -225,6 +232,8 @@ def run(args) -> int:
     seconds = getattr(args, "video_seconds", 10.0)
     if not seconds > 0:
         raise ValueError(f"--video-seconds must be > 0 (seconds), got {seconds:g}")
+    if getattr(args, "max_num_seqs", 64) < 1:
+        raise ValueError(f"--max-num-seqs must be >= 1 (sequences), got {args.max_num_seqs}")
     for flag, value in (("--fps", args.fps), ("--max-frames", args.max_frames), ("--frames", args.frames)):
         if value is not None and not value > 0:
             raise ValueError(f"{flag} must be > 0, got {value:g}")

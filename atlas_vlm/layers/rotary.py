@@ -1,5 +1,5 @@
-"""Rotary position embeddings: plain RoPE (Llama, Qwen2), Qwen2.5-VL's M-RoPE and
-Qwen3-VL's interleaved M-RoPE.
+"""Rotary position embeddings: plain RoPE (Llama, Qwen2), Qwen2.5-VL's M-RoPE,
+Qwen3-VL's interleaved M-RoPE and partial rotary (Qwen3.5: ``partial_rotary_factor``).
 
 The RoPE settings come from ``models.arch.rope_parameters`` (either config layout). Plain
 RoPE's inverse frequencies are HF's ``compute_default_rope_parameters``
@@ -37,6 +37,7 @@ class RotaryEmbedding(nn.Module):
         if params["rope_type"] == "default":
             dim = getattr(hf_text_config, "head_dim", None) or \
                 hf_text_config.hidden_size // hf_text_config.num_attention_heads
+            dim = int(dim * params.get("partial_rotary_factor", 1.0))  # Qwen3.5: 0.25 (HF default rope init)
             inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             self.attention_scaling = 1.0
         elif params["rope_type"] in ROPE_INIT_FUNCTIONS:
@@ -57,7 +58,8 @@ class RotaryEmbedding(nn.Module):
             self.axis_of_channel = axis  # [head_dim]: position row (t, h, w) feeding each channel
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions ``[num_tokens]`` (or ``[3, num_tokens]`` for M-RoPE) -> cos, sin ``[num_tokens, head_dim]``."""
+        """positions ``[num_tokens]`` (or ``[3, num_tokens]`` for M-RoPE) -> cos, sin
+        ``[num_tokens, rotary_dim]`` (``head_dim`` unless ``partial_rotary_factor`` < 1)."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
             if self.mrope_section is not None:
@@ -84,7 +86,12 @@ def _interleaved_axes(mrope_section: list[int], num_freqs: int) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[num_tokens, heads, head_dim]`` by cos/sin ``[num_tokens, head_dim]`` (HF rotate_half form)."""
+    """Rotate ``x`` ``[num_tokens, heads, head_dim]`` by cos/sin ``[num_tokens, rotary_dim]`` (HF rotate_half
+    form). Partial rotary (``rotary_dim < head_dim``, Qwen3.5): the first ``rotary_dim`` channels
+    rotate, the rest pass through (HF ``apply_rotary_pos_emb`` of Qwen3.5)."""
+    if cos.shape[-1] < x.shape[-1]:
+        rot, rest = x[..., :cos.shape[-1]], x[..., cos.shape[-1]:]
+        return torch.cat((apply_rotary(rot, cos, sin), rest), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -36,6 +36,11 @@ class FamilyHooks:
             raise ValueError(f"no image-processor defaults for model_type {label!r}")
         return settings_from_processor(path, hf_config.vision_config, self.processor_defaults, label)
 
+    def text_params(self, hf_config) -> int | None:
+        """Decoder parameters from the config alone, for a decoder ``param_count.text_params``'s
+        plain formula does not describe (a hybrid: Qwen3.5); None: that formula applies."""
+        return None
+
     def vision_params(self, hf_config) -> int:
         """Parameters of the vision tower (+ connector) from the config alone; 0: no tower.
 

@@ -2,9 +2,9 @@
 
 Scope: the decoder (Llama / Qwen2 / Qwen3 and the text side of Qwen2-VL, Qwen2.5-VL,
 Qwen3-VL, SmolVLM: the family's ``qkv_bias`` / ``qk_norm`` decide its attention's
-parameters) and, through each family's hooks (``FamilyHooks.vision_params`` in
-``models/<family>/family.py``), the vision towers of Qwen2-VL, Qwen2.5-VL, Qwen3-VL and
-SmolVLM (SigLIP + pixel-shuffle connector). Each formula follows the module list of the HF
+parameters; Qwen3.5's hybrid decoder through its hooks' ``FamilyHooks.text_params``) and,
+through each family's hooks (``FamilyHooks.vision_params`` in ``models/<family>/family.py``),
+the vision towers of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and SmolVLM (SigLIP + pixel-shuffle connector). Each formula follows the module list of the HF
 modeling file (transformers 4.57.6) named beside it; tests compare every count with
 ``sum(p.numel())`` of the HF model built on the meta device from the same config.
 """
@@ -31,10 +31,13 @@ def num_kv_heads(text) -> int:
 def text_params(hf_config) -> int:
     """Decoder parameters: embeddings, layers (attention, SwiGLU MLP, 2 RMSNorms), final
     norm, and ``lm_head`` unless ``tie_word_embeddings`` (modeling_llama / qwen2 / qwen3)."""
+    family = find_family(hf_config)  # None: a config no family names (its own attention_bias, no qk norm)
+    own = family.family_hooks().text_params(hf_config) if family is not None else None
+    if own is not None:  # a decoder of its own (Qwen3.5's hybrid layers: models/qwen3_5/family.py)
+        return own
     t = text_config(hf_config)
     h, hd, nh, nkv, inter = t.hidden_size, head_dim(t), t.num_attention_heads, num_kv_heads(t), t.intermediate_size
     bias = bool(getattr(t, "attention_bias", False))
-    family = find_family(hf_config)  # None: a config no family names (its own attention_bias, no qk norm)
     fixed = family is not None and family.qkv_bias is not None  # Qwen2Attention: q/k/v bias, no o bias
     qkv_bias = family.qkv_bias if fixed else bias
     o_bias = False if fixed else bias

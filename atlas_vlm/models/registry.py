@@ -102,6 +102,7 @@ class ModelFamily:
 _QWEN_VL = dict(nested_text_config=True, multimodal=True, mrope=True, modalities=("image", "video"))
 _Q2 = "atlas_vlm.models.qwen2_vl"
 _Q3 = "atlas_vlm.models.qwen3_vl"
+_Q35 = "atlas_vlm.models.qwen3_5"
 _SMOL = "atlas_vlm.models.smolvlm"
 _DEFAULT_VISION_HOOKS = f"{_Q2}.family:QwenVLHooks"  # registry.vision_hooks: a tower no family names
 
@@ -122,6 +123,17 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 hooks=f"{_Q3}.family:Qwen3VLHooks", vision_model_types=("qwen3_vl", "qwen3_vl_vision"),
                 mrope_interleaved=True, default_mrope_section=(24, 20, 20),  # HF Qwen3VLTextRotaryEmbedding
                 **_QWEN_VL),
+    # Qwen3.5: hybrid (Gated DeltaNet + gated attention), Qwen3-VL's tower without DeepStack and
+    # Qwen3-VL's media inputs; the text-only Qwen3_5ForCausalLM checkpoint (a qwen3_5_text config,
+    # no vision_config) is its own line: the same decoder, no tower, no processor settings.
+    ModelFamily("qwen3_5", ("Qwen3_5ForConditionalGeneration",), ("qwen3_5",),
+                model_cls=f"{_Q35}.model:Qwen3_5ForCausalLM", vision_tower=f"{_Q35}.vision:Qwen3_5VisionEncoder",
+                mm_inputs=f"{_Q3}.inputs:Qwen3VLInputs", hooks=f"{_Q35}.family:Qwen3_5Hooks",
+                vision_model_types=("qwen3_5", "qwen3_5_vision"), mrope_interleaved=True,
+                default_mrope_section=(11, 11, 10), **_QWEN_VL),  # HF Qwen3_5TextRotaryEmbedding
+    ModelFamily("qwen3_5_text", ("Qwen3_5ForCausalLM",), ("qwen3_5_text",), model_cls=f"{_Q35}.model:Qwen3_5ForCausalLM",
+                hooks=f"{_Q35}.family:Qwen3_5TextHooks", nested_text_config=True, mrope=True,
+                mrope_interleaved=True, default_mrope_section=(11, 11, 10)),
     ModelFamily("smolvlm", ("SmolVLMForConditionalGeneration",), ("smolvlm",),
                 nested_text_config=True, qkv_bias=None, multimodal=True, modalities=("image", "video"),
                 mm_inputs=f"{_SMOL}.inputs:SmolVLMInputs", vision_tower=f"{_SMOL}.vision:SmolVLMVisionEncoder",

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from atlas_vlm.layers.attention import AttentionMetadata, build_attention_metadata
+from mm_kv_cache_management import StateMetadata
 
 
 @dataclass
@@ -50,8 +51,24 @@ def mm_rows_for_chunk(ranges, embeds, start: int, end: int):
     return out
 
 
+def state_metadata(chunks, state_cache, device: torch.device | str = "cpu") -> StateMetadata:
+    """The step's ``StateMetadata`` (hybrid models): each chunk's request's state slot, and
+    whether the chunk continues a state (it does not start at token 0).
+
+    Raises:
+        ValueError: a request of the step holds no state slot (a bug upstream, never ignored).
+    """
+    missing = [req.request_id for req, _ in chunks if req.state_slot is None]
+    if missing:
+        raise ValueError(f"requests {missing} hold no state slot; a hybrid model's step needs one per request")
+    return StateMetadata(state_cache,
+                         torch.tensor([req.state_slot for req, _ in chunks], dtype=torch.long, device=device),
+                         torch.tensor([req.num_computed_tokens > 0 for req, _ in chunks], dtype=torch.bool,
+                                      device=device))
+
+
 def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = False,
-                   attention_backend: str = "reference") -> ModelInput:
+                   attention_backend: str = "reference", state_cache=None) -> ModelInput:
     """Flatten one step's work into model inputs.
 
     Args:
@@ -64,6 +81,7 @@ def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = Fal
             ``k + 1`` rows, its last ``k + 1`` tokens', all with the chunk's index in ``sampled``.
         mrope: the model uses M-RoPE (positions ``[3, num_tokens]``).
         attention_backend: ``EngineConfig.attention_backend`` (the layout the metadata carries).
+        state_cache: a hybrid model's ``StateCache``: ``meta.state`` is set (``state_metadata``).
     """
     ids, positions, slots, tables, q_lens, c_lens = [], [], [], [], [], []
     logits_index, sampled, mm_rows, mm_index = [], [], [], []
@@ -92,10 +110,13 @@ def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = Fal
         base += n
     if mrope:
         positions = [p if p.dim() == 2 else p[None].expand(3, -1) for p in positions]
+    meta = build_attention_metadata(q_lens, c_lens, slots, tables, device, attention_backend)
+    if state_cache is not None:
+        meta.state = state_metadata(chunks, state_cache, device)
     return ModelInput(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.cat(positions, dim=-1).to(device),
-        meta=build_attention_metadata(q_lens, c_lens, slots, tables, device, attention_backend),
+        meta=meta,
         logits_index=torch.tensor(logits_index, dtype=torch.long, device=device),
         sampled=sampled,
         mm_embeds=torch.cat(mm_rows).to(device) if mm_rows else None,

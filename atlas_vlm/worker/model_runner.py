@@ -24,7 +24,7 @@ from atlas_vlm.worker.pooler import pool_step
 from atlas_vlm.worker.sampler import SamplerOutput
 from atlas_vlm.spec_decode.rejection import sample_with_drafts  # worker.sampler.sample unless a sampled row has drafts
 from atlas_vlm.memory_plan import kv_cache_spec, num_kv_blocks
-from mm_kv_cache_management import ContiguousKVCache, PagedKVCache
+from mm_kv_cache_management import ContiguousKVCache, PagedKVCache, StateCache, StateSpec
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,22 @@ def kv_cache_budget_bytes(config: EngineConfig, device: torch.device, hf_config=
     return memory_plan.kv_cache_budget(total, config.gpu_memory_utilization, total - free, reserve)
 
 
+def hybrid_state_spec(model) -> StateSpec | None:
+    """A hybrid model's ``state_spec()`` (its class has ``state_spec`` and ``num_kv_layers``:
+    the full-attention layers, which alone have K/V); None for a model without recurrent state.
+
+    Raises:
+        ValueError: ``num_kv_layers`` is not an int in ``1 .. arch.num_layers`` (named).
+    """
+    if not callable(getattr(model, "state_spec", None)):
+        return None
+    n = getattr(model, "num_kv_layers", None)
+    if not isinstance(n, int) or not 1 <= n <= model.arch.num_layers:
+        raise ValueError(f"{type(model).__name__}.num_kv_layers must be an int in 1..{model.arch.num_layers} "
+                         f"(its full-attention layers), got {n!r}")
+    return model.state_spec()
+
+
 class ModelRunner:
     """Runs the decoder (and the vision tower) for the engine.
 
@@ -60,8 +76,13 @@ class ModelRunner:
         config: engine settings (cache kind, block size, budget).
         max_model_len: resolved tokens per request.
 
+    A hybrid model (``hybrid_state_spec``) gets a ``StateCache`` of ``max_num_seqs`` slots
+    (``state_cache``; None otherwise) under the same budget: state bytes first, KV blocks of
+    its ``num_kv_layers`` layers from the rest; its steps run eager (``meta.state`` set).
+
     Raises:
-        KVBudgetError: the budget holds no block (or, contiguous, no strip).
+        KVBudgetError: the budget holds no block (or, contiguous, no strip), or not the state slots.
+        ValueError: ``deterministic=True`` with a hybrid model.
     """
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int):
@@ -78,7 +99,11 @@ class ModelRunner:
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device, self.dtype,
                                                            arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                                            config.kv_cache_dtype)
+        state_spec = hybrid_state_spec(self.model)  # None: no recurrent-state layers
         self.deterministic = config.deterministic
+        if self.deterministic and state_spec is not None:
+            raise ValueError(f"deterministic=True does not serve hybrid models ({type(self.model).__name__}: "
+                             "recurrent-state layers); run it with deterministic=False")
         if self.deterministic:  # layers/batch_invariant.py: fixed-row linears, every row through the C kernel
             self.attention_backend = enable_batch_invariance(self.model, config, self.device, self.dtype)
         self.vision = None  # built before the KV cache so the CUDA budget sees its weights
@@ -92,20 +117,32 @@ class ModelRunner:
                 self.num_packed_linears += pack_linears(self.vision)
             if self.deterministic:
                 tile_linears(self.vision)
-        spec = kv_cache_spec(arch.num_layers, arch.num_kv_heads, arch.head_dim, self.dtype, config.kv_cache_dtype)
+        num_kv_layers = arch.num_layers if state_spec is None else self.model.num_kv_layers  # full attention only
+        spec = kv_cache_spec(num_kv_layers, arch.num_kv_heads, arch.head_dim, self.dtype, config.kv_cache_dtype)
         contiguous = config.kv_cache == "contiguous"
         self.block_size = max_model_len if contiguous else config.kvcache_block_size
         from atlas_vlm.memory_plan import engine_max_pixels
 
         max_pixels = engine_max_pixels(config, loaded.image_settings)  # the checkpoint's, engine options over it
         budget = kv_cache_budget_bytes(config, self.device, loaded.hf_config, max_pixels)
+        self.state_cache, state_bytes = None, 0  # hybrid: one state slot per running sequence, first
+        if state_spec is not None:
+            state_bytes = state_spec.bytes_per_seq * config.max_num_seqs
+            if state_bytes > budget and config.num_kvcache_blocks == -1:  # explicit blocks: no budget to share
+                raise KVBudgetError(
+                    f"KV budget of {budget} bytes cannot hold the state slots of this hybrid model: "
+                    f"max_num_seqs={config.max_num_seqs} x {state_spec.bytes_per_seq} bytes = {state_bytes} bytes; "
+                    "raise kv_cache_memory / gpu_memory_utilization or lower max_num_seqs")
+            self.state_cache = StateCache(state_spec, config.max_num_seqs, device=self.device)
+            budget -= state_bytes
         num_blocks = config.num_kvcache_blocks
         if num_blocks == -1:
             num_blocks = num_kv_blocks(budget, spec, self.block_size)
         if num_blocks < 1:
             unit = "strip" if contiguous else "block"
+            after = f" (after {state_bytes} bytes of state slots)" if state_bytes else ""
             raise KVBudgetError(
-                f"KV budget of {budget} bytes is too small for one {unit} of {self.block_size} tokens "
+                f"KV budget of {budget} bytes{after} is too small for one {unit} of {self.block_size} tokens "
                 f"({spec.bytes_per_token * self.block_size} bytes); raise kv_cache_memory / "
                 f"gpu_memory_utilization or lower {'max_model_len' if contiguous else 'kvcache_block_size'}"
             )
@@ -118,6 +155,8 @@ class ModelRunner:
 
         on, self.compile_decode_reason = resolve_compile_decode(config.compile_decode, self.device,
                                                                 config.kv_cache_dtype)
+        if state_spec is not None:  # the fast decode paths carry no state slots: eager runs hybrids
+            on, self.compile_decode_reason = False, "hybrid model (recurrent-state layers): decode runs eager"
         compiled = CompiledDecode(
             self.model, self.kv_cache, self.block_size, max_model_len, config.max_num_seqs, self.mrope,
             use_kernel=self.attention_backend == "decode_kernel") if on else None  # None: eager decode
@@ -125,7 +164,8 @@ class ModelRunner:
 
         # quantized models on CPU: decode-only steps through every layer in one C call (None: op by op)
         c_step, self.decode_step_reason = DecodeStep.build(self.model, self.kv_cache, self.attention_backend) \
-            if self.device.type == "cpu" else (None, "CPU only")
+            if self.device.type == "cpu" and state_spec is None else \
+            (None, "CPU only" if state_spec is None else "hybrid model (recurrent-state layers)")
         # the step executors, asked in order; the first that serves a step runs it (eager serves all)
         self.executors: list = []
         self.compiled_decode, self.decode_step = compiled, c_step

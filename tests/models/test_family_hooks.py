@@ -46,6 +46,13 @@ def test_the_comparison_pattern_catches_the_old_forms():
     assert not _COMPARISON.search('family = self.hf_config.model_type')
 
 
+class _NoTower:  # a config without vision_config: a text family's hooks count no tower
+    vision_config = None
+
+
+_CONFIG_WITHOUT_TOWER = _NoTower()
+
+
 def test_every_hook_of_every_line_imports():
     for fam in FAMILIES:
         for path in (fam.model_cls, fam.mm_inputs, fam.vision_tower, fam.hooks):
@@ -53,7 +60,9 @@ def test_every_hook_of_every_line_imports():
                 assert import_named(path)
         hooks = fam.family_hooks()
         assert isinstance(hooks, FamilyHooks) and hooks is fam.family_hooks()  # one instance
-        assert (fam.hooks is not None) == fam.multimodal
+        assert fam.hooks is not None or not fam.multimodal  # a VLM states its tower's sizes
+        if not fam.multimodal:
+            assert hooks.vision_params(_CONFIG_WITHOUT_TOWER) == 0
         if fam.multimodal and fam.name != "smolvlm":  # SmolVLM reads a longest edge, not pixel bounds
             assert 0 < hooks.processor_defaults["min_pixels"] <= hooks.processor_defaults["max_pixels"]
 

@@ -31,5 +31,6 @@ class Qwen3VLHooks(QwenVLHooks):
         block = 2 * 2 * d + _linear(d, 3 * d) + _linear(d, d) + _linear(d, inter) + _linear(inter, d)
         fcs = _linear(d * m2, d * m2) + _linear(d * m2, v.out_hidden_size)
         merger = 2 * d + fcs  # LayerNorm before the 2x2 shuffle
-        deepstack = len(v.deepstack_visual_indexes) * (2 * d * m2 + fcs)  # LayerNorm after the shuffle
+        taps = len(getattr(v, "deepstack_visual_indexes", None) or ())  # Qwen3.5's tower: none
+        deepstack = taps * (2 * d * m2 + fcs)  # LayerNorm after the shuffle
         return patch + pos + v.depth * block + merger + deepstack

@@ -1,0 +1,146 @@
+"""Qwen3.5's linear-attention token mixer (Gated DeltaNet) over per-sequence state slots.
+
+Source of the rules: HF transformers 5.25 ``modeling_qwen3_5.py`` (``Qwen3_5GatedDeltaNet``,
+``Qwen3_5RMSNormGated``, ``causal_conv1d_fn`` / ``causal_conv1d_update``). The gated delta
+rule itself is HF's own ``torch_chunk_gated_delta_rule`` (prefill, chunks) and
+``torch_recurrent_gated_delta_rule`` (one new token), called as they are.
+
+Tokens arrive flattened across sequences (``meta.query_lens``, in order). Each sequence only
+sees its own tokens: sequences with one new token (decode) run together as one batch of the
+recurrent rule; every longer one runs alone through the chunked rule. A sequence reads its
+conv and recurrent state from ``meta.state.cache`` at slot ``meta.state.slots[i]`` (zero when
+``has_initial_state[i]`` is False) and writes the final state back there (fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delta_rule,
+                                                          torch_recurrent_gated_delta_rule)
+
+
+class RMSNormGated(nn.Module):
+    """HF ``Qwen3_5RMSNormGated``: ``weight * rmsnorm(x) * silu(gate)`` (a plain weight, not
+    zero-centred), normalised in fp32. ``x``, ``gate``: ``[n, head_v_dim]``."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(gate.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention layer; parameter names as HF's (``in_proj_qkv``, ``in_proj_z``,
+    ``in_proj_b``, ``in_proj_a``, ``conv1d``, ``dt_bias``, ``A_log``, ``norm``, ``out_proj``).
+
+    Args:
+        config: the HF ``Qwen3_5TextConfig``.
+        state_layer: this layer's index into the state cache (its rank among the
+            linear-attention layers).
+    """
+
+    def __init__(self, config, state_layer: int):
+        super().__init__()
+        self.state_layer = state_layer
+        self.num_v_heads, self.num_k_heads = config.linear_num_value_heads, config.linear_num_key_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_dim, self.value_dim = self.head_k_dim * self.num_k_heads, self.head_v_dim * self.num_v_heads
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = config.linear_conv_kernel_dim
+        hidden = config.hidden_size
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, bias=False, groups=self.conv_dim)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = RMSNormGated(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
+        """``x`` ``[num_tokens, hidden]`` (sequences flattened as ``meta.query_lens``) ->
+        ``[num_tokens, hidden]``; the state slots of ``meta.state`` are read and updated.
+
+        Raises:
+            ValueError: ``meta.state`` is None while some sequence continues an earlier step
+                (only a full prefill from token 0 may run without a state cache; its state
+                is then dropped), its slots / flags are not one per sequence, or the query
+                lengths do not cover ``x``.
+        """
+        q_lens, state = list(meta.query_lens), meta.state
+        if sum(q_lens) != x.shape[0]:
+            raise ValueError(f"meta.query_lens {q_lens} do not add up to the {x.shape[0]} tokens given")
+        if state is None and list(meta.context_lens) != q_lens:
+            raise ValueError("a Gated DeltaNet layer needs meta.state (a StateMetadata) for sequences that "
+                             "continue an earlier step")
+        if state is not None and not (len(state.slots) == len(state.has_initial_state) == len(q_lens)):
+            raise ValueError(f"meta.state gives {len(state.slots)} slots and {len(state.has_initial_state)} "
+                             f"has_initial_state flags for {len(q_lens)} sequences")
+        qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)  # [T, conv_dim], [T, value_dim]
+        b, a = self.in_proj_b(x), self.in_proj_a(x)  # [T, num_v_heads]
+        out = torch.empty(x.shape[0], self.value_dim, dtype=x.dtype, device=x.device)
+        starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
+        decode = [i for i, q in enumerate(q_lens) if q == 1]
+        groups = ([decode] if decode else []) + [[i] for i, q in enumerate(q_lens) if q > 1]
+        for seqs in groups:  # decode sequences as one batch, each prefill alone
+            rows = torch.cat([torch.arange(starts[i], starts[i] + q_lens[i]) for i in seqs]).to(x.device)
+            n, length = len(seqs), q_lens[seqs[0]]
+            core = self._mix(seqs, qkv[rows].view(n, length, -1), b[rows].view(n, length, -1),
+                             a[rows].view(n, length, -1), state)  # [n, length, num_v_heads, head_v_dim]
+            out[rows] = core.reshape(n * length, self.value_dim)
+        z = z.reshape(-1, self.head_v_dim)
+        core = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(x.shape[0], self.value_dim)
+        return self.out_proj(core)
+
+    def _mix(self, seqs: list[int], qkv, b, a, state) -> torch.Tensor:
+        """Conv + gated delta rule for ``len(seqs)`` sequences of equal length ``L``:
+        ``qkv`` ``[n, L, conv_dim]``, ``b``/``a`` ``[n, L, num_v_heads]`` -> ``[n, L, num_v_heads, head_v_dim]``."""
+        n, length, _ = qkv.shape
+        conv_state, rec_state = self._read_state(seqs, state, qkv)
+        weight = self.conv1d.weight  # [conv_dim, 1, kernel]
+        window = torch.cat([conv_state.to(weight.dtype), qkv.transpose(1, 2).to(weight.dtype)], dim=-1)
+        mixed = self.act(F.conv1d(window, weight, groups=self.conv_dim)).to(qkv.dtype)  # [n, conv_dim, L]
+        mixed = mixed.transpose(1, 2)
+        query, key, value = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        query = query.reshape(n, length, -1, self.head_k_dim)
+        key = key.reshape(n, length, -1, self.head_k_dim)
+        value = value.reshape(n, length, -1, self.head_v_dim)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # HF: fp32 so A never overflows
+        rule = torch_recurrent_gated_delta_rule if length == 1 else torch_chunk_gated_delta_rule
+        core, final = rule(query, key, value, g=g, beta=beta, initial_state=rec_state, output_final_state=True,
+                           use_qk_l2norm_in_kernel=True)
+        if state is not None:
+            slots = state.slots[seqs].to(state.cache.conv.device)
+            state.cache.conv[self.state_layer, slots] = window[..., -(self.kernel - 1):].to(state.cache.conv.dtype)
+            state.cache.recurrent[self.state_layer, slots] = final.to(state.cache.recurrent.dtype)
+        return core
+
+    def _read_state(self, seqs: list[int], state, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Conv state ``[n, conv_dim, kernel - 1]`` and recurrent state
+        ``[n, num_v_heads, k_head_dim, v_head_dim]`` (None: all zero) of ``seqs``."""
+        n = len(seqs)
+        zeros = torch.zeros(n, self.conv_dim, self.kernel - 1, dtype=torch.float32, device=like.device)
+        if state is None:
+            return zeros, None
+        fresh = ~state.has_initial_state[seqs].to(like.device)  # [n] True: starts from zero
+        if bool(fresh.all()):
+            return zeros, None
+        slots = state.slots[seqs].to(state.cache.conv.device)
+        conv = state.cache.conv[self.state_layer, slots].to(like.device)
+        rec = state.cache.recurrent[self.state_layer, slots].to(like.device)
+        conv = conv.masked_fill(fresh[:, None, None], 0.0)
+        rec = rec.masked_fill(fresh[:, None, None, None], 0.0)
+        return conv, rec
