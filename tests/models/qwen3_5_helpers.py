@@ -41,7 +41,7 @@ def build_tiny_qwen3_5(out_dir: Path, seed: int = 0, mtp: dict[str, torch.Tensor
     ``mtp`` tensors are added to the checkpoint under ``mtp.<name>``. Returns the HF model (eval)."""
     from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
-    from conftest import qwen_tokenizer_dir
+    from mm_token_pipeline import qwen_tokenizer_dir
 
     torch.manual_seed(seed)
     if text_only:
