@@ -11,7 +11,8 @@ thread by default (``--threads``). Forward hooks time each part, so parts add up
 more than their share of an un-hooked step.
 
 ``--kernel off`` fakes the C decode kernel (``atlas_vlm.kernels.gated_delta``) absent, so the
-layer runs HF's PyTorch rule; ``on`` uses it where available; ``both`` (default) runs each.
+layer runs HF's PyTorch rule; ``on`` uses it where available; ``both`` (default) alternates the
+two step by step on one model and prints the speedups.
 
 Run: ``python -m benchmarks.gated_delta [--batches 1 16] [--dtypes fp32 bf16]``.
 """
