@@ -16,6 +16,8 @@ conv and recurrent state from ``meta.state.cache`` at slot ``meta.state.slots[i]
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -96,12 +98,16 @@ class GatedDeltaNet(nn.Module):
         qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)  # [T, conv_dim], [T, value_dim]
         b, a = self.in_proj_b(x), self.in_proj_a(x)  # [T, num_v_heads]
         out = torch.empty(x.shape[0], self.value_dim, dtype=x.dtype, device=x.device)
-        starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
+        starts = [0, *itertools.accumulate(q_lens)][:-1]
         decode = [i for i, q in enumerate(q_lens) if q == 1]
         groups = ([decode] if decode else []) + [[i] for i, q in enumerate(q_lens) if q > 1]
         for seqs in groups:  # decode sequences as one batch, each prefill alone
-            rows = torch.cat([torch.arange(starts[i], starts[i] + q_lens[i]) for i in seqs]).to(x.device)
             n, length = len(seqs), q_lens[seqs[0]]
+            if n == len(q_lens) and length == 1:  # a decode-only step: every row, in order
+                rows = slice(None)
+            else:
+                rows = torch.tensor([r for i in seqs for r in range(starts[i], starts[i] + q_lens[i])],
+                                    device=x.device)
             if length == 1 and self._kernel_serves(x, state):
                 out[rows] = gated_delta.decode_step(
                     qkv[rows], b[rows], a[rows], self.conv1d.weight, self.A_log, self.dt_bias,
