@@ -89,6 +89,12 @@ def _check(qkv, b, a, conv_weight, conv_state, recurrent_state, slots, has_initi
     return num_v_heads, kernel
 
 
+def _states_fit(conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> bool:
+    """The kernel writes the states through raw pointers: contiguous fp32 CPU tensors only."""
+    return all(t.is_contiguous() and t.dtype == torch.float32 and t.device.type == "cpu"
+               for t in (conv_state, recurrent_state))
+
+
 def decode_step(qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
                 dt_bias: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor, slots: torch.Tensor,
                 has_initial_state: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int) -> torch.Tensor:
@@ -117,8 +123,7 @@ def decode_step(qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_weight
     num_v_heads, kernel = recurrent_state.shape[1], conv_weight.shape[-1]
     lib = _library()
     if lib is None or unsupported_reason(qkv.device, qkv.dtype, num_k_heads, num_v_heads, head_k_dim, head_v_dim,
-                                         kernel) or not (conv_state.is_contiguous() and recurrent_state.is_contiguous()
-                                                         and conv_state.dtype == recurrent_state.dtype == torch.float32):
+                                         kernel) or not _states_fit(conv_state, recurrent_state):
         return decode_step_reference(qkv, b, a, conv_weight, A_log, dt_bias, conv_state, recurrent_state, slots,
                                      has_initial_state, num_k_heads, head_k_dim, head_v_dim)
     n = qkv.shape[0]

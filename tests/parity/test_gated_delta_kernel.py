@@ -95,6 +95,17 @@ def test_fresh_sequence_ignores_its_stale_slot():
     assert torch.equal(args["recurrent_state"][fresh], other["recurrent_state"][fresh])
 
 
+def test_state_the_kernel_cannot_write_through_goes_the_pytorch_way():
+    """A non-contiguous recurrent state (a transposed view) is updated in place by the PyTorch path."""
+    args, sizes = random_inputs(3, 2, 4, 16, 16, torch.float32, seed=6)
+    args["recurrent_state"] = args["recurrent_state"].transpose(-1, -2).contiguous().transpose(-1, -2)
+    ref_args = {k: v.clone() for k, v in args.items()}
+    out = gated_delta.decode_step(**args, **sizes)
+    assert not args["recurrent_state"].is_contiguous()
+    assert torch.equal(out, gated_delta.decode_step_reference(**ref_args, **sizes))
+    assert torch.equal(args["recurrent_state"], ref_args["recurrent_state"])
+
+
 @pytest.mark.parametrize("change, match", [
     (lambda a: a.update(slots=torch.tensor([3, 3, 1])), "slots"),
     (lambda a: a.update(slots=torch.tensor([0, 1, NUM_SLOTS])), "slots"),
