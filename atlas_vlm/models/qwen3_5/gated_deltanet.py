@@ -7,12 +7,16 @@ rule itself is HF's own ``torch_chunk_gated_delta_rule`` (prefill, chunks) and
 
 Tokens arrive flattened across sequences (``meta.query_lens``, in order). Each sequence only
 sees its own tokens: sequences with one new token (decode) run together as one batch of the
-recurrent rule; every longer one runs alone through the chunked rule. A sequence reads its
+recurrent rule (on CPU through the C kernel ``atlas_vlm.kernels.gated_delta`` where it builds:
+conv, rule and state update in one call, the same answer); every longer one runs alone
+through the chunked rule. A sequence reads its
 conv and recurrent state from ``meta.state.cache`` at slot ``meta.state.slots[i]`` (zero when
 ``has_initial_state[i]`` is False) and writes the final state back there (fp32).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +24,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delta_rule,
                                                           torch_recurrent_gated_delta_rule)
+
+from atlas_vlm.kernels import gated_delta
 
 
 class RMSNormGated(nn.Module):
@@ -67,6 +73,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.act_name = config.hidden_act
         self.act = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
@@ -91,18 +98,36 @@ class GatedDeltaNet(nn.Module):
         qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)  # [T, conv_dim], [T, value_dim]
         b, a = self.in_proj_b(x), self.in_proj_a(x)  # [T, num_v_heads]
         out = torch.empty(x.shape[0], self.value_dim, dtype=x.dtype, device=x.device)
-        starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
+        starts = [0, *itertools.accumulate(q_lens)][:-1]
         decode = [i for i, q in enumerate(q_lens) if q == 1]
         groups = ([decode] if decode else []) + [[i] for i, q in enumerate(q_lens) if q > 1]
         for seqs in groups:  # decode sequences as one batch, each prefill alone
-            rows = torch.cat([torch.arange(starts[i], starts[i] + q_lens[i]) for i in seqs]).to(x.device)
             n, length = len(seqs), q_lens[seqs[0]]
+            if n == len(q_lens) and length == 1:  # a decode-only step: every row, in order
+                rows = slice(None)
+            else:
+                rows = torch.tensor([r for i in seqs for r in range(starts[i], starts[i] + q_lens[i])],
+                                    device=x.device)
+            if length == 1 and self._kernel_serves(x, state):
+                out[rows] = gated_delta.decode_step(
+                    qkv[rows], b[rows], a[rows], self.conv1d.weight, self.A_log, self.dt_bias,
+                    state.cache.conv[self.state_layer], state.cache.recurrent[self.state_layer], state.slots[seqs],
+                    state.has_initial_state[seqs], self.num_k_heads, self.head_k_dim,
+                    self.head_v_dim).reshape(n, self.value_dim)
+                continue
             core = self._mix(seqs, qkv[rows].view(n, length, -1), b[rows].view(n, length, -1),
                              a[rows].view(n, length, -1), state)  # [n, length, num_v_heads, head_v_dim]
             out[rows] = core.reshape(n * length, self.value_dim)
         z = z.reshape(-1, self.head_v_dim)
         core = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(x.shape[0], self.value_dim)
         return self.out_proj(core)
+
+    def _kernel_serves(self, x: torch.Tensor, state) -> bool:
+        """Whether this step's decode batch goes through the C kernel (``kernels.gated_delta``):
+        state slots given, SiLU conv activation, sizes and device it takes, and it builds here."""
+        return (state is not None and self.act_name == "silu" and state.cache.conv.device == x.device
+                and gated_delta.unsupported_reason(x.device, x.dtype, self.num_k_heads, self.num_v_heads,
+                                                   self.head_k_dim, self.head_v_dim, self.kernel) is None)
 
     def _mix(self, seqs: list[int], qkv, b, a, state) -> torch.Tensor:
         """Conv + gated delta rule for ``len(seqs)`` sequences of equal length ``L``:
