@@ -1,6 +1,6 @@
 """``atlas-vlm plan``: print a ``memory_plan.plan`` for one model, or the ``--matrix`` of the
 four models of the fallback chain (Qwen3-VL-4B, Qwen2.5-VL-3B, SmolVLM2-2.2B,
-Qwen2.5-0.5B) over 8-80 GiB GPUs. Configs come from a local folder, a ``.gguf`` file
+Qwen2.5-0.5B) and the four dense Qwen3.5 (0.8B, 2B, 4B, 9B; hybrid) over 8-80 GiB GPUs. Configs come from a local folder, a ``.gguf`` file
 (the embedded SmolLM2-135M-Instruct without --model, as serve and generate), the bundled
 copies of those models' public configs (``atlas_vlm/data/configs``), or the Hub
 (config.json only, through huggingface_hub's cache; ``HF_HUB_OFFLINE`` honoured)."""
@@ -19,6 +19,7 @@ BUNDLED_CONFIGS = Path(__file__).resolve().parent.parent / "data" / "configs"
 CHAIN = ("Qwen/Qwen3-VL-4B-Instruct", "Qwen/Qwen2.5-VL-3B-Instruct", "HuggingFaceTB/SmolVLM2-2.2B-Instruct",
          "Qwen/Qwen2.5-0.5B-Instruct")  # the brief's fallback chain, largest first
 MATRIX_GIB = (8, 12, 16, 24, 48, 80)
+HYBRID = ("Qwen/Qwen3.5-0.8B", "Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-4B", "Qwen/Qwen3.5-9B")  # bundled, --matrix too
 DEFAULT_TEXT_NAME = "SmolLM2-135M-Instruct"  # the embedded default model (default_models.default_text_model)
 def load_config(model: str, revision: str | None = None):
     """``(transformers config, folder)`` for ``model``: a local folder, a ``.gguf`` file (its
@@ -145,56 +146,13 @@ def format_plan(p: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
-def _image_tokens(p: MemoryPlan) -> str:
-    """The matrix's ``image tok``: the checkpoint's (or --max-pixels') image, before any re-plan."""
-    if not p.image_tokens:
-        return "-"
-    return str(p.bound_image_tokens or p.image_tokens)
-
-
-def format_matrix(args) -> str:
-    """One row per model of the fallback chain: weights, KV bytes per token, then per GPU size
-    ``sequences (blocks)`` for sequences of ``max_model_len`` tokens with one image each."""
-    length = args.max_model_len or 4096
-    bound = f"max_pixels={args.max_pixels:,}" if args.max_pixels else "each model's own max_pixels"
-    head = (f"{'model':<50} {'weights':>10} {'KV/token':>9} {'image tok':>9} "
-            + " ".join(f"{f'{g} GiB':>14}" for g in MATRIX_GIB) + f" {'usable px':>10} {'video tok':>9}")
-    lines = [f"sequences of L={length} tokens (one image at {bound}) held at once (KV blocks of "
-             f"{args.block_size}), {args.dtype}, gpu_memory_utilization={args.gpu_memory_utilization}; "
-             "'-': no KV block fits beside the weights and the activation reserve, "
-             f"'N*': one image at the checkpoint's bound is longer than L, so planned at the largest usable "
-             f"image (usable px: max_pixels of at most {IMAGE_SHARE_OF_L:.0%} of L in visual tokens); 'img>L': the "
-             f"--max-pixels image is longer than L; video tok: a {args.video_seconds:g} s clip at each family's "
-             "default sampling ('-': no video, or none stated)", head]
-    kv = getattr(args, "kv_cache_dtype", "auto")
-    rows = [(getattr(args, "quantization", None), kv)]
-    if rows[0][0] is None:
-        rows.append(("int4", kv))  # the int4 rows (group 128) beside the dense ones
-    if kv == "auto":
-        rows += [(quant, "int8") for quant, _ in rows]  # and both again with an 8-bit KV cache
-    for quant, kv in rows:
-        for model in CHAIN:
-            cells, first = [], None
-            for g in MATRIX_GIB:
-                p = plan_model(model, args, gpu_memory=g * GiB, max_model_len=length, quantization=quant,
-                               kv_cache_dtype=kv)
-                first = first or p
-                seqs = "-" if not p.num_blocks else "img>L" if p.image_tokens > length else \
-                    f"{p.max_num_seqs}*" if p.note else f"{p.max_num_seqs}"
-                cells.append(f"{seqs:>5} {f'({p.num_blocks})':>8}")
-            name = " ".join([model, *([quant] if quant else []), *([f"kv {kv}"] if kv != "auto" else [])])
-            usable = f"{first.usable_max_pixels:,}" if first.note or first.image_tokens > length else "-"
-            lines.append(f"{name:<50} {_gib(first.weight_bytes):>10} {first.kv_bytes_per_token:>9,} "
-                         f"{_image_tokens(first):>9} " + " ".join(cells) + f" {usable:>10} {first.video_tokens or '-':>9}")
-    return "\n".join(lines)
-
-
 def add_parser(subparsers) -> None:
     """Register the ``plan`` subcommand."""
     p = subparsers.add_parser("plan", help="KV memory plan of a model from its config.json (no weights)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="model folder, .gguf file, Hub id ORG/NAME, or a bundled model's name (Qwen3-VL-4B-Instruct, "
-                                    "Qwen2.5-VL-3B-Instruct, SmolVLM2-2.2B-Instruct, Qwen2.5-0.5B-Instruct); default: the "
+                                    "Qwen2.5-VL-3B-Instruct, SmolVLM2-2.2B-Instruct, Qwen2.5-0.5B-Instruct, "
+                                    "Qwen3.5-0.8B / 2B / 4B / 9B); default: the "
                                     "embedded SmolLM2-135M-Instruct, as serve and generate")
     p.add_argument("--revision", default=None, help="Hub branch / tag / commit")
     p.add_argument("--gpu-memory", type=bytes_arg(bare_unit=GiB), default=24 * GiB, help="device memory (default 24GiB)")
@@ -222,7 +180,8 @@ def add_parser(subparsers) -> None:
                         "token and KV head); --matrix adds 'kv int8' rows when not given")
     p.add_argument("--matrix", action="store_true",
                    help="Qwen3-VL-4B, Qwen2.5-VL-3B, SmolVLM2-2.2B and Qwen2.5-0.5B on 8/12/16/24/48/80 GiB GPUs "
-                        "(dense and int4 rows unless --quantization is given)")
+                        "(dense and int4 rows unless --quantization is given), then Qwen3.5-0.8B/2B/4B/9B (dense, "
+                        "with their state bytes per sequence)")
     p.add_argument("--quantization", default=None, choices=["int8", "int4", "awq", "gptq"],
                    help="weight-only scheme of the decoder's projections (default: dense)")
     p.set_defaults(func=run)
@@ -238,6 +197,8 @@ def run(args) -> int:
         if value is not None and not value > 0:
             raise ValueError(f"{flag} must be > 0, got {value:g}")
     if args.matrix:
+        from atlas_vlm.entrypoints.plan_matrix import format_matrix
+
         print(format_matrix(args))
         return 0
     p = plan_model(args.model or default_text_model(), args)
