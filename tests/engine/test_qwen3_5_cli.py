@@ -74,3 +74,23 @@ def test_image_prompt_equals_llm(q35, capsys):
                          SamplingParams(temperature=0, max_tokens=N), use_tqdm=False)[0]
     assert printed == expected.text + "\n"
     assert expected.token_ids != text_only.token_ids  # the image reached the decoder
+
+
+@pytest.mark.text
+def test_hub_id_from_the_cache_offline(q35, capsys, tmp_path, monkeypatch):
+    """``--model Qwen/Qwen3.5-0.8B`` resolves through huggingface_hub's cache as the chain's
+    models do (a cache entry laid out here from the tiny folder; offline, nothing downloaded)."""
+    import shutil
+
+    folder, llm = q35
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--Qwen--Qwen3.5-0.8B"
+    shutil.copytree(folder, repo / "snapshots" / rev)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    printed = _run("Qwen/Qwen3.5-0.8B", capsys, "--prompt", "Hello")
+    expected = llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(temperature=0, max_tokens=N),
+                        use_tqdm=False)[0]
+    assert printed == expected.text + "\n"
