@@ -10,6 +10,7 @@
     python scripts/bench.py --video --quick  # video only: 3 s / 60 s clip TTFT, tok/s vs HF; load_video peak RSS
     python scripts/bench.py --chain --quick  # chain-size Q4_K_M / Q8_0 files vs llama.cpp (setup.sh --bench first)
     python scripts/bench.py --spec --kv      # speculative decoding on/off; 8-bit KV and the disk tier
+    python scripts/bench.py --qwen35 --quick  # Qwen3.5 (scaled-down 0.8B shapes): 16 / 64 requests vs HF
 
 Sections: --text (decode tok/s paged/contiguous vs HF generate and llama.cpp, against the
 bandwidth limit; a 2,048-token prefill vs the GEMM peak; KV waste), --quant (decode tok/s of
@@ -61,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="n-gram speculative decoding on vs off: copy-heavy and free-writing tasks, batches 16 / 64")
     p.add_argument("--kv", action="store_true",
                    help="int8 vs auto K/V (pool tokens, decode at batch 32); the disk tier (evicted chat, restart)")
+    p.add_argument("--qwen35", action="store_true",
+                   help="Qwen3.5 decode tok/s (random, 0.8B shapes scaled down): ours at 16 / 64 requests vs HF "
+                        "generate one at a time; not part of the default run")
     p.add_argument("--quick", action="store_true", help="smaller sizes for a smoke run")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="dtype of ours and the HF peers in --text/--vlm/--serve (auto: as LLM(dtype='auto') on "
@@ -71,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "with other work, 1 avoids OpenMP waits that slow small ops 10-100x")
     args = p.parse_args(argv)
     if not (args.text or args.vlm or args.video or args.serve or args.detok or args.server or args.replicas or args.quant
-            or args.structured or args.chain or args.spec or args.kv):
+            or args.structured or args.chain or args.spec or args.kv or args.qwen35):
         args.text = args.vlm = args.serve = args.detok = args.quant = args.structured = args.chain = True
         args.spec = args.kv = True
     args.video = args.video or args.vlm
@@ -87,8 +91,8 @@ def main(argv=None) -> int:
     import torch
 
     from atlas_vlm import EngineConfig
-    from benchmarks import (chain, detokenize, kv_tiers, quant, serve, server, spec_decode, structured, targets, text,
-                            video, vlm)
+    from benchmarks import (chain, detokenize, kv_tiers, quant, qwen3_5, serve, server, spec_decode, structured, targets,
+                            text, video, vlm)
 
     replicas = None
     if args.replicas:
@@ -118,10 +122,10 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     for name, module in (("text", text), ("quant", quant), ("vlm", vlm), ("video", video), ("serve", serve), ("detok", detokenize),
                          ("structured", structured), ("chain", chain), ("spec", spec_decode), ("kv", kv_tiers),
-                         ("server", server), ("replicas", replicas)):
+                         ("server", server), ("replicas", replicas), ("qwen35", qwen3_5)):
         if getattr(args, name):
             kwargs = {"dtype": dtype} if name in ("text", "quant", "vlm", "video", "serve", "structured", "spec",
-                                                  "kv") else {}
+                                                  "kv", "qwen35") else {}
             results[name] = module.run(quick=args.quick, **kwargs)
     results["targets"] = targets.report(results)
     results["wall_s"] = time.perf_counter() - start
