@@ -14,7 +14,8 @@ a full run), greedy, EOS ignored, so each request makes exactly its ``max_tokens
 output tokens / wall seconds of the whole run (prefill included; prompts are short). HF runs
 one request after another (its per-token cost does not depend on the request count), over the
 first ``hf_requests`` requests; its rate stands for both batch sizes. Greedy tokens of ours (at
-each batch size) are compared with HF's on those requests. Both in the bench dtype.
+each batch size) are compared with HF's on those requests. Both in the bench dtype. On a
+shared machine run it with ``--threads 1`` (OpenMP waits slow HF's many small ops 10x and more).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def config():
         layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2, tie_word_embeddings=True,
         rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
                              mrope_section=[3, 3, 2], mrope_interleaved=True),
-        bos_token_id=151643, eos_token_id=151645)
+        bos_token_id=None, eos_token_id=None)  # EOS is ignored; Qwen's ids lie outside this vocabulary
     cfg.architectures = ["Qwen3_5ForCausalLM"]
     return cfg
 

@@ -10,7 +10,7 @@
     python scripts/bench.py --video --quick  # video only: 3 s / 60 s clip TTFT, tok/s vs HF; load_video peak RSS
     python scripts/bench.py --chain --quick  # chain-size Q4_K_M / Q8_0 files vs llama.cpp (setup.sh --bench first)
     python scripts/bench.py --spec --kv      # speculative decoding on/off; 8-bit KV and the disk tier
-    python scripts/bench.py --qwen35 --quick  # Qwen3.5 (scaled-down 0.8B shapes): 16 / 64 requests vs HF
+    python scripts/bench.py --qwen35 --threads 1  # Qwen3.5 (scaled-down 0.8B shapes): 16 / 64 requests vs HF
 
 Sections: --text (decode tok/s paged/contiguous vs HF generate and llama.cpp, against the
 bandwidth limit; a 2,048-token prefill vs the GEMM peak; KV waste), --quant (decode tok/s of
