@@ -13,14 +13,15 @@ from pathlib import Path
 
 from atlas_vlm.default_models import default_text_model
 from atlas_vlm.entrypoints.cli import bytes_arg
+from atlas_vlm.entrypoints.plan_matrix import CHAIN, HYBRID, MATRIX_GIB, format_matrix, gib
 from atlas_vlm.memory_plan import DTYPE_BYTES, IMAGE_SHARE_OF_L, GiB, MemoryPlan, plan
 
 BUNDLED_CONFIGS = Path(__file__).resolve().parent.parent / "data" / "configs"
-CHAIN = ("Qwen/Qwen3-VL-4B-Instruct", "Qwen/Qwen2.5-VL-3B-Instruct", "HuggingFaceTB/SmolVLM2-2.2B-Instruct",
-         "Qwen/Qwen2.5-0.5B-Instruct")  # the brief's fallback chain, largest first
-MATRIX_GIB = (8, 12, 16, 24, 48, 80)
-HYBRID = ("Qwen/Qwen3.5-0.8B", "Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-4B", "Qwen/Qwen3.5-9B")  # bundled, --matrix too
+__all__ = ["BUNDLED_CONFIGS", "CHAIN", "HYBRID", "MATRIX_GIB", "add_parser", "format_plan", "load_config", "plan_model",
+           "run"]
 DEFAULT_TEXT_NAME = "SmolLM2-135M-Instruct"  # the embedded default model (default_models.default_text_model)
+
+
 def load_config(model: str, revision: str | None = None):
     """``(transformers config, folder)`` for ``model``: a local folder, a ``.gguf`` file (its
     header, through transformers' GGUF support), the embedded SmolLM2-135M-Instruct GGUF (by
@@ -108,27 +109,23 @@ def _video_row(p: MemoryPlan) -> str:
             f"{p.video_tokens:,} visual tokens ({fit})")
 
 
-def _gib(n: int) -> str:
-    return f"{n / GiB:.2f} GiB"
-
-
 def format_plan(p: MemoryPlan) -> str:
     """The plan as aligned ``label  value`` lines."""
     rows = [
         ("model", p.model),
         ("dtype", f"{p.dtype_bytes} bytes per parameter / KV element"),
         ("quantization", p.quantization or "none (dense)"),
-        ("weights", f"{_gib(p.weight_bytes)} ({p.weight_bytes:,} bytes; vision tower {_gib(p.vision_weight_bytes)})"),
+        ("weights", f"{gib(p.weight_bytes)} ({p.weight_bytes:,} bytes; vision tower {gib(p.vision_weight_bytes)})"),
         ("image bound", f"max_pixels={p.max_pixels:,} ({p.image_tokens:,} visual tokens per image; "
                         f"{'from ' + p.pixels_source if not p.pixels_source.startswith('max_pixels') else 'given'})"
                         if p.image_tokens else "none (text-only model)"),
         ("video bound", _video_row(p)),
-        ("vision activation peak", f"{_gib(p.vision_peak_bytes)}" if p.image_tokens else "none"),
+        ("vision activation peak", f"{gib(p.vision_peak_bytes)}" if p.image_tokens else "none"),
         ("KV per token", f"{p.kv_bytes_per_token:,} bytes"
                          + (f" ({p.kv_cache_dtype} K/V + scales)" if p.kv_cache_dtype != "auto" else "")),
         (f"KV per block ({p.block_size} tokens)", f"{p.kv_bytes_per_block:,} bytes"),
-        ("GPU memory", f"{_gib(p.gpu_memory)} x gpu_memory_utilization {p.gpu_memory_utilization}"),
-        ("KV budget", f"{_gib(p.kv_budget_bytes)} ({p.kv_budget_bytes:,} bytes)"),
+        ("GPU memory", f"{gib(p.gpu_memory)} x gpu_memory_utilization {p.gpu_memory_utilization}"),
+        ("KV budget", f"{gib(p.kv_budget_bytes)} ({p.kv_budget_bytes:,} bytes)"),
         *([("state slots (hybrid)", f"{p.state_slots} (max_num_seqs) x {p.state_bytes_per_seq:,} bytes = "
             f"{p.state_bytes:,} bytes, off the KV budget first; per sequence, independent of its length")]
           if p.state_slots else []),
@@ -197,9 +194,7 @@ def run(args) -> int:
         if value is not None and not value > 0:
             raise ValueError(f"{flag} must be > 0, got {value:g}")
     if args.matrix:
-        from atlas_vlm.entrypoints.plan_matrix import format_matrix
-
-        print(format_matrix(args))
+        print(format_matrix(args, lambda model, **overrides: plan_model(model, args, **overrides)))
         return 0
     p = plan_model(args.model or default_text_model(), args)
     print(format_plan(p))
