@@ -88,3 +88,23 @@ def test_plan_a_qwen3_5_hub_id_offline(capsys, tmp_path, monkeypatch, model):
     assert f"KV per token                    {kv:,} bytes" in out
     assert f"state slots (hybrid)            8 (max_num_seqs) x {state:,} bytes = {8 * state:,} bytes" in out
     assert "vision tower" in out and "visual tokens per image" in out
+
+
+def test_int8_kv_rows_are_what_the_engine_allocates(tmp_path):
+    """The matrix's ``kv int8`` Qwen3.5 rows: an 8-bit KV cache runs on a (tiny) Qwen3.5, and
+    its bytes per token and state bytes are the plan's."""
+    from transformers import AutoConfig
+
+    from atlas_vlm import LLM, SamplingParams
+    from atlas_vlm.memory_plan import plan
+    from qwen3_5_helpers import build_tiny_qwen3_5, tiny_vl_config
+
+    build_tiny_qwen3_5(tmp_path, seed=3, config=tiny_vl_config())
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=512, num_kvcache_blocks=64, max_num_seqs=4,
+              kv_cache_dtype="int8")
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+    assert len(out.token_ids) == 6
+    runner = llm.engine.runner
+    p = plan(AutoConfig.from_pretrained(tmp_path), dtype="fp32", kv_cache_dtype="int8", max_num_seqs=4)
+    assert runner.kv_cache.spec.bytes_per_token == p.kv_bytes_per_token == 1 * 2 * 2 * (32 + 2)  # 1 full layer
+    assert runner.state_cache.spec.bytes_per_seq == p.state_bytes_per_seq
