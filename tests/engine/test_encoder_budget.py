@@ -1,18 +1,16 @@
-"""The multimodal core without weights: the encoder cache (bounded in rows, LRU, pinned
-entries kept) and the scheduler's encoder budget per step (vLLM v1's
-``encoder_compute_budget``): which chunk reaches which media item, for any modality."""
+"""The multimodal core without weights: placeholder ranges and the scheduler's encoder
+budget per step (vLLM v1's ``encoder_compute_budget``): which chunk reaches which media item, for any modality."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
-import torch
 
+from atlas_vlm.engine.encoder_cache_manager import EncoderCacheManager
 from atlas_vlm.engine.input_processor import placeholder_ranges
 from atlas_vlm.engine.scheduler import Scheduler
 from atlas_vlm.request import Request
-from atlas_vlm.worker.encoder_cache import EncoderCache
 from mm_kv_cache_management import BlockManager, PlaceholderRange
 
 pytestmark = pytest.mark.vlm
@@ -38,8 +36,13 @@ def request(rid: str, layout: list, rows=None) -> Request:
 
 
 def scheduler(budget: int, encoder_budget: int | None, encoded=()) -> Scheduler:
+    """A scheduler whose encoder cache already holds the items of ``encoded`` (hash -> rows)."""
+    manager = EncoderCacheManager(1000)
+    for content_hash, rows in dict(encoded).items():
+        manager.allocate("earlier", content_hash, rows)
+    manager.free("earlier")
     return Scheduler(BlockManager(256, 16), max_num_seqs=8, max_num_batched_tokens=budget,
-                     max_num_encoder_tokens=encoder_budget, is_encoded=set(encoded).__contains__)
+                     max_num_encoder_tokens=encoder_budget, encoder_cache=manager)
 
 
 def test_placeholder_ranges_one_run_per_image_and_many_per_qwen3_video():
@@ -80,7 +83,7 @@ def test_an_item_over_the_whole_budget_runs_alone_and_cached_items_cost_nothing(
     sched.update_from_output(out, ([0], sampled))  # big sampled one token
     out = sched.schedule()
     assert out.chunks == [(big, 1), (other, 8)]  # ... which runs in the next step (big decodes)
-    sched = scheduler(budget=1000, encoder_budget=16, encoded={"v"})
+    sched = scheduler(budget=1000, encoder_budget=16, encoded={"v": 64})
     big, other = request("big", [2, item("video", 64, "v")]), request("other", [3, item("image", 8, "i")])
     sched.add_request(big)
     sched.add_request(other)
@@ -92,25 +95,3 @@ def test_without_an_encoder_budget_only_tokens_bound_a_step():
     req = request("a", [5, item("image", 30, "i1"), 5, item("image", 30, "i2")])
     sched.add_request(req)
     assert sched.schedule().chunks == [(req, 50)]
-
-
-def test_encoder_cache_is_bounded_in_rows_and_keeps_pinned_entries():
-    cache = EncoderCache(capacity_tokens=10)
-    cache.put("a", torch.zeros(6, 2))
-    cache.put("b", torch.zeros(6, 2))
-    assert cache.num_rows == 12 and "a" in cache and "b" in cache  # both pinned during the step
-    cache.unpin_all()
-    assert "a" not in cache and "b" in cache and cache.num_rows == 6  # LRU first
-    cache.put("c", torch.zeros(3, 2))
-    cache.unpin_all()
-    cache.get("b")  # b most recently used
-    cache.put("d", torch.zeros(4, 2))
-    cache.unpin_all()
-    assert "c" not in cache and {"b", "d"} <= {k for k in ("b", "c", "d") if k in cache} and cache.num_rows == 10
-    with pytest.raises(ValueError, match="capacity must be an int >= 0"):
-        EncoderCache(-1)
-    empty = EncoderCache(0)
-    empty.put("x", torch.zeros(2, 2))
-    assert "x" in empty  # kept for the step that encoded it ...
-    empty.unpin_all()
-    assert "x" not in empty and len(empty) == 0  # ... and not after
