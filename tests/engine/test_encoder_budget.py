@@ -11,7 +11,7 @@ from atlas_vlm.engine.encoder_cache_manager import EncoderCacheManager
 from atlas_vlm.engine.input_processor import placeholder_ranges
 from atlas_vlm.engine.scheduler import Scheduler
 from atlas_vlm.request import Request
-from mm_kv_cache_management import BlockManager, PlaceholderRange
+from mm_kv_cache_management import BlockManager, PlaceholderRange, media_items
 
 pytestmark = pytest.mark.vlm
 
@@ -32,7 +32,7 @@ def request(rid: str, layout: list, rows=None) -> Request:
             ids += [IMG if part.modality == "image" else VID] * part.num_tokens
             items.append(part)
     ranges = placeholder_ranges(ids, items, {"image": IMG, "video": VID})
-    return Request(rid, ids, mm_positions=ranges, mm_items=items, max_tokens=4)
+    return Request(rid, ids, mm_features=media_items(ranges, items), max_tokens=4)
 
 
 def scheduler(budget: int, encoder_budget: int | None, encoded=()) -> Scheduler:
@@ -60,6 +60,23 @@ def test_placeholder_ranges_one_run_per_image_and_many_per_qwen3_video():
         placeholder_ranges([1, IMG, IMG, IMG], [item("image", 4, "a")], {"image": IMG, "video": VID})
     with pytest.raises(ValueError, match="placeholder tokens"):
         placeholder_ranges([IMG, IMG, IMG], [item("image", 2, "a")], {"image": IMG, "video": VID})
+
+
+def test_a_request_holds_one_media_item_per_item_with_all_its_runs():
+    a, v = item("image", 3, "a"), item("video", 6, "v")
+    ids = [1, IMG, IMG, IMG, 1, VID, VID, VID, 1, 1, VID, VID, VID]  # the video: 2 groups of 3
+    req = Request("r", ids, mm_features=media_items(placeholder_ranges(ids, [a, v], {"image": IMG, "video": VID}),
+                                                    [a, v]))
+    got = [(f.modality, f.content_hash, f.num_tokens, [(r.offset, r.length) for r in f.ranges], f.data)
+           for f in req.mm_features]
+    assert got == [("image", "a", 3, [(1, 3)], a), ("video", "v", 6, [(5, 3), (10, 3)], v)]
+    assert [(r.offset, r.content_hash) for r in req.mm_positions] == [(1, "a"), (5, "v"), (10, "v")]
+    assert (req.mm_features[1].offset, req.mm_features[1].end) == (5, 13)
+    with pytest.raises(ValueError, match=r"media item 0 \(image, 4 tokens\) does not match its placeholder runs "
+                                         r"\(image, 3 tokens\)"):
+        media_items([PlaceholderRange(1, 3, "a")], [item("image", 4, "a")])
+    with pytest.raises(ValueError, match=r"placeholder runs name media items \[0, 1\] but the request has 1"):
+        media_items([PlaceholderRange(1, 3, "a"), PlaceholderRange(5, 2, "b", item_index=1)], [a])
 
 
 def test_a_chunk_stops_before_the_item_that_does_not_fit_the_encoder_budget():

@@ -13,7 +13,7 @@ from atlas_vlm.engine.encoder_cache_manager import EncoderCacheManager
 from atlas_vlm.engine.input_processor import placeholder_ranges
 from atlas_vlm.engine.scheduler import Scheduler, SchedulerOutput
 from atlas_vlm.request import Request
-from mm_kv_cache_management import BlockManager
+from mm_kv_cache_management import BlockManager, media_items
 
 pytestmark = pytest.mark.vlm
 
@@ -32,7 +32,7 @@ def request(rid: str, layout: list) -> Request:
         if not isinstance(part, int):
             items.append(part)
     ranges = placeholder_ranges(ids, items, {"image": IMG, "video": IMG})
-    return Request(rid, ids, mm_positions=ranges, mm_items=items, max_tokens=4)
+    return Request(rid, ids, mm_features=media_items(ranges, items), max_tokens=4)
 
 
 def sampled(n: int):

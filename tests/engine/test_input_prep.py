@@ -9,7 +9,7 @@ import torch
 from atlas_vlm.worker.input_prep import mm_rows_for_chunk, prepare_inputs
 from atlas_vlm.layers.attention import build_attention_metadata
 from atlas_vlm.request import Request
-from mm_kv_cache_management import BlockTable, PlaceholderRange
+from mm_kv_cache_management import BlockTable, PlaceholderRange, media_items
 
 pytestmark = pytest.mark.text
 
@@ -160,7 +160,7 @@ def test_prepare_inputs_places_image_rows_of_a_split_image():
     spans = [PlaceholderRange(3, 10, "img1")]
     emb = torch.arange(10.0)[:, None].expand(10, 4)
     ids = list(range(16))
-    first = make_req("v", ids, [2], computed=0, mm_positions=spans)
+    first = make_req("v", ids, [2], computed=0, mm_features=media_items(spans))
     inp = prepare_inputs([(first, 8)], encoder_outputs={"img1": emb})
     assert inp.mm_token_index.tolist() == [3, 4, 5, 6, 7]
     assert inp.mm_embeds[:, 0].tolist() == [0, 1, 2, 3, 4]
