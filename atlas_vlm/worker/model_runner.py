@@ -194,7 +194,7 @@ class ModelRunner:
             return
         if self.vision is None:
             raise ValueError(f"this model has no vision tower; it cannot take {missing[0][1].modality} input")
-        for (content_hash, _), rows in zip(missing, self.vision.encode_images([item for _, item in missing])):
+        for (content_hash, _), rows in zip(missing, self.vision.encode([item for _, item in missing])):
             self.encoder_outputs[content_hash] = rows
             self.num_encoder_runs += 1
 

@@ -81,7 +81,7 @@ def hf_reference(hf, p: ProcessedPrompt):
 def run_ours(model, tower, p: ProcessedPrompt, cuts: list[int]):
     """Prefill in chunks ending at ``cuts`` (then the prompt's end), then greedy decode:
     (prefill logits ``[n, vocab]``, tokens, logits of each sampled step)."""
-    embeds = dict(zip([it.content_hash for it in p.mm_items], tower.encode_images(p.mm_items))) if p.mm_items else {}
+    embeds = dict(zip([it.content_hash for it in p.mm_items], tower.encode(p.mm_items))) if p.mm_items else {}
     ids, positions = p.prompt_token_ids, p.mrope_positions.long()
     run = StepDriver(model, num_blocks=256, num_slots=1)
     run.add("a")
