@@ -120,7 +120,7 @@ class EncoderCacheManager:
                 self._drop(content_hash)
 
     def clear(self) -> None:
-        """Evict every unreferenced entry (what ``LLM.reset_mm_cache`` asks for)."""
+        """Evict every unreferenced entry (``LLM.reset_mm_cache`` / ``LLMEngine.reset_mm_cache``)."""
         for content_hash in list(self._freeable):
             self._drop(content_hash)
             self._freed.append(content_hash)

@@ -45,7 +45,7 @@ def test_a_shared_image_in_one_step_is_encoded_once(q35):
     (content_hash,) = runner.encoder_outputs
     assert manager.is_cached(content_hash) and manager.num_refs(content_hash) == 0  # kept, unreferenced
     assert not hasattr(rec.by_request[outs[0].request_id][0]["req"], "mm_embeds")
-    llm.engine.reset_mm_cache()
+    llm.reset_mm_cache()
     assert not runner.encoder_outputs and len(manager) == 0
 
 
