@@ -1,5 +1,5 @@
 """``Request``: a request as the engine tracks it (the KV-side ``RequestState`` plus sampling,
-media items of any modality, whose placeholder ranges are ``mm_positions``, sampled tokens
+media items of any modality in ``mm_features`` (each with its placeholder ranges), sampled tokens
 and how it finished; or, for an embedding request, ``pooling_params`` and its ``embedding``). Text and stream deltas live in the ``OutputProcessor``'s per-request
 state."""
 
@@ -19,9 +19,7 @@ class Request(RequestState):
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     prompt: str | None = None  # prompt text, when given as text
     max_tokens: int = 16  # resolved generation limit (tokens)
-    mm_items: list = field(default_factory=list)  # media items in prompt order (ProcessedImage, ProcessedVideo, tiles)
     mrope_positions: torch.Tensor | None = None  # [3, num_prompt_tokens] M-RoPE positions (None: text model)
-    mm_embeds: list[torch.Tensor | None] | None = None  # per item [num_tokens_i, hidden] once needed and encoded
     generator: torch.Generator | None = None  # per-request sampling RNG
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
     error: str | None = None  # why it failed (finish_reason == "error")

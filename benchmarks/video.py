@@ -145,11 +145,11 @@ def _clip_ttft(llm, hf, path: str, pix: tuple[int, int], n: int, repeats: int) -
     kwargs = _hf_kwargs(p)
 
     def ours_e2e():  # from the chat messages: decode, sample, resize, patchify, tower, prefill
-        runner.encoder_cache.clear()
+        llm.engine.reset_mm_cache()
         return llm.chat(msgs, one, use_tqdm=False)[0].token_ids
 
     def ours():  # from the processed frames
-        runner.encoder_cache.clear()
+        llm.engine.reset_mm_cache()
         return llm.generate(p, one, use_tqdm=False)[0].token_ids
 
     def hf_ttft():
@@ -159,7 +159,7 @@ def _clip_ttft(llm, hf, path: str, pix: tuple[int, int], n: int, repeats: int) -
         return o[0, kwargs["input_ids"].shape[1]:].tolist()
 
     def ours_decode():
-        runner.encoder_cache.clear()
+        llm.engine.reset_mm_cache()
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         t0, first, last = now(), None, None
         for out in llm.generate(p, params, stream=True, use_tqdm=False):

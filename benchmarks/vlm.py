@@ -64,11 +64,11 @@ def run(quick: bool = False, dtype: torch.dtype = torch.float32, photo: str = "r
         img = p.images[0]
 
         def ours():
-            runner.encoder_cache.clear()
+            llm.engine.reset_mm_cache()
             return llm.generate(p, params, use_tqdm=False)[0].token_ids
 
         def ours_e2e():  # from the chat messages: image load, resize and patchify included
-            runner.encoder_cache.clear()
+            llm.engine.reset_mm_cache()
             return llm.chat(_messages(photo), params, mm_options=mm, use_tqdm=False)[0].token_ids
 
         ids = torch.tensor([p.prompt_token_ids])

@@ -14,7 +14,8 @@ from mm_kv_cache_management.disk_tier import DiskKVTier
 from mm_kv_cache_management.hashing import block_hash
 from mm_kv_cache_management.kv_cache import ContiguousKVCache, KVCacheSpec, PagedKVCache
 from mm_kv_cache_management.kv_tier import KVBlockTier
-from mm_kv_cache_management.request_state import PlaceholderRange, RequestState, RequestStatus
+from mm_kv_cache_management.request_state import (MediaItem, PlaceholderRange, RequestState, RequestStatus,
+                                                   media_items)
 from mm_kv_cache_management.state_cache import (NoFreeStateSlotsError, StateCache, StateMetadata, StateSpec)
 from mm_kv_cache_management.state_config import state_spec_from_config
 
@@ -25,6 +26,7 @@ __all__ = [
     "DiskKVTier",
     "KVBlockTier",
     "KVCacheSpec",
+    "MediaItem",
     "NoFreeBlocksError",
     "NoFreeStateSlotsError",
     "PagedKVCache",
@@ -35,5 +37,6 @@ __all__ = [
     "StateMetadata",
     "StateSpec",
     "block_hash",
+    "media_items",
     "state_spec_from_config",
 ]

@@ -29,7 +29,7 @@ Data path of one request (shapes for the default geometry: patch 14 px, merge 2)
         image_token_id=151655, vision_start_token_id=151652)                 # [3, N], int
     encoder = mtp.VisionEncoder.from_state_dict(vision_config, visual_state_dict,
                                                 dtype=torch.float32, device="cpu")
-    embeds = encoder.encode_images(processed)                # [num_tokens_i, out_hidden] each
+    embeds = encoder.encode(processed)                # [num_tokens_i, out_hidden] each
     next_pos = mtp.decode_position(len(ids), rope_delta)     # position of the first new token
 
 Video (not yet wired into the engine): ``load_video`` decodes with PyAV, seeking to the
@@ -37,7 +37,7 @@ frames qwen-vl-utils 0.0.14 samples (``sample_frame_indices``), into uint8 RGB
 ``[T, H, W, 3]`` plus fps / frame-index metadata; ``preprocess_video`` resizes every frame as
 qwen-vl-utils ``fetch_video`` (``video_frame_bounds`` / ``video_resized_size``) and patchifies
 with HF's video processor into a ``ProcessedVideo`` (``pixel_values``, ``grid_thw``,
-``second_per_grid_t``, Qwen3-VL ``timestamps``) that ``VisionEncoder.encode_images`` takes as
+``second_per_grid_t``, Qwen3-VL ``timestamps``) that ``VisionEncoder.encode`` takes as
 it takes images; ``build_prompt_ids`` expands ``<|video_pad|>`` (``extract_mm_items`` lists
 images and videos in prompt order; ``video_timestamps=True`` for Qwen3-VL);
 ``get_rope_index(..., video_token_id, video_grid_thw, second_per_grid_ts, tokens_per_second)``

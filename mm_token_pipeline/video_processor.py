@@ -35,7 +35,7 @@ UNKNOWN_FPS: float = 24.0
 
 @dataclass
 class ProcessedVideo:
-    """One video ready for the vision tower (goes through ``VisionEncoder.encode_images`` as is).
+    """One video ready for the vision tower (goes through ``VisionEncoder.encode`` as is).
 
     Attributes:
         pixel_values: ``[grid_t*grid_h*grid_w, C*temporal_patch_size*patch_size**2]`` float32

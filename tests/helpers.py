@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from atlas_vlm import SamplingParams
-from mm_kv_cache_management import BlockManager, RequestState
+from mm_kv_cache_management import BlockManager, RequestState, media_items
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGES = Path(__file__).resolve().parent / "data" / "images"
@@ -281,7 +281,7 @@ class StepRecorder:
 # ---- BlockManager accounting (kv/ tests) ------------------------------------------------------
 def make_req(rid: str, num_tokens: int, start: int = 0, mm_positions=None) -> RequestState:
     """A request whose token ids are ``start, start+1, ...`` (distinct starts: no shared prefix)."""
-    return RequestState(rid, list(range(start, start + num_tokens)), mm_positions=list(mm_positions or []))
+    return RequestState(rid, list(range(start, start + num_tokens)), mm_features=media_items(list(mm_positions or [])))
 
 
 def ref_counts(bm: BlockManager) -> list[int]:

@@ -16,6 +16,7 @@ import threading
 
 from atlas_vlm import hardware
 from atlas_vlm.config import EngineConfig
+from atlas_vlm.engine.encoder_cache_manager import EncoderCacheManager
 from atlas_vlm.engine.input_processor import InputProcessor, ProcessedPrompt, RequestTooLongError
 from atlas_vlm.engine.output_processor import OutputProcessor
 from atlas_vlm.loader import eos_token_ids, load_model
@@ -111,7 +112,7 @@ class LLMEngine:
                                    max_model_len=self.max_model_len, eos_token_ids=eos,
                                    structured_output_manager=self.structured_output_manager,
                                    max_num_encoder_tokens=config.max_num_encoder_tokens or budget,
-                                   is_encoded=self.runner.encoder_cache.__contains__,
+                                   encoder_cache=EncoderCacheManager(config.encoder_cache_tokens),
                                    proposer=self._proposer(), num_speculative_tokens=config.speculative_tokens,
                                    speculative_disable_by_batch_size=config.speculative_disable_by_batch_size)
         self.input_processor = InputProcessor(self.tokenizer, self.hf_config, config, arch.vocab_size,
@@ -240,20 +241,27 @@ class LLMEngine:
                                    sched.enable_chunked_prefill, max_model_len=sched.max_model_len,
                                    eos_token_ids=sched.eos_token_ids,
                                    structured_output_manager=sched.structured_output_manager,
-                                   max_num_encoder_tokens=sched.max_num_encoder_tokens, is_encoded=sched.is_encoded,
+                                   max_num_encoder_tokens=sched.max_num_encoder_tokens,
+                                   encoder_cache=EncoderCacheManager(sched.encoder_cache.capacity_tokens),
                                    proposer=sched.proposer, num_speculative_tokens=sched.num_speculative_tokens)
         self.scheduler.num_preemptions = sched.num_preemptions  # running totals (metrics)
         self.scheduler.spec_decode_stats = sched.spec_decode_stats
         self.input_processor.block_manager = self.block_manager
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.runner.encoder_cache.clear()
+        self.runner.encoder_outputs.clear()
         for req in self.requests.values():
-            req.mm_embeds = None
             if self.structured_output_manager is not None:
                 self.structured_output_manager.remove_request(req.request_id)
         self.requests = {}
         self._finished_outside_step = []
         return dropped
+
+    @_locked
+    def reset_mm_cache(self) -> None:
+        """Evict every encoder-cache entry no request still needs (vLLM's ``reset_mm_cache``):
+        the runner drops their rows now; a later request with the same media encodes it again."""
+        self.scheduler.encoder_cache.clear()
+        self.runner.drop_encoder_outputs(self.scheduler.encoder_cache.take_freed())
 
     @_locked
     def has_unfinished_requests(self) -> bool:
@@ -282,9 +290,14 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         try:
-            runner_output = self.runner.run(sched.chunks, grammar_bitmask=sched.grammar_bitmask)
+            runner_output = self.runner.run(sched.chunks, grammar_bitmask=sched.grammar_bitmask,
+                                            encoder_inputs=sched.encoder_inputs,
+                                            freed_encoder_hashes=sched.freed_encoder_hashes)
         except BaseException:
             self.scheduler.undo_drafts(sched)  # the step did not happen: drafts are no tokens to compute
+            # items the step was to encode but did not: not cached after all
+            self.scheduler.encoder_cache.forget(h for h in sched.encoder_inputs
+                                                if h not in self.runner.encoder_outputs)
             raise
         for req, new_token_ids in self.scheduler.update_from_output(sched, runner_output):
             out, stopped = self.output_processor.process(req, new_token_ids)

@@ -22,7 +22,7 @@ from atlas_vlm.engine.token_ids import as_token_ids, is_token_id_sequence
 from atlas_vlm.request import Request
 from atlas_vlm.pooling_params import PoolingParams
 from atlas_vlm.sampling_params import RequestOutputKind, SamplingParams
-from mm_kv_cache_management import PlaceholderRange
+from mm_kv_cache_management import PlaceholderRange, media_items
 
 
 class RequestTooLongError(ValueError):
@@ -265,8 +265,8 @@ class InputProcessor:
         generator.manual_seed(params.seed if params.seed is not None else self.config.seed + next(self._seeds))
         return Request(
             request_id=request_id if request_id is not None else str(next(self._ids)),
-            token_ids=list(p.prompt_token_ids), mm_positions=p.mm_positions, rope_delta=p.rope_delta,
-            sampling_params=params, prompt=p.prompt, max_tokens=max_tokens, mm_items=p.mm_items,
+            token_ids=list(p.prompt_token_ids), mm_features=media_items(p.mm_positions, p.mm_items),
+            rope_delta=p.rope_delta, sampling_params=params, prompt=p.prompt, max_tokens=max_tokens,
             mrope_positions=p.mrope_positions, generator=generator, pooling_params=pooling,
         )
 

@@ -15,7 +15,10 @@ Media items share a second budget per step, in encoder rows (``max_num_encoder_t
 vLLM v1's ``encoder_compute_budget``): a prefill chunk that would reach an item not yet in
 the encoder cache counts its rows; when they do not fit, the chunk ends before that item's
 first placeholder (the item waits for a later step). An item larger than the whole budget
-still runs, alone in its step, so nothing starves.
+still runs, alone in its step, so nothing starves. The ``EncoderCacheManager`` beside the
+scheduler (``encoder_cache``) knows which items the runner holds and which requests need
+them; ``SchedulerOutput.encoder_inputs`` tells the runner what to encode this step and
+``freed_encoder_hashes`` what to drop (``engine.encoder_scheduling``).
 
 With a ``StructuredOutputManager`` (the owner of grammar state), a request whose grammar
 compiles off the engine thread waits in ``WAITING_FOR_FSM``: ``schedule`` skips it (holding
@@ -35,6 +38,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from atlas_vlm.engine.encoder_cache_manager import EncoderCacheManager
+from atlas_vlm.engine.encoder_scheduling import fit_encoder_budget, release_computed_media, schedule_media
 from atlas_vlm.request import Request
 from atlas_vlm.spec_decode.scheduling import add_drafts, commit_verified, take_verified
 from atlas_vlm.worker.sampler import SamplerOutput
@@ -47,6 +52,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)  # gave back their blocks this step
     grammar_bitmask: object | None = None  # structured_output.GrammarBitmask of the sampled rows, or None
     failed: list[Request] = field(default_factory=list)  # finished with "error" before running (grammar refused)
+    encoder_inputs: dict = field(default_factory=dict)  # content hash -> media item the runner encodes this step
+    freed_encoder_hashes: list[str] = field(default_factory=list)  # evicted from the encoder cache: drop their rows
 
     @property
     def is_empty(self) -> bool:
@@ -65,8 +72,8 @@ class Scheduler:
         structured_output_manager: the ``StructuredOutputManager`` of the engine, or None.
         max_num_encoder_tokens: encoder rows (image / video tokens) computed per step at most;
             None: no limit.
-        is_encoded: ``callable(content_hash) -> bool``, the item's rows are in the encoder
-            cache (cost nothing); None: every item not yet embedded in its request costs.
+        encoder_cache: the ``EncoderCacheManager`` (items cached cost nothing); None: a fresh
+            one of capacity 0 (an item is kept only while a request needs it).
         proposer: a draft proposer (``spec_decode.NgramProposer``) or None (no speculation).
         num_speculative_tokens: drafts per decode step at most (with a proposer).
         speculative_disable_by_batch_size: no drafts while more requests than this run (None: any).
@@ -75,7 +82,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, max_model_len: int | None = None,
                  eos_token_ids: set[int] | None = None, structured_output_manager=None,
-                 max_num_encoder_tokens: int | None = None, is_encoded=None, proposer=None,
+                 max_num_encoder_tokens: int | None = None, encoder_cache=None, proposer=None,
                  num_speculative_tokens: int = 0, speculative_disable_by_batch_size: int | None = None):
         self.block_manager = block_manager
         self.structured_output_manager = structured_output_manager
@@ -85,7 +92,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_num_encoder_tokens = max_num_encoder_tokens
-        self.is_encoded = is_encoded or (lambda content_hash: False)
+        self.encoder_cache = encoder_cache if encoder_cache is not None else EncoderCacheManager(0)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # total, for tests and benchmarks
@@ -133,6 +140,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.block_manager.free_request(req)
+        self.encoder_cache.free(req.request_id)
         req.status = RequestStatus.FINISHED
         if self.structured_output_manager is not None:
             self.structured_output_manager.remove_request(req.request_id)
@@ -140,6 +148,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self.block_manager.free_request(req)  # num_computed_tokens back to 0: recompute
+        self.encoder_cache.free(req.request_id)  # its items stay cached until evicted: reused if still there
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         out.preempted.append(req)
@@ -158,36 +167,10 @@ class Scheduler:
                 if victim is req:
                     return False
 
-    def _fit_encoder_budget(self, req: Request, n: int, budget: int, fresh: bool) -> tuple[int, int]:
-        """``(tokens of the chunk, encoder rows it costs)``: the chunk ``num_computed_tokens ..
-        + n`` cut before the first placeholder run whose item's rows do not fit ``budget``
-        (rows left this step). ``fresh``: nothing was encoded yet this step, so one item over
-        the whole budget may run. Without chunked prefill a chunk is never cut (0 if it does
-        not fit)."""
-        if not req.mm_positions or self.max_num_encoder_tokens is None:
-            return n, 0
-        start, end = req.num_computed_tokens, req.num_computed_tokens + n
-        embeds = req.mm_embeds or [None] * len(req.mm_items)
-        cost, seen = 0, set()
-        for r in req.mm_positions:
-            if r.end <= start or r.item_index in seen:
-                continue
-            if r.offset >= end:
-                break
-            seen.add(r.item_index)
-            item = req.mm_items[r.item_index]
-            if embeds[r.item_index] is not None or self.is_encoded(item.content_hash):
-                continue
-            if cost + item.num_tokens > budget and not (fresh and cost == 0):
-                if not self.enable_chunked_prefill:
-                    return 0, 0
-                return max(0, r.offset - start), cost
-            cost += item.num_tokens
-        return n, cost
-
     def schedule(self) -> SchedulerOutput:
         """The next step's chunks (and, with structured output, their grammar bitmask)."""
         out = self._schedule()
+        out.freed_encoder_hashes = self.encoder_cache.take_freed()
         if self.structured_output_manager is not None and out.chunks:
             out.grammar_bitmask = self.structured_output_manager.grammar_bitmask(out.chunks)
         return out
@@ -207,11 +190,12 @@ class Scheduler:
                     break
                 if self.proposer is not None:  # drafts leave one token for each running request after it
                     remaining += add_drafts(self, req, budget - (len(self.running) - i - 1))
-            n, cost = self._fit_encoder_budget(req, min(remaining, budget), encoder_budget,
-                                               encoder_budget == self.max_num_encoder_tokens)
+            n, cost = fit_encoder_budget(self, req, min(remaining, budget), encoder_budget,
+                                         encoder_budget == self.max_num_encoder_tokens)
             i += 1
             if n == 0:
                 continue  # its next media item waits for a step with encoder budget left
+            schedule_media(self, req, n, out)
             out.chunks.append((req, n))
             budget -= n
             encoder_budget -= cost
@@ -230,11 +214,12 @@ class Scheduler:
             self.block_manager.prefill_allocate(req)
             remaining = req.num_tokens - req.num_computed_tokens
             n = min(remaining, budget) if self.enable_chunked_prefill else remaining
-            n, cost = self._fit_encoder_budget(req, n, encoder_budget, encoder_budget == self.max_num_encoder_tokens)
+            n, cost = fit_encoder_budget(self, req, n, encoder_budget, encoder_budget == self.max_num_encoder_tokens)
             if n == 0:  # its first media item does not fit this step's encoder budget
                 self.block_manager.free_request(req)
                 break
             encoder_budget -= cost
+            schedule_media(self, req, n, out)
             self.waiting.popleft()
             self.running.append(req)
             req.status = RequestStatus.RUNNING
@@ -296,6 +281,7 @@ class Scheduler:
         for req, n in scheduler_output.chunks:
             if not req.spec_token_ids:  # a step with drafts commits what was accepted (below)
                 self.block_manager.commit_computed(req, n)
+            release_computed_media(self, req)
         indices, sampled = runner_output
         updates = []
         row = 0

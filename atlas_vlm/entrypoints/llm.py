@@ -170,6 +170,11 @@ class LLM:
             self._abort(pending)  # the caller stopped a stream early
             self.router.unregister(ids)
 
+    def reset_mm_cache(self) -> None:
+        """Drop the encoder outputs no running request needs (vLLM's ``LLM.reset_mm_cache``): the
+        next request with the same image or video runs the vision tower again."""
+        self.engine.reset_mm_cache()
+
     def embed(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
               use_tqdm: bool = True) -> list[RequestOutput]:
         """Embed one prompt or a list of prompts (vLLM's ``LLM.embed``), batched together

@@ -13,7 +13,7 @@ Adding a family = one folder + one ``ModelFamily`` line in ``FAMILIES`` + its te
   ``[tool.setuptools] packages`` in ``pyproject.toml``): its decoder when the shared one does
   not fit (``model.py``: a ``CausalLM`` subclass built from ``ModelArch``; hybrid families also
   expose ``state_spec()`` and ``num_kv_layers``), its vision tower (``vision.py``: a class with
-  ``from_hf_config(hf_config, state_dict, dtype=, device=)`` and ``encode_images(items)``),
+  ``from_hf_config(hf_config, state_dict, dtype=, device=)`` and ``encode(items)``),
   its media inputs (``inputs.py``: an ``engine.mm_inputs.MediaInputs`` subclass: prompt ids,
   placeholder ids, M-RoPE positions) and its hooks (``family.py``: a
   ``family_hooks.FamilyHooks`` subclass: released image-processor defaults and settings,

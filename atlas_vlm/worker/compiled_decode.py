@@ -223,8 +223,7 @@ class CompiledDecode:
         for req, n in chunks:
             if n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
                 return False
-            if req.mm_embeds is not None and any(
-                    r.offset <= req.num_computed_tokens < r.end for r in req.mm_positions):
+            if any(r.offset <= req.num_computed_tokens < r.end for r in req.mm_positions):
                 return False
         return True
 

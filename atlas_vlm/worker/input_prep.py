@@ -23,13 +23,14 @@ class ModelInput:
     mm_token_index: torch.Tensor | None  # [num_placeholder_tokens_in_step] flat token index of each row
 
 
-def mm_rows_for_chunk(ranges, embeds, start: int, end: int):
+def mm_rows_for_chunk(ranges, encoder_outputs, start: int, end: int):
     """Encoder rows that fall in tokens ``start .. end-1`` of one request.
 
     Args:
-        ranges: the request's ``PlaceholderRange`` list (offset, length, item_index,
+        ranges: the request's ``PlaceholderRange`` list (offset, length, content_hash,
             embed_offset), sorted by offset.
-        embeds: per media item ``[num_tokens_i, hidden]`` encoder rows (None: not needed).
+        encoder_outputs: mapping content hash -> that item's ``[num_tokens, columns]`` encoder
+            rows (the runner's ``encoder_outputs``).
 
     Returns:
         list of ``(first token index within the chunk, rows [n, hidden])``; a chunk boundary
@@ -43,7 +44,7 @@ def mm_rows_for_chunk(ranges, embeds, start: int, end: int):
     for r in ranges:
         lo, hi = max(start, r.offset), min(end, r.end)
         if lo < hi:
-            emb = embeds[r.item_index]
+            emb = encoder_outputs.get(r.content_hash)
             if emb is None:
                 raise ValueError(f"{r.modality} item {r.item_index} at tokens {r.offset}..{r.end - 1} has no encoder rows")
             first = r.embed_offset + lo - r.offset
@@ -68,7 +69,7 @@ def state_metadata(chunks, state_cache, device: torch.device | str = "cpu") -> S
 
 
 def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = False,
-                   attention_backend: str = "reference", state_cache=None) -> ModelInput:
+                   attention_backend: str = "reference", state_cache=None, encoder_outputs=None) -> ModelInput:
     """Flatten one step's work into model inputs.
 
     Args:
@@ -82,6 +83,11 @@ def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = Fal
         mrope: the model uses M-RoPE (positions ``[3, num_tokens]``).
         attention_backend: ``EngineConfig.attention_backend`` (the layout the metadata carries).
         state_cache: a hybrid model's ``StateCache``: ``meta.state`` is set (``state_metadata``).
+        encoder_outputs: content hash -> encoder rows of every media item the step's chunks
+            reach (``mm_rows_for_chunk``); None: no media in the step.
+
+    Raises:
+        ValueError: a chunk outside its request's tokens, or reaching media with no rows.
     """
     ids, positions, slots, tables, q_lens, c_lens = [], [], [], [], [], []
     logits_index, sampled, mm_rows, mm_index = [], [], [], []
@@ -103,8 +109,8 @@ def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = Fal
                 raise ValueError(f"request {req.request_id!r}: a chunk of {n} tokens cannot verify {k} drafts")
             logits_index.extend(range(base + n - 1 - k, base + n))
             sampled.extend([i] * (k + 1))
-        if req.mm_embeds is not None:
-            for offset, rows in mm_rows_for_chunk(req.mm_positions, req.mm_embeds, start, end):
+        if req.mm_positions:
+            for offset, rows in mm_rows_for_chunk(req.mm_positions, encoder_outputs or {}, start, end):
                 mm_rows.append(rows)
                 mm_index.extend(range(base + offset, base + offset + rows.shape[0]))
         base += n

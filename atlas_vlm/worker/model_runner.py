@@ -1,6 +1,6 @@
 """``ModelRunner``: owns the model weights, the KV cache, the vision tower and its encoder
-cache, and runs one batched forward per engine step. Scheduling and stopping rules live
-elsewhere."""
+outputs (rows by content hash, which the scheduler's ``EncoderCacheManager`` decides), and runs
+one batched forward per engine step. Scheduling and stopping rules live elsewhere."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from atlas_vlm.config import EngineConfig
 from atlas_vlm.layers.attention import resolve_attention_backend
 from atlas_vlm.layers.batch_invariant import enable_batch_invariance, tile_linears
 from atlas_vlm.layers.linear import can_pack, pack_linears
-from atlas_vlm.worker.encoder_cache import EncoderCache
 from atlas_vlm.worker.input_prep import ModelInput
 from atlas_vlm.worker.step_executors import (CompiledDecodeExecutor, DecodeStepExecutor, EagerExecutor,
                                              StepInputs)
@@ -170,7 +169,9 @@ class ModelRunner:
         self.executors: list = []
         self.compiled_decode, self.decode_step = compiled, c_step
         self.executor_steps: Counter[str] = Counter()  # executor name -> steps it ran
-        self.encoder_cache = EncoderCache(config.encoder_cache_tokens)  # content hash -> encoder rows
+        # content hash -> encoder rows [num_tokens, columns]; the scheduler's EncoderCacheManager says
+        # what to encode and what to drop (SchedulerOutput.encoder_inputs / freed_encoder_hashes)
+        self.encoder_outputs: dict[str, torch.Tensor] = {}
         self.num_encoder_runs = 0  # media items encoded (one per item not found in the cache)
         # Called after each forward as observer(chunks, inputs, logits, sampled), before any
         # request state moves on and before sampling (a test may write into ``logits`` to
@@ -178,34 +179,29 @@ class ModelRunner:
         self.observers: list[Callable[[list, ModelInput, torch.Tensor, list[int]], None]] = []
 
     @torch.inference_mode()
-    def encode_mm(self, req, start: int, end: int) -> None:
-        """Fill ``req.mm_embeds`` for every media item with a placeholder run in tokens
-        ``start .. end-1``: per item ``[num_tokens, hidden]`` (Qwen3-VL: with its DeepStack
-        columns), from the encoder cache or one tower call for all missing items. An item
-        whose tokens are all computed already (a prefix-cache hit covering it) needs no
-        features and stays ``None`` until a chunk (a recompute after preemption) reaches it.
+    def encode(self, encoder_inputs: dict | None = None, freed_encoder_hashes=()) -> None:
+        """Drop the rows of ``freed_encoder_hashes``, then encode ``encoder_inputs`` (content
+        hash -> media item) in one tower call and keep each item's rows ``[num_tokens,
+        columns]`` (Qwen3-VL: with its DeepStack columns) under its hash. Never touches a
+        request.
 
         Raises:
             ValueError: media sent to a model without a vision tower.
         """
-        if not req.mm_items:
+        self.drop_encoder_outputs(freed_encoder_hashes)
+        missing = [(h, item) for h, item in (encoder_inputs or {}).items() if h not in self.encoder_outputs]
+        if not missing:
             return
-        embeds = list(req.mm_embeds) if req.mm_embeds is not None else [None] * len(req.mm_items)
-        needed = sorted({r.item_index for r in req.mm_positions
-                         if r.offset < end and start < r.end and embeds[r.item_index] is None})
-        cache = self.encoder_cache
-        missing = list({req.mm_items[i].content_hash: req.mm_items[i] for i in needed
-                        if req.mm_items[i].content_hash not in cache}.values())
-        if missing:
-            if self.vision is None:
-                raise ValueError(f"this model has no vision tower; it cannot take {missing[0].modality} input")
-            for item, rows in zip(missing, self.vision.encode_images(missing)):
-                cache.put(item.content_hash, rows)
-                self.num_encoder_runs += 1
-        for i in needed:
-            cache.pin(req.mm_items[i].content_hash)
-            embeds[i] = cache.get(req.mm_items[i].content_hash)
-        req.mm_embeds = embeds
+        if self.vision is None:
+            raise ValueError(f"this model has no vision tower; it cannot take {missing[0][1].modality} input")
+        for (content_hash, _), rows in zip(missing, self.vision.encode([item for _, item in missing])):
+            self.encoder_outputs[content_hash] = rows
+            self.num_encoder_runs += 1
+
+    def drop_encoder_outputs(self, content_hashes) -> None:
+        """Forget the rows of these content hashes (evicted by the ``EncoderCacheManager``)."""
+        for content_hash in content_hashes:
+            self.encoder_outputs.pop(content_hash, None)
 
     def _executor(self, name: str):
         return next((e.impl for e in self.executors if e.name == name), None)
@@ -255,12 +251,16 @@ class ModelRunner:
             observe(chunks, inp, logits, inp.sampled)
         return logits, inp.sampled
 
-    def run(self, chunks, grammar_bitmask=None) -> tuple[list[int], SamplerOutput]:
-        """Forward plus sampling: the indices of the chunks that sampled a token (row order)
-        and the sampler's per-row tokens, logprobs and errors. ``grammar_bitmask``
-        (``structured_output.GrammarBitmask`` or None) constrains the rows of its requests.
+    def run(self, chunks, grammar_bitmask=None, encoder_inputs: dict | None = None,
+            freed_encoder_hashes=()) -> tuple[list[int], SamplerOutput]:
+        """Encoding (``encode``: the step's ``encoder_inputs`` and ``freed_encoder_hashes``
+        from the ``SchedulerOutput``), forward plus sampling: the indices of the chunks that
+        sampled a token (row order) and the sampler's per-row tokens, logprobs and errors.
+        ``grammar_bitmask`` (``structured_output.GrammarBitmask`` or None) constrains the rows
+        of its requests.
         A request with ``k`` speculative drafts has ``k + 1`` consecutive rows (greedy: argmax
         each; sampled: ``spec_decode.rejection``)."""
+        self.encode(encoder_inputs, freed_encoder_hashes)
         logits, sampled = self.forward_logits(chunks)
         reqs = [chunks[i][0] for i in sampled]
         masks = None

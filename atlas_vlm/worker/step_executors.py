@@ -38,14 +38,12 @@ class StepInputs:
 
     @cached_property
     def prepared(self) -> tuple[ModelInput, torch.Tensor, dict]:
-        """``(inp, x, mm)``: media features encoded into the requests, the batch's
-        ``ModelInput``, input embeddings ``x`` ``[num_tokens, hidden]`` and the decoder's extra
+        """``(inp, x, mm)``: the batch's ``ModelInput`` (media rows from the runner's
+        ``encoder_outputs``, by content hash), input embeddings ``x`` ``[num_tokens, hidden]`` and the decoder's extra
         keyword arguments (Qwen3-VL's DeepStack rows)."""
         r = self.runner
-        for req, n in self.chunks:
-            r.encode_mm(req, req.num_computed_tokens, req.num_computed_tokens + n)
-        r.encoder_cache.unpin_all()  # the step's rows are in its requests now
-        inp = prepare_inputs(self.chunks, r.device, r.mrope, r.attention_backend, r.state_cache)
+        inp = prepare_inputs(self.chunks, r.device, r.mrope, r.attention_backend, r.state_cache,
+                             r.encoder_outputs)
         x = r.model.embed(inp.input_ids, inp.mm_embeds, inp.mm_token_index)  # [num_tokens, hidden]
         mm = dict(mm_embeds=inp.mm_embeds, mm_token_index=inp.mm_token_index) \
             if getattr(r.model, "takes_mm_in_forward", False) else {}

@@ -1,19 +1,17 @@
-"""The multimodal core without weights: the encoder cache (bounded in rows, LRU, pinned
-entries kept) and the scheduler's encoder budget per step (vLLM v1's
-``encoder_compute_budget``): which chunk reaches which media item, for any modality."""
+"""The multimodal core without weights: placeholder ranges and the scheduler's encoder
+budget per step (vLLM v1's ``encoder_compute_budget``): which chunk reaches which media item, for any modality."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
-import torch
 
+from atlas_vlm.engine.encoder_cache_manager import EncoderCacheManager
 from atlas_vlm.engine.input_processor import placeholder_ranges
 from atlas_vlm.engine.scheduler import Scheduler
 from atlas_vlm.request import Request
-from atlas_vlm.worker.encoder_cache import EncoderCache
-from mm_kv_cache_management import BlockManager, PlaceholderRange
+from mm_kv_cache_management import BlockManager, PlaceholderRange, media_items
 
 pytestmark = pytest.mark.vlm
 
@@ -34,12 +32,17 @@ def request(rid: str, layout: list, rows=None) -> Request:
             ids += [IMG if part.modality == "image" else VID] * part.num_tokens
             items.append(part)
     ranges = placeholder_ranges(ids, items, {"image": IMG, "video": VID})
-    return Request(rid, ids, mm_positions=ranges, mm_items=items, max_tokens=4)
+    return Request(rid, ids, mm_features=media_items(ranges, items), max_tokens=4)
 
 
 def scheduler(budget: int, encoder_budget: int | None, encoded=()) -> Scheduler:
+    """A scheduler whose encoder cache already holds the items of ``encoded`` (hash -> rows)."""
+    manager = EncoderCacheManager(1000)
+    for content_hash, rows in dict(encoded).items():
+        manager.allocate("earlier", content_hash, rows)
+    manager.free("earlier")
     return Scheduler(BlockManager(256, 16), max_num_seqs=8, max_num_batched_tokens=budget,
-                     max_num_encoder_tokens=encoder_budget, is_encoded=set(encoded).__contains__)
+                     max_num_encoder_tokens=encoder_budget, encoder_cache=manager)
 
 
 def test_placeholder_ranges_one_run_per_image_and_many_per_qwen3_video():
@@ -57,6 +60,23 @@ def test_placeholder_ranges_one_run_per_image_and_many_per_qwen3_video():
         placeholder_ranges([1, IMG, IMG, IMG], [item("image", 4, "a")], {"image": IMG, "video": VID})
     with pytest.raises(ValueError, match="placeholder tokens"):
         placeholder_ranges([IMG, IMG, IMG], [item("image", 2, "a")], {"image": IMG, "video": VID})
+
+
+def test_a_request_holds_one_media_item_per_item_with_all_its_runs():
+    a, v = item("image", 3, "a"), item("video", 6, "v")
+    ids = [1, IMG, IMG, IMG, 1, VID, VID, VID, 1, 1, VID, VID, VID]  # the video: 2 groups of 3
+    req = Request("r", ids, mm_features=media_items(placeholder_ranges(ids, [a, v], {"image": IMG, "video": VID}),
+                                                    [a, v]))
+    got = [(f.modality, f.content_hash, f.num_tokens, [(r.offset, r.length) for r in f.ranges], f.data)
+           for f in req.mm_features]
+    assert got == [("image", "a", 3, [(1, 3)], a), ("video", "v", 6, [(5, 3), (10, 3)], v)]
+    assert [(r.offset, r.content_hash) for r in req.mm_positions] == [(1, "a"), (5, "v"), (10, "v")]
+    assert (req.mm_features[1].offset, req.mm_features[1].end) == (5, 13)
+    with pytest.raises(ValueError, match=r"media item 0 \(image, 4 tokens\) does not match its placeholder runs "
+                                         r"\(image, 3 tokens\)"):
+        media_items([PlaceholderRange(1, 3, "a")], [item("image", 4, "a")])
+    with pytest.raises(ValueError, match=r"placeholder runs name media items \[0, 1\] but the request has 1"):
+        media_items([PlaceholderRange(1, 3, "a"), PlaceholderRange(5, 2, "b", item_index=1)], [a])
 
 
 def test_a_chunk_stops_before_the_item_that_does_not_fit_the_encoder_budget():
@@ -80,7 +100,7 @@ def test_an_item_over_the_whole_budget_runs_alone_and_cached_items_cost_nothing(
     sched.update_from_output(out, ([0], sampled))  # big sampled one token
     out = sched.schedule()
     assert out.chunks == [(big, 1), (other, 8)]  # ... which runs in the next step (big decodes)
-    sched = scheduler(budget=1000, encoder_budget=16, encoded={"v"})
+    sched = scheduler(budget=1000, encoder_budget=16, encoded={"v": 64})
     big, other = request("big", [2, item("video", 64, "v")]), request("other", [3, item("image", 8, "i")])
     sched.add_request(big)
     sched.add_request(other)
@@ -92,25 +112,3 @@ def test_without_an_encoder_budget_only_tokens_bound_a_step():
     req = request("a", [5, item("image", 30, "i1"), 5, item("image", 30, "i2")])
     sched.add_request(req)
     assert sched.schedule().chunks == [(req, 50)]
-
-
-def test_encoder_cache_is_bounded_in_rows_and_keeps_pinned_entries():
-    cache = EncoderCache(capacity_tokens=10)
-    cache.put("a", torch.zeros(6, 2))
-    cache.put("b", torch.zeros(6, 2))
-    assert cache.num_rows == 12 and "a" in cache and "b" in cache  # both pinned during the step
-    cache.unpin_all()
-    assert "a" not in cache and "b" in cache and cache.num_rows == 6  # LRU first
-    cache.put("c", torch.zeros(3, 2))
-    cache.unpin_all()
-    cache.get("b")  # b most recently used
-    cache.put("d", torch.zeros(4, 2))
-    cache.unpin_all()
-    assert "c" not in cache and {"b", "d"} <= {k for k in ("b", "c", "d") if k in cache} and cache.num_rows == 10
-    with pytest.raises(ValueError, match="capacity must be an int >= 0"):
-        EncoderCache(-1)
-    empty = EncoderCache(0)
-    empty.put("x", torch.zeros(2, 2))
-    assert "x" in empty  # kept for the step that encoded it ...
-    empty.unpin_all()
-    assert "x" not in empty and len(empty) == 0  # ... and not after

@@ -9,7 +9,7 @@ import torch
 from atlas_vlm.worker.input_prep import mm_rows_for_chunk, prepare_inputs
 from atlas_vlm.layers.attention import build_attention_metadata
 from atlas_vlm.request import Request
-from mm_kv_cache_management import BlockTable, PlaceholderRange
+from mm_kv_cache_management import BlockTable, PlaceholderRange, media_items
 
 pytestmark = pytest.mark.text
 
@@ -144,7 +144,7 @@ def test_mm_rows_for_chunk_slices_across_boundaries():
     emb2 = 100 + torch.arange(4.0)[:, None].expand(4, 2)
 
     def rows(start, end):
-        return [(off, r[:, 0].tolist()) for off, r in mm_rows_for_chunk(spans, [emb1, emb2], start, end)]
+        return [(off, r[:, 0].tolist()) for off, r in mm_rows_for_chunk(spans, {"img1": emb1, "img2": emb2}, start, end)]
 
     assert rows(0, 3) == []
     assert rows(0, 8) == [(3, [0, 1, 2, 3, 4])]
@@ -160,14 +160,14 @@ def test_prepare_inputs_places_image_rows_of_a_split_image():
     spans = [PlaceholderRange(3, 10, "img1")]
     emb = torch.arange(10.0)[:, None].expand(10, 4)
     ids = list(range(16))
-    first = make_req("v", ids, [2], computed=0, mm_positions=spans, mm_embeds=[emb])
-    inp = prepare_inputs([(first, 8)])
+    first = make_req("v", ids, [2], computed=0, mm_features=media_items(spans))
+    inp = prepare_inputs([(first, 8)], encoder_outputs={"img1": emb})
     assert inp.mm_token_index.tolist() == [3, 4, 5, 6, 7]
     assert inp.mm_embeds[:, 0].tolist() == [0, 1, 2, 3, 4]
     assert inp.logits_index.tolist() == [] and inp.sampled == []
     other = make_req("t", range(6), [0], computed=4)
     first.num_computed_tokens = 8
-    inp = prepare_inputs([(other, 2), (first, 8)])
+    inp = prepare_inputs([(other, 2), (first, 8)], encoder_outputs={"img1": emb})
     assert inp.mm_token_index.tolist() == [2, 3, 4, 5, 6]  # tokens 8..12 of "v" at flat 2..6
     assert inp.mm_embeds[:, 0].tolist() == [5, 6, 7, 8, 9]
     assert inp.logits_index.tolist() == [1, 9]
@@ -181,10 +181,10 @@ def test_mm_rows_of_a_many_run_item_take_their_own_rows():
     emb = torch.arange(8.0)[:, None].expand(8, 3)
 
     def rows(start, end):
-        return [(off, r[:, 0].tolist()) for off, r in mm_rows_for_chunk(ranges, [emb], start, end)]
+        return [(off, r[:, 0].tolist()) for off, r in mm_rows_for_chunk(ranges, {"vid": emb}, start, end)]
 
     assert rows(0, 16) == [(2, [0, 1, 2, 3]), (9, [4, 5, 6, 7])]
     assert rows(4, 11) == [(0, [2, 3]), (5, [4, 5])]
     assert rows(11, 13) == [(0, [6, 7])]
     with pytest.raises(ValueError, match="video item 0 .* has no encoder rows"):
-        mm_rows_for_chunk(ranges, [None], 0, 4)
+        mm_rows_for_chunk(ranges, {}, 0, 4)

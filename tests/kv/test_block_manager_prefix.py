@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from helpers import compute_all, make_req, ref_counts, snapshot
-from mm_kv_cache_management import BlockManager, PlaceholderRange, NoFreeBlocksError, RequestState, block_hash
+from mm_kv_cache_management import (BlockManager, PlaceholderRange, NoFreeBlocksError, RequestState, block_hash,
+                                     media_items)
 
 pytestmark = pytest.mark.text
 
@@ -151,7 +152,7 @@ def test_hits_are_only_computed_blocks():
 def _image_request(rid: str, content_hash: str, offset: int, length: int, total: int) -> RequestState:
     pad = 151655  # <|image_pad|>
     ids = [10 + i for i in range(offset)] + [pad] * length + [500 + i for i in range(total - offset - length)]
-    return RequestState(rid, ids, mm_positions=[PlaceholderRange(offset, length, content_hash)])
+    return RequestState(rid, ids, mm_features=media_items([PlaceholderRange(offset, length, content_hash)]))
 
 
 def test_c12_different_images_on_same_pad_ids_never_share_a_block():

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from mm_kv_cache_management import BlockManager, PlaceholderRange, NoFreeBlocksError, RequestState
+from mm_kv_cache_management import BlockManager, PlaceholderRange, NoFreeBlocksError, RequestState, media_items
 
 pytestmark = pytest.mark.text
 
@@ -107,7 +107,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _admit(self, ids, spans, computed):
         length = len(ids)
         self.counter += 1
-        req = RequestState(f"r{self.counter}", ids, mm_positions=spans)
+        req = RequestState(f"r{self.counter}", ids, mm_features=media_items(spans))
 
         hashes = req.block_hashes(self.bs, length - 1)
         expected_hits = []

@@ -55,7 +55,7 @@ def test_images_and_video_frames_equal_hf(hf_tower, ours):
     batch = items()
     assert ours.tower_kind == "hf" and batch[-1].modality == "video" and batch[-1].grid_thw[0] > 1
     assert len({it.grid_thw for it in batch}) == len(batch)  # every item its own grid
-    got = ours.encode_images(batch)
+    got = ours.encode(batch)
     with torch.no_grad():
         for item, rows in zip(batch, got):
             ref = hf_tower(item.pixel_values, grid_thw=torch.tensor([item.grid_thw])).pooler_output
@@ -66,8 +66,8 @@ def test_images_and_video_frames_equal_hf(hf_tower, ours):
 
 def test_batched_call_equals_one_by_one(ours):
     batch = items()
-    together = ours.encode_images(batch)
-    alone = [ours.encode_images([it])[0] for it in batch]
+    together = ours.encode(batch)
+    alone = [ours.encode([it])[0] for it in batch]
     for a, b in zip(together, alone):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 

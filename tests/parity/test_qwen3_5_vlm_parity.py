@@ -81,7 +81,7 @@ def hf_reference(hf, p: ProcessedPrompt):
 def run_ours(model, tower, p: ProcessedPrompt, cuts: list[int]):
     """Prefill in chunks ending at ``cuts`` (then the prompt's end), then greedy decode:
     (prefill logits ``[n, vocab]``, tokens, logits of each sampled step)."""
-    embeds = tower.encode_images(p.mm_items) if p.mm_items else []
+    embeds = dict(zip([it.content_hash for it in p.mm_items], tower.encode(p.mm_items))) if p.mm_items else {}
     ids, positions = p.prompt_token_ids, p.mrope_positions.long()
     run = StepDriver(model, num_blocks=256, num_slots=1)
     run.add("a")
@@ -131,7 +131,7 @@ def test_chunked_prefill_cut_inside_an_image(setup):
     (span,) = p.mm_positions
     assert span.length > 20
     cuts = [span.offset + 5, span.offset + 17]
-    assert [len(rows) for _, rows in mm_rows_for_chunk(p.mm_positions, [torch.zeros(span.length, 1)],
+    assert [len(rows) for _, rows in mm_rows_for_chunk(p.mm_positions, {span.content_hash: torch.zeros(span.length, 1)},
                                                         cuts[0], cuts[1])] == [12]
     assert_parity(setup, p, cuts)
 

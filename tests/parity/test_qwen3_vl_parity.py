@@ -130,12 +130,12 @@ def test_prefix_and_encoder_cache_with_a_repeated_image(q3, hf, budget):
 
     # with the encoder cache emptied, a prefix hit covering the whole image needs no features:
     # the tower does not run, and the answer is still HF's
-    llm.engine.runner.encoder_cache.clear()
+    llm.engine.reset_mm_cache()
     third_c = conv(IMAGES / "chelsea.png", text=long_text + "Answer with a colour.")
     (out4,), rec4 = chat(llm, [third_c], N, SMALL)
     assert_matches_hf(llm, hf, third_c, out4, rec4, N, SMALL)
     assert llm.engine.runner.num_encoder_runs == 1
-    assert rec4.by_request[out4.request_id][0]["req"].mm_embeds == [None]
+    assert not llm.engine.runner.encoder_outputs  # nothing encoded for it, nothing kept
 
 
 @torch.no_grad()

@@ -223,7 +223,7 @@ def test_items_fill_hf_image_features_in_order(proc, hf):
     assert len(items) == 4  # 3 + 1 frames; HF pads the second video to 3
     with torch.no_grad():
         want = torch.cat(model.get_image_features(ref["pixel_values"], ref["pixel_attention_mask"]).pooler_output)
-    got = torch.cat(encoder.encode_images(items))
+    got = torch.cat(encoder.encode(items))
     assert got.shape == want.shape == (4 * SMOLVLM_SEQ_LEN, 32)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 

@@ -132,10 +132,10 @@ def test_encoder_takes_videos_as_hf_visual(tiny_models):
     grid = torch.tensor([video.grid_thw])
     with torch.no_grad():
         ref = hf.model.get_video_features(video.pixel_values, grid).pooler_output[0]
-    ours_video, ours_image = encoder.encode_images([video, image])
+    ours_video, ours_image = encoder.encode([video, image])
     assert ours_video.shape == (video.num_tokens, 64) and torch.equal(ours_video, ref)
     assert ours_image.shape[0] == image.num_tokens
-    fast_video, fast_image = fast.encode_images([video, image])  # the fast tower: HF's within 1e-4
+    fast_video, fast_image = fast.encode([video, image])  # the fast tower: HF's within 1e-4
     assert fast.tower_kind == "fast"
     torch.testing.assert_close(fast_video, ref, atol=1e-4, rtol=0)
     torch.testing.assert_close(fast_image, ours_image, atol=1e-4, rtol=0)

@@ -56,11 +56,11 @@ def test_batched_images_identical_to_hf_and_split(hf_model, encoder, images):
     grid = torch.tensor([im.grid_thw for im in images])  # [3 images, 3]
     with torch.no_grad():
         ref = hf_model.model.visual(pixel_values, grid_thw=grid).pooler_output
-    per_image = encoder.encode_images(images)
+    per_image = encoder.encode(images)
     assert [e.shape[0] for e in per_image] == [im.num_tokens for im in images]
     assert torch.equal(torch.cat(per_image), ref)
     with torch.no_grad():
-        alone = encoder.encode_images([images[1]])[0]
+        alone = encoder.encode([images[1]])[0]
     torch.testing.assert_close(alone, per_image[1], atol=1e-5, rtol=1e-5)
 
 

@@ -57,7 +57,7 @@ def test_tiny_towers_match_hf_fp32(tiny_models, family):
     ref, ours = _pair(hf.config.vision_config, hf.model.visual.state_dict(), torch.float32)
     images = [preprocess_image(load_image(IMAGES / n), max_pixels=64 * 28 * 28) for n in ("chelsea.png", "camera.png")]
     with torch.no_grad():
-        a, b = ref.encode_images(images), ours.encode_images(images)
+        a, b = ref.encode(images), ours.encode(images)
     assert [x.shape for x in a] == [x.shape for x in b] == [(im.num_tokens, 64) for im in images]
     for x, y in zip(a, b):
         torch.testing.assert_close(y, x, atol=1e-4, rtol=0)

@@ -154,7 +154,7 @@ class VisionEncoder(torch.nn.Module):
         return self.model(pixel_values, grid_thw=grid).pooler_output
 
     @torch.no_grad()
-    def encode_images(self, images: list[ProcessedImage]) -> list[torch.Tensor]:
+    def encode(self, images: list[ProcessedImage]) -> list[torch.Tensor]:
         """One ``[num_tokens_i, out_hidden_size]`` tensor per image, in one batched forward."""
         if not images:
             return []

@@ -56,8 +56,8 @@ class Qwen3_5VisionEncoder(VisionEncoder):
     """Qwen3.5 vision tower (HF ``Qwen3_5VisionModel``), loaded strictly from the
     checkpoint's ``visual.*`` weights (prefix stripped).
 
-    Loading, the grid check and ``encode_images`` are :class:`~atlas_vlm.models.qwen2_vl.vision.VisionEncoder`'s:
-    ``encode_images(items)`` takes ``ProcessedImage`` / ``ProcessedVideo`` items (pixel
+    Loading, the grid check and ``encode`` are :class:`~atlas_vlm.models.qwen2_vl.vision.VisionEncoder`'s:
+    ``encode(items)`` takes ``ProcessedImage`` / ``ProcessedVideo`` items (pixel
     rows ``[t*h*w, 3*2*16*16 = 1536]``) and returns one ``[num_tokens_i, out_hidden_size]``
     tensor per item, in one batched forward. Unlike Qwen3-VL's encoder there are no
     DeepStack columns: the width is the decoder's hidden size. HF's module runs as is

@@ -57,9 +57,9 @@ QWEN3_VL_CHAT_TEMPLATE = (
 class Qwen3VLVisionEncoder(VisionEncoder):
     """Qwen3-VL vision tower (HF ``Qwen3VLVisionModel``: patch embed with learned position
     embedding, ViT blocks, 2x2 merger, DeepStack mergers); loading, the grid check and
-    ``encode_images`` are :class:`~atlas_vlm.models.qwen2_vl.vision.VisionEncoder`'s.
+    ``encode`` are :class:`~atlas_vlm.models.qwen2_vl.vision.VisionEncoder`'s.
 
-    ``encode_images`` returns per image ``[num_tokens, out_hidden * (1 + K)]``: columns
+    ``encode`` returns per image ``[num_tokens, out_hidden * (1 + K)]``: columns
     ``[0, out_hidden)`` are the merged features that replace the ``<|image_pad|>``
     embeddings, columns ``[(1+k)*out_hidden, (2+k)*out_hidden)`` the DeepStack feature
     added after decoder layer ``k`` (K = ``len(deepstack_visual_indexes)``).

@@ -36,7 +36,7 @@ drops them.
 
 Tower items. Each frame is one :class:`SmolVLMVideoFrame` (``modality = "video"``): one
 ``image_seq_len`` run of ``<image>`` tokens, the same token as image tiles, filled in prompt
-order by HF's ``inputs_merger``; ``SmolVLMVisionEncoder.encode_images`` takes them with the
+order by HF's ``inputs_merger``; ``SmolVLMVisionEncoder.encode`` takes them with the
 image tiles.
 """
 

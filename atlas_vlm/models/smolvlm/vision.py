@@ -18,7 +18,7 @@ class SmolVLMVisionEncoder(torch.nn.Module):
     """SigLIP tower + pixel-shuffle connector of SmolVLM (HF ``SmolVLMVisionTransformer`` and
     ``SmolVLMConnector``); features computed by HF's own ``SmolVLMModel.get_image_features``.
 
-    ``encode_images(tiles)`` returns one ``[image_seq_len, text_hidden]`` tensor per tile.
+    ``encode(tiles)`` returns one ``[image_seq_len, text_hidden]`` tensor per tile.
     """
 
     get_image_features = SmolVLMModel.get_image_features  # HF's code, bound to this module
@@ -59,7 +59,7 @@ class SmolVLMVisionEncoder(torch.nn.Module):
         return next(self.parameters()).dtype
 
     @torch.no_grad()
-    def encode_images(self, tiles: list[SmolVLMTile]) -> list[torch.Tensor]:
+    def encode(self, tiles: list[SmolVLMTile]) -> list[torch.Tensor]:
         """One ``[image_seq_len, text_hidden]`` tensor per tile, in one batched forward."""
         if not tiles:
             return []
