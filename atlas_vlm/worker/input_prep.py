@@ -51,9 +51,10 @@ def mm_rows_for_chunk(ranges, embeds, start: int, end: int):
     return out
 
 
-def state_metadata(chunks, state_cache, device: torch.device | str = "cpu") -> StateMetadata:
-    """The step's ``StateMetadata`` (hybrid models): each chunk's request's state slot, and
-    whether the chunk continues a state (it does not start at token 0).
+def state_metadata(chunks, state_cache, device: torch.device | str = "cpu", snapshot_cache=None) -> StateMetadata:
+    """The step's ``StateMetadata`` (hybrid models): each chunk's request's state slot,
+    whether the chunk continues a state (it does not start at token 0), and, with a
+    ``snapshot_cache``, the snapshots each chunk writes (its request's ``snapshot_points``).
 
     Raises:
         ValueError: a request of the step holds no state slot (a bug upstream, never ignored).
@@ -61,14 +62,16 @@ def state_metadata(chunks, state_cache, device: torch.device | str = "cpu") -> S
     missing = [req.request_id for req, _ in chunks if req.state_slot is None]
     if missing:
         raise ValueError(f"requests {missing} hold no state slot; a hybrid model's step needs one per request")
+    snapshots = None if snapshot_cache is None else \
+        [[(k, slot) for k, slot, _ in getattr(req, "snapshot_points", ())] for req, _ in chunks]
     return StateMetadata(state_cache,
                          torch.tensor([req.state_slot for req, _ in chunks], dtype=torch.long, device=device),
                          torch.tensor([req.num_computed_tokens > 0 for req, _ in chunks], dtype=torch.bool,
-                                      device=device))
+                                      device=device), snapshots, snapshot_cache)
 
 
 def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = False,
-                   attention_backend: str = "reference", state_cache=None) -> ModelInput:
+                   attention_backend: str = "reference", state_cache=None, snapshot_cache=None) -> ModelInput:
     """Flatten one step's work into model inputs.
 
     Args:
@@ -82,6 +85,7 @@ def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = Fal
         mrope: the model uses M-RoPE (positions ``[3, num_tokens]``).
         attention_backend: ``EngineConfig.attention_backend`` (the layout the metadata carries).
         state_cache: a hybrid model's ``StateCache``: ``meta.state`` is set (``state_metadata``).
+        snapshot_cache: its ``StateSnapshotPool.storage`` (prefix caching on), or None.
     """
     ids, positions, slots, tables, q_lens, c_lens = [], [], [], [], [], []
     logits_index, sampled, mm_rows, mm_index = [], [], [], []
@@ -112,7 +116,7 @@ def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = Fal
         positions = [p if p.dim() == 2 else p[None].expand(3, -1) for p in positions]
     meta = build_attention_metadata(q_lens, c_lens, slots, tables, device, attention_backend)
     if state_cache is not None:
-        meta.state = state_metadata(chunks, state_cache, device)
+        meta.state = state_metadata(chunks, state_cache, device, snapshot_cache)
     return ModelInput(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.cat(positions, dim=-1).to(device),

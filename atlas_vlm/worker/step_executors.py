@@ -45,7 +45,9 @@ class StepInputs:
         for req, n in self.chunks:
             r.encode_mm(req, req.num_computed_tokens, req.num_computed_tokens + n)
         r.encoder_cache.unpin_all()  # the step's rows are in its requests now
-        inp = prepare_inputs(self.chunks, r.device, r.mrope, r.attention_backend, r.state_cache)
+        snapshots = getattr(r, "state_snapshots", None)
+        inp = prepare_inputs(self.chunks, r.device, r.mrope, r.attention_backend, r.state_cache,
+                             snapshots.storage if snapshots is not None else None)
         x = r.model.embed(inp.input_ids, inp.mm_embeds, inp.mm_token_index)  # [num_tokens, hidden]
         mm = dict(mm_embeds=inp.mm_embeds, mm_token_index=inp.mm_token_index) \
             if getattr(r.model, "takes_mm_in_forward", False) else {}
