@@ -2,16 +2,20 @@
 snapshots every 16 tokens, cache on gives the same greedy tokens as cache off and logits within
 1e-5, for a hit at a snapshot boundary, a shared prefix that ends between snapshots (the hit
 falls back to the earlier one), a batch of hits, under preemption, and after the snapshot was
-evicted with its block (a miss); and hits do happen (computed-from-cache tokens > 0)."""
+evicted with its block (a miss); and hits do happen (computed-from-cache tokens > 0, and the
+snapshot hits / queries in the engine stats and /metrics)."""
 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from atlas_vlm import LLM, SamplingParams
+from atlas_vlm.engine.async_llm import AsyncLLM
+from atlas_vlm.entrypoints.openai.metrics import _EngineCollector
 from mm_kv_cache_management import RequestState
 from qwen3_5_helpers import VOCAB, build_tiny_qwen3_5
 
@@ -82,6 +86,10 @@ def test_hits_at_and_between_snapshots_are_exact(folder, reference):
     pool = llm.engine.block_manager.state_snapshots
     assert (pool.hits, pool.queries) == (2, 3)
     assert_snapshots_have_their_blocks(llm)
+    front = SimpleNamespace(engine=llm.engine, stat_logger=None)  # what AsyncLLM snapshots after a step
+    AsyncLLM._snapshot(front, 0)
+    metrics = {m.name: m.samples[0].value for m in _EngineCollector(front).collect()}
+    assert (metrics["atlas:state_snapshot_hits"], metrics["atlas:state_snapshot_queries"]) == (2, 3)
 
 
 def test_a_batch_of_hits_is_exact(folder, reference):
