@@ -122,3 +122,38 @@ def test_a_snapshot_evicted_with_its_block_is_a_miss(folder, reference):
     (result,) = generate(llm, [B])
     assert result[2] == 0  # the miss: computed from token 0
     assert_exact(reference, [B], [result])
+
+
+def test_serve_flags_and_config_checks():
+    from atlas_vlm import EngineConfig
+    from atlas_vlm.entrypoints import cli
+    from atlas_vlm.entrypoints.openai.cli_args import engine_config_from_args
+
+    parse = cli.build_parser().parse_args
+    config = engine_config_from_args(parse(["serve", "m", "--max-state-snapshots", "3",
+                                            "--hybrid-snapshot-interval", "64"]))
+    assert (config.max_state_snapshots, config.hybrid_snapshot_interval) == (3, 64)
+    config = engine_config_from_args(parse(["serve", "m"]))
+    assert (config.max_state_snapshots, config.hybrid_snapshot_interval) == (16, 256)  # EngineConfig's defaults
+    with pytest.raises(ValueError, match="max_state_snapshots must be >= 0"):
+        EngineConfig(model="m", max_state_snapshots=-1)
+    with pytest.raises(ValueError, match="hybrid_snapshot_interval must be >= 1"):
+        EngineConfig(model="m", hybrid_snapshot_interval=0)
+
+
+def test_an_interval_off_the_block_size_is_refused_and_zero_snapshots_turn_caching_off(folder):
+    with pytest.raises(ValueError, match="hybrid_snapshot_interval must be a positive multiple of the block size"):
+        make_llm(folder, hybrid_snapshot_interval=18)
+    llm = make_llm(folder, max_state_snapshots=0)
+    assert not llm.engine.block_manager.enable_prefix_caching and llm.engine.runner.state_snapshots is None
+
+
+def test_reset_empties_the_snapshot_pool(folder):
+    llm = make_llm(folder)
+    generate(llm, [A])
+    pool = llm.engine.block_manager.state_snapshots
+    assert len(pool) == 2
+    llm.engine.reset()
+    assert llm.engine.block_manager.state_snapshots is pool and len(pool) == 0
+    (result,) = generate(llm, [B])
+    assert result[2] == 0
