@@ -115,7 +115,7 @@ def test_a_snapshot_evicted_with_its_block_is_a_miss(folder, reference):
     pool = llm.engine.block_manager.state_snapshots
     hashes = RequestState("a", A).block_hashes(4)
     assert len(pool) == 2 and hashes[3] in pool and hashes[7] in pool  # at 16 and 32
-    other = [random.Random(1).randrange(VOCAB) for _ in range(58)]  # 64 tokens with its output: every block of A evicted
+    other = [random.Random(1).randrange(VOCAB) for _ in range(58)]  # 64 tokens with its output: all of A evicted
     generate(llm, [other])
     assert_snapshots_have_their_blocks(llm)
     assert hashes[3] not in pool and hashes[7] not in pool  # A's snapshots at 16 and 32 went with their blocks

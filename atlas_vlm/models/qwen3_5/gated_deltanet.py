@@ -103,7 +103,7 @@ class GatedDeltaNet(nn.Module):
             points = state.snapshots[seqs[0]] if state is not None and state.snapshots and length > 1 else None
             mix = self._mix_snapshots if points else self._mix
             core = mix(seqs, qkv[rows].view(n, length, -1), b[rows].view(n, length, -1),
-                             a[rows].view(n, length, -1), state)  # [n, length, num_v_heads, head_v_dim]
+                       a[rows].view(n, length, -1), state)  # [n, length, num_v_heads, head_v_dim]
             out[rows] = core.reshape(n * length, self.value_dim)
         z = z.reshape(-1, self.head_v_dim)
         core = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(x.shape[0], self.value_dim)
@@ -143,7 +143,8 @@ class GatedDeltaNet(nn.Module):
         cores, prev = [], 0
         for end, slot in [*state.snapshots[i], (qkv.shape[1], None)]:
             if end > prev:
-                window = torch.cat([conv_state.to(weight.dtype), qkv[:, prev:end].transpose(1, 2).to(weight.dtype)], -1)
+                piece = qkv[:, prev:end].transpose(1, 2).to(weight.dtype)  # [1, conv_dim, end - prev]
+                window = torch.cat([conv_state.to(weight.dtype), piece], -1)
                 mixed = self.act(F.conv1d(window, weight, groups=self.conv_dim)).to(qkv.dtype).transpose(1, 2)
                 query, key, value = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
                 g = -self.A_log.float().exp() * F.softplus(a[:, prev:end].float() + self.dt_bias)
