@@ -16,6 +16,7 @@ import torch
 from atlas_vlm import LLM, SamplingParams
 from atlas_vlm.engine.async_llm import AsyncLLM
 from atlas_vlm.entrypoints.openai.metrics import _EngineCollector
+from atlas_vlm.worker.model_runner import KVBudgetError
 from mm_kv_cache_management import RequestState
 from qwen3_5_helpers import VOCAB, build_tiny_qwen3_5
 
@@ -141,11 +142,14 @@ def test_serve_flags_and_config_checks():
         EngineConfig(model="m", hybrid_snapshot_interval=0)
 
 
-def test_an_interval_off_the_block_size_is_refused_and_zero_snapshots_turn_caching_off(folder):
+def test_an_interval_off_the_block_size_or_a_pool_over_the_budget_is_refused_and_zero_turns_caching_off(folder):
     with pytest.raises(ValueError, match="hybrid_snapshot_interval must be a positive multiple of the block size"):
         make_llm(folder, hybrid_snapshot_interval=18)
     llm = make_llm(folder, max_state_snapshots=0)
     assert not llm.engine.block_manager.enable_prefix_caching and llm.engine.runner.state_snapshots is None
+    per_seq = llm.engine.runner.state_cache.spec.bytes_per_seq
+    with pytest.raises(KVBudgetError, match=rf"max_num_seqs=4 \+ max_state_snapshots=8 x {per_seq} bytes"):
+        make_llm(folder, kv_cache_memory=11 * per_seq)  # the slots fit, the snapshot pool does not
 
 
 def test_reset_empties_the_snapshot_pool(folder):
