@@ -22,13 +22,16 @@ __all__ = ["ImageProcessorSettings", "image_processor_settings", "RELEASED_DEFAU
 
 #: What the released checkpoints' ``preprocessor_config.json`` say, per ``model_type``
 #: (Qwen2-VL / Qwen2.5-VL: ``min_pixels`` 3136, ``max_pixels`` 12845056; Qwen3-VL:
-#: ``size`` ``{shortest_edge: 65536, longest_edge: 16777216}``, mean = std = 0.5).
+#: ``size`` ``{shortest_edge: 65536, longest_edge: 16777216}``, mean = std = 0.5; Qwen3.5 ships the
+#: same values: ``Qwen2VLImageProcessorFast``, patch 16, merge 2, as the family's published
+#: preprocessor_config.json, e.g. the Qwen3.6-27B copy in GitHub hualayn/ai-articles).
 RELEASED_DEFAULTS: dict[str, dict] = {
     "qwen2_vl": dict(min_pixels=56 * 56, max_pixels=28 * 28 * 16384, image_mean=tuple(OPENAI_CLIP_MEAN),
                      image_std=tuple(OPENAI_CLIP_STD)),
     "qwen2_5_vl": dict(min_pixels=56 * 56, max_pixels=28 * 28 * 16384, image_mean=tuple(OPENAI_CLIP_MEAN),
                        image_std=tuple(OPENAI_CLIP_STD)),
     "qwen3_vl": dict(min_pixels=65536, max_pixels=16777216, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5)),
+    "qwen3_5": dict(min_pixels=65536, max_pixels=16777216, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5)),
 }
 
 

@@ -140,7 +140,8 @@ def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
     the toy and the planner read and HF's Llama ignores."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from conftest import QWEN_VOCAB, qwen_tokenizer_dir
+    from mm_token_pipeline import qwen_tokenizer_dir
+    from tiny_vlms import QWEN_VOCAB
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=QWEN_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

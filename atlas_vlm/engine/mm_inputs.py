@@ -129,11 +129,17 @@ class QwenVLInputs(MediaInputs):
     ``second_per_grid_t * tokens_per_second``; Qwen3-VL writes timestamps in the prompt).
     """
 
+    #: model types whose video prompts carry ``<t seconds>`` per temporal group and whose
+    #: positions split each video grid per group: Qwen3-VL and Qwen3.5 (``AutoProcessor``
+    #: gives both ``Qwen3VLProcessor``; HF ``Qwen3_5Model.get_rope_index`` splits as Qwen3-VL's).
+    TIMESTAMPED_VIDEOS = ("qwen3_vl", "qwen3_5")
+
     def prompt_ids(self, p: dict) -> tuple[list[int], list]:
         from mm_token_pipeline import build_prompt_ids, preprocess_image
         from mm_token_pipeline.qwen3_vl import QWEN3_VL_CHAT_TEMPLATE
 
         family = self.hf_config.model_type
+        stamped = family in self.TIMESTAMPED_VIDEOS
         geometry = self.image_settings.preprocess_kwargs()
         items = []
         for modality, index, opts, medium in self.media(p):
@@ -162,8 +168,8 @@ class QwenVLInputs(MediaInputs):
                                          add_generation_prompt=q["add_generation_prompt"],
                                          continue_final_message=q["continue_final_message"],
                                          chat_template=q["chat_template"], chat_template_kwargs=template_kwargs,
-                                         default_template=QWEN3_VL_CHAT_TEMPLATE if family == "qwen3_vl" else None,
-                                         video_timestamps=family == "qwen3_vl"))  # Qwen3-VL: '<t seconds>' per group
+                                         default_template=QWEN3_VL_CHAT_TEMPLATE if stamped else None,
+                                         video_timestamps=stamped))  # Qwen3-VL, Qwen3.5: '<t seconds>' per group
 
         return render_with_tools(render, p), items  # a template without tools: the system-prompt fallback
 
@@ -211,7 +217,7 @@ class QwenVLInputs(MediaInputs):
                       vision_start_token_id=cfg.vision_start_token_id)
         if not videos:
             return get_rope_index(ids, images, **common)
-        if cfg.model_type == "qwen3_vl":
+        if cfg.model_type in self.TIMESTAMPED_VIDEOS:
             from mm_token_pipeline.qwen3_vl import get_rope_index_qwen3_vl
 
             return get_rope_index_qwen3_vl(ids, images, [v.grid_thw for v in videos],

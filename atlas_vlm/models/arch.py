@@ -13,7 +13,8 @@ __all__ = ["ModelArch", "SUPPORTED_ARCHITECTURES", "UnsupportedModelError", "rop
 QWEN3_VL_DEFAULT_MROPE_SECTION = (24, 20, 20)
 #: Qwen3.5's section when its config has none: HF ``Qwen3_5TextRotaryEmbedding``'s default.
 QWEN3_5_DEFAULT_MROPE_SECTION = (11, 11, 10)
-_INTERLEAVED_MROPE = {"qwen3_vl": QWEN3_VL_DEFAULT_MROPE_SECTION, "qwen3_5": QWEN3_5_DEFAULT_MROPE_SECTION}
+_INTERLEAVED_MROPE = {"qwen3_vl": QWEN3_VL_DEFAULT_MROPE_SECTION, "qwen3_5": QWEN3_5_DEFAULT_MROPE_SECTION,
+                      "qwen3_5_text": QWEN3_5_DEFAULT_MROPE_SECTION}
 
 
 def rope_parameters(hf_config) -> dict:

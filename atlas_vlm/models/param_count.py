@@ -1,7 +1,8 @@
 """Parameter counts from a transformers config alone (no weights, no model built).
 
 Scope: the decoder (Llama / Qwen2 / Qwen3 and the text side of Qwen2-VL, Qwen2.5-VL,
-Qwen3-VL, SmolVLM) and the vision towers of Qwen2-VL, Qwen2.5-VL, Qwen3-VL and SmolVLM
+Qwen3-VL, SmolVLM; Qwen3.5's in ``models.qwen3_5.param_count``) and the vision towers of
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and SmolVLM
 (SigLIP + pixel-shuffle connector). Each formula follows the module list of the HF
 modeling file (transformers 4.57.6) named beside it; tests compare every count with
 ``sum(p.numel())`` of the HF model built on the meta device from the same config.
@@ -55,7 +56,8 @@ def _linear(n_in: int, n_out: int, bias: bool = True) -> int:
 
 def _qwen_vision(v) -> int:
     """Qwen2-VL (``Qwen2VisionTransformerPretrainedModel``), Qwen2.5-VL
-    (``Qwen2_5_VisionTransformerPretrainedModel``), Qwen3-VL (``Qwen3VLVisionModel``)."""
+    (``Qwen2_5_VisionTransformerPretrainedModel``), Qwen3-VL (``Qwen3VLVisionModel``), Qwen3.5
+    (``Qwen3_5VisionModel``, transformers 5.25: Qwen3-VL's modules without the DeepStack mergers)."""
     kind = v.model_type.removesuffix("_vision")  # transformers 5 names the towers "<family>_vision"
     d = v.embed_dim if kind == "qwen2_vl" else v.hidden_size
     out = v.hidden_size if kind == "qwen2_vl" else v.out_hidden_size
@@ -71,14 +73,15 @@ def _qwen_vision(v) -> int:
         block = 2 * d + _linear(d, 3 * d) + _linear(d, d) + 2 * _linear(d, inter) + _linear(inter, d)  # RMSNorms, gated
         merger = d + _linear(d * m2, d * m2) + _linear(d * m2, out)
         return patch + v.depth * block + merger
-    if kind == "qwen3_vl":
+    if kind in ("qwen3_vl", "qwen3_5"):
         inter = v.intermediate_size
         patch += d  # Conv3d with bias
         pos = v.num_position_embeddings * d
         block = 2 * 2 * d + _linear(d, 3 * d) + _linear(d, d) + _linear(d, inter) + _linear(inter, d)
         fcs = _linear(d * m2, d * m2) + _linear(d * m2, out)
         merger = 2 * d + fcs  # LayerNorm before the 2x2 shuffle
-        deepstack = len(v.deepstack_visual_indexes) * (2 * d * m2 + fcs)  # LayerNorm after the shuffle
+        taps = len(getattr(v, "deepstack_visual_indexes", None) or ())  # Qwen3.5: none
+        deepstack = taps * (2 * d * m2 + fcs)  # LayerNorm after the shuffle
         return patch + pos + v.depth * block + merger + deepstack
     raise ValueError(f"no parameter count for vision tower {kind!r}")
 

@@ -70,8 +70,13 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",), ("qwen3_vl",),
                 model_cls="atlas_vlm.models.qwen3_vl:Qwen3VLForCausalLM", qkv_bias=None, qk_norm=True,
                 vision_tower="mm_token_pipeline.qwen3_vl:Qwen3VLVisionEncoder", **_QWEN_VL),
-    # vision tower / media inputs: built by another change; text-only (multimodal=False) until then
-    ModelFamily("qwen3_5", ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"), ("qwen3_5", "qwen3_5_text"),
+    # Qwen3.5 is hybrid (Gated DeltaNet + gated attention); its tower is Qwen3-VL's without DeepStack.
+    # The text-only Qwen3_5ForCausalLM checkpoint (a qwen3_5_text config, no vision_config) is its own
+    # line: the same decoder, no tower, no processor settings.
+    ModelFamily("qwen3_5", ("Qwen3_5ForConditionalGeneration",), ("qwen3_5",),
+                model_cls="atlas_vlm.models.qwen3_5:Qwen3_5ForCausalLM",
+                vision_tower="atlas_vlm.models.qwen3_5.vision:Qwen3_5VisionEncoder", **_QWEN_VL),
+    ModelFamily("qwen3_5_text", ("Qwen3_5ForCausalLM",), ("qwen3_5_text",),
                 model_cls="atlas_vlm.models.qwen3_5:Qwen3_5ForCausalLM", nested_text_config=True, mrope=True),
     ModelFamily("smolvlm", ("SmolVLMForConditionalGeneration",), ("smolvlm",),
                 nested_text_config=True, qkv_bias=None, multimodal=True, modalities=("image", "video"),
