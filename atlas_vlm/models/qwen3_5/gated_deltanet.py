@@ -9,10 +9,11 @@ Tokens arrive flattened across sequences (``meta.query_lens``, in order). Each s
 sees its own tokens: sequences with one new token (decode) run together as one batch of the
 recurrent rule; every longer one runs alone through the chunked rule. A sequence reads its
 conv and recurrent state from ``meta.state.cache`` at slot ``meta.state.slots[i]`` (zero when
-``has_initial_state[i]`` is False) and writes the final state back there (fp32). A prefill
-sequence with ``meta.state.snapshots[i]`` runs its chunk in pieces split at those points and
-also writes the state after each piece into its snapshot slot (prefix caching; exact up to
-fp32 rounding, as any chunked prefill).
+``has_initial_state[i]`` is False) and writes the final state back there (fp32).
+
+A prefill sequence with ``meta.state.snapshots[i]`` runs its chunk in pieces split at those
+points and also writes the state after each piece into its snapshot slot (prefix caching;
+exact up to fp32 rounding, as any chunked prefill).
 """
 
 from __future__ import annotations
@@ -100,10 +101,8 @@ class GatedDeltaNet(nn.Module):
         for seqs in groups:  # decode sequences as one batch, each prefill alone
             rows = torch.cat([torch.arange(starts[i], starts[i] + q_lens[i]) for i in seqs]).to(x.device)
             n, length = len(seqs), q_lens[seqs[0]]
-            points = state.snapshots[seqs[0]] if state is not None and state.snapshots and length > 1 else None
-            mix = self._mix_snapshots if points else self._mix
-            core = mix(seqs, qkv[rows].view(n, length, -1), b[rows].view(n, length, -1),
-                       a[rows].view(n, length, -1), state)  # [n, length, num_v_heads, head_v_dim]
+            core = self._mix(seqs, qkv[rows].view(n, length, -1), b[rows].view(n, length, -1),
+                             a[rows].view(n, length, -1), state)  # [n, length, num_v_heads, head_v_dim]
             out[rows] = core.reshape(n * length, self.value_dim)
         z = z.reshape(-1, self.head_v_dim)
         core = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(x.shape[0], self.value_dim)
@@ -113,6 +112,8 @@ class GatedDeltaNet(nn.Module):
         """Conv + gated delta rule for ``len(seqs)`` sequences of equal length ``L``:
         ``qkv`` ``[n, L, conv_dim]``, ``b``/``a`` ``[n, L, num_v_heads]`` -> ``[n, L, num_v_heads, head_v_dim]``."""
         n, length, _ = qkv.shape
+        if n == 1 and length > 1 and state is not None and state.snapshots and state.snapshots[seqs[0]]:
+            return self._mix_snapshots(seqs, qkv, b, a, state)  # a prefill that also snapshots its state
         conv_state, rec_state = self._read_state(seqs, state, qkv)
         weight = self.conv1d.weight  # [conv_dim, 1, kernel]
         window = torch.cat([conv_state.to(weight.dtype), qkv.transpose(1, 2).to(weight.dtype)], dim=-1)
