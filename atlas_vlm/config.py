@@ -60,6 +60,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens computed in one step (prefill chunks + decodes)
     enable_chunked_prefill: bool = True  # split long prompts across steps
     enable_prefix_caching: bool = True  # share computed full blocks by content hash
+    # hybrid models (Qwen3.5) under prefix caching: the linear-attention state is snapshotted every
+    # hybrid_snapshot_interval tokens (a multiple of kvcache_block_size) into a pool of
+    # max_state_snapshots (StateSpec.bytes_per_seq each, ~20 MB for Qwen3.5-0.8B, off the KV
+    # budget); a hit resumes from the last snapshot. 0 snapshots: prefix caching off for them
+    hybrid_snapshot_interval: int = 256
+    max_state_snapshots: int = 16
     dtype: str = "auto"  # "auto": bf16 on CUDA (fp16 without bf16) and on a CPU with AMX/AVX512-BF16, else fp32
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
     # "auto" (default): "decode_kernel" on CPU where the C decode kernel builds, else "bucketed";
@@ -138,6 +144,11 @@ class EngineConfig:
         for name in ("kvcache_block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.hybrid_snapshot_interval < 1:  # a multiple of the block size: checked with a hybrid model
+            raise ValueError(f"hybrid_snapshot_interval must be >= 1 (tokens), got {self.hybrid_snapshot_interval}")
+        if self.max_state_snapshots < 0:
+            raise ValueError(f"max_state_snapshots must be >= 0 (0: no prefix caching for hybrid models), "
+                             f"got {self.max_state_snapshots}")
         if self.num_threads is not None and (isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int)
                                              or self.num_threads < 1):
             raise ValueError(f"num_threads must be an int >= 1 or None (auto), got {self.num_threads!r}")

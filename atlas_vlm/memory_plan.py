@@ -12,7 +12,8 @@ with figures computed from the config. Figures, for a dtype of ``b`` bytes:
   model (``layer_types`` with ``"linear_attention"``: Qwen3.5) counts its full-attention layers
   only, and its state slots (``StateSpec.bytes_per_seq`` fp32 bytes per sequence, independent
   of length; ``mm_kv_cache_management.state_spec_from_config``) take ``max_num_seqs`` of them
-  off the budget first, as the engine allocates them.
+  off the budget first, as the engine allocates them, and its state snapshots (prefix caching:
+  ``max_state_snapshots`` more of the same size, ``state_snapshots.py``) with them.
 - vision activation peak at ``max_pixels``: see ``vision_activation_peak``.
 - KV budget (CUDA, ``num_kvcache_blocks=-1``): ``int(total * gpu_memory_utilization)``
   minus what is in use (weights + ``RUNTIME_OVERHEAD_BYTES``, measured by the engine) minus
@@ -171,6 +172,7 @@ class MemoryPlan:
         """Why no sequence fits (None when one does), in a user's terms."""
         if self.kv_budget_bytes == 0 or self.num_blocks == 0:
             state = f", {self.state_bytes / GiB:.2f} GiB of state slots (--max-num-seqs)" if self.state_slots else ""
+            state += f", {self.snapshot_bytes / GiB:.2f} GiB of state snapshots" if self.state_snapshots else ""
             return (f"does not fit: {self.gpu_memory / GiB:.2f} GiB x {self.gpu_memory_utilization} holds no KV block "
                     f"after {self.weight_bytes / GiB:.2f} GiB of weights{state} and the activation reserve "
                     "(a larger GPU, a smaller dtype or a smaller model)")
@@ -188,11 +190,17 @@ class MemoryPlan:
     kv_cache_dtype: str = "auto"  # K/V storage ("int8" / "fp8_e4m3": 8-bit codes + a 2-byte scale per head)
     state_bytes_per_seq: int = 0  # hybrid models: recurrent state of one sequence (any length); 0 otherwise
     state_slots: int = 0  # hybrid models: state slots allocated (the engine's max_num_seqs)
+    state_snapshots: int = 0  # hybrid models: snapshots of the prefix cache (max_state_snapshots)
 
     @property
     def state_bytes(self) -> int:
         """Bytes of all state slots, taken off ``kv_budget_bytes`` before the blocks."""
         return self.state_bytes_per_seq * self.state_slots
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes of the state-snapshot pool (hybrid prefix caching), off the budget with the slots."""
+        return self.state_bytes_per_seq * self.state_snapshots
 
     @property
     def blocks_per_seq(self) -> int:
@@ -211,7 +219,7 @@ def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_u
          block_size: int = 16, image_settings=None, quantization: str | None = None,
          video_seconds: float = 10.0, video_sampling: dict | None = None, video_fps: float | None = None,
          video_max_frames: int | None = None, video_frames: int | None = None,
-         kv_cache_dtype: str = "auto", max_num_seqs: int = 64) -> MemoryPlan:
+         kv_cache_dtype: str = "auto", max_num_seqs: int = 64, max_state_snapshots: int = 16) -> MemoryPlan:
     """Plan one model on one GPU (see the module docstring for every formula).
 
     Args:
@@ -229,6 +237,8 @@ def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_u
             byte per element plus a 2-byte scale per token and KV head).
         max_num_seqs: the engine's ``max_num_seqs`` (its default, 64): a hybrid model's state
             slots; its sequences held at once are at most that many.
+        max_state_snapshots: the engine's (default 16; 0: prefix caching off): a hybrid model's
+            state-snapshot pool, ``max_state_snapshots`` sequences' state more.
 
     Raises:
         ValueError: unknown ``dtype`` or ``quantization``, or a vision tower without a formula.
@@ -256,7 +266,9 @@ def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_u
     state = state_spec_from_config(text)
     slots = max_num_seqs if state is not None else 0
     state_per_seq = state.bytes_per_seq if state is not None else 0
-    blocks = num_kv_blocks(budget - slots * state_per_seq, spec, block_size) if budget >= slots * state_per_seq else 0
+    snaps = max_state_snapshots if state is not None else 0
+    off = (slots + snaps) * state_per_seq
+    blocks = num_kv_blocks(budget - off, spec, block_size) if budget >= off else 0
     length = max_model_len or min(text.max_position_embeddings, 4096)
     image_tokens = visual_tokens_per_image(hf_config, max_pixels) if vis else 0
     seqs = blocks // -(-length // block_size) if length >= image_tokens else 0
@@ -268,4 +280,5 @@ def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_u
     return MemoryPlan(model, b, weights, vis, peak, spec.bytes_per_token, spec.bytes_per_token * block_size,
                       block_size, gpu_memory, gpu_memory_utilization, budget, blocks, length, max_pixels,
                       image_tokens, seqs, source, video_seconds, frames, frame_pixels, video_tokens, quantization,
-                      usable, kv_cache_dtype=kv_cache_dtype, state_bytes_per_seq=state_per_seq, state_slots=slots)
+                      usable, kv_cache_dtype=kv_cache_dtype, state_bytes_per_seq=state_per_seq, state_slots=slots,
+                      state_snapshots=snaps)

@@ -80,6 +80,10 @@ def rows(results: dict) -> list[dict]:
         add("long chat evicted, asked again: re-prefill / disk-tier TTFT (issue 27)",
             kv["evicted_chat"]["speedup"], 3, "x")
         add("image + question after a restart: cold / restarted TTFT (issue 27)", kv["restart_image"]["speedup"], 5, "x")
+    hybrid = results.get("hybrid_prefix")
+    if hybrid:  # issue 25: prefix caching of hybrid models (state snapshots), exact
+        add("Qwen3.5 shared prefix + image, new question: miss / hit TTFT (issue 25)",
+            hybrid["speedup"] if hybrid["identical"] else 0.0, 3, "x")
     if vlm and "1024x28x28" in vlm:
         add("image TTFT at 1024*28*28 pixels: HF / ours", vlm["1024x28x28"]["speedup_hf_over_ours"], 1.3, "x")
     return out

@@ -15,6 +15,12 @@ With a ``state_cache`` (``StateCache``: a hybrid model's recurrent-state slots, 
 cache group beside the blocks, as vLLM v1's ``MambaSpec`` group), a request also takes one
 slot when it gets its blocks and gives it back with them: admission needs a free slot too, and
 every path that frees a request's blocks (finish, abort, preemption) frees its slot.
+
+Prefix caching for such a model needs ``state_snapshots`` (``StateSnapshotPool``: the state at
+every ``interval``-th token, keyed by the hash of the block ending there): a hit then stops at
+the last cached block that has a snapshot, which is copied into the request's fresh slot; the
+scheduler reserves the snapshots each prefill chunk crosses (``reserve_snapshots``), which
+become valid once their blocks are registered, and a block's eviction drops its snapshot.
 """
 
 from __future__ import annotations
@@ -48,16 +54,18 @@ class BlockManager:
             block_id) -> bool`` (``KVBlockTier``): a
             lower cache tier (disk) for registered blocks; needs prefix caching.
         state_cache: None, or the hybrid model's ``StateCache`` (its slots are handed out with
-            the blocks: ``RequestState.state_slot``); prefix caching must then be off (a hit
-            would skip tokens whose recurrent state is not stored).
+            the blocks: ``RequestState.state_slot``); prefix caching then needs ``state_snapshots``
+            (else a hit would skip tokens whose recurrent state is not stored).
+        state_snapshots: None, or the hybrid model's ``StateSnapshotPool`` (emptied here: a new
+            block manager has an empty prefix cache).
 
     Raises:
         ValueError: ``num_blocks`` or ``block_size`` below 1; a ``kv_tier`` without prefix
-            caching; a ``state_cache`` with prefix caching.
+            caching; a ``state_cache`` with prefix caching but no ``state_snapshots``.
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False,
-                 kv_tier=None, state_cache=None):
+                 kv_tier=None, state_cache=None, state_snapshots=None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}: the KV budget holds no block")
         if block_size < 1:
@@ -68,10 +76,13 @@ class BlockManager:
         if kv_tier is not None and not enable_prefix_caching:
             raise ValueError("a KV tier (kv_cache_dir) needs prefix caching on (enable_prefix_caching=True)")
         self.kv_tier = kv_tier
-        if state_cache is not None and enable_prefix_caching:
+        if state_cache is not None and enable_prefix_caching and state_snapshots is None:
             raise ValueError("a state cache (hybrid model) runs without prefix caching: a hit would skip "
                              "tokens whose recurrent state is not stored")
         self.state_cache = state_cache
+        self.state_snapshots = state_snapshots if enable_prefix_caching else None
+        if self.state_snapshots is not None:
+            self.state_snapshots.clear()
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU order
         self._cached: dict[bytes, int] = {}  # block hash -> block id
@@ -87,15 +98,20 @@ class BlockManager:
 
     # ---- prefix cache -------------------------------------------------------------------
     def _cache_hits(self, req: RequestState) -> list[int]:
-        """Block ids of the longest cached prefix; never covers the last prompt token (C11)."""
+        """Block ids of the longest cached prefix; never covers the last prompt token (C11).
+        With state snapshots: the longest that ends at a block with a snapshot (maybe none)."""
         if not self.enable_prefix_caching:
             return []
         hits = []
-        for h in req.block_hashes(self.block_size, req.num_tokens - 1):
+        hashes = req.block_hashes(self.block_size, req.num_tokens - 1)
+        for h in hashes:
             block_id = self._cached.get(h)
             if block_id is None:
                 break
             hits.append(block_id)
+        if self.state_snapshots is not None:
+            while hits and hashes[len(hits) - 1] not in self.state_snapshots:
+                hits.pop()
         return hits
 
     def cache_full_blocks(self, req: RequestState) -> None:
@@ -117,6 +133,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.block_hash is not None:  # evict from the prefix cache
             del self._cached[block.block_hash]
+            if self.state_snapshots is not None:  # a snapshot never outlives its block hash
+                self.state_snapshots.drop(block.block_hash)
             block.block_hash = None
         block.ref_count = 1
         return block_id
@@ -163,6 +181,12 @@ class BlockManager:
             self._touch(block_id)
         fresh = [self._take_free_block() for _ in range(self.num_blocks_needed(req.num_tokens) - len(hits))]
         num_hits = len(hits) + self._load_from_tier(req, len(hits), fresh)
+        if self.state_snapshots is not None:  # a hybrid's hit ends at a snapshot: its state, restored
+            self.state_snapshots.queries += 1
+            if hits:
+                self.state_snapshots.hits += 1
+                self.state_snapshots.restore(req.block_hashes(self.block_size)[len(hits) - 1], self.state_cache,
+                                             req.state_slot)
         num_cached = num_hits * self.block_size
         req.block_table = BlockTable(self.block_size, hits + fresh, num_tokens=num_cached)
         req.num_computed_tokens = req.num_cached_tokens = num_cached
@@ -232,6 +256,31 @@ class BlockManager:
         req.num_computed_tokens = end
         table.num_tokens = max(table.num_tokens, end)
         self.cache_full_blocks(req)
+        if self.state_snapshots is not None:  # the chunk's snapshots are written: valid once registered
+            for _, _, h in req.snapshot_points:
+                (self.state_snapshots.validate if h in self._cached else self.state_snapshots.discard)(h)
+            req.snapshot_points = []
+
+    def reserve_snapshots(self, chunks) -> None:
+        """Before a step's forward: for each ``(request, num_new_tokens)`` prefill chunk (two
+        tokens or more), a snapshot slot for every multiple of the pool's interval in
+        ``num_computed_tokens + 1 .. num_computed_tokens + num_new_tokens``, set as the request's
+        ``snapshot_points`` ``[(tokens into the chunk, slot, block hash)]`` (only boundaries not
+        snapshotted yet; none where the pool has no slot). Pending snapshots of an earlier step
+        that never committed are forgotten first. No-op without a snapshot pool."""
+        pool = self.state_snapshots
+        if pool is None:
+            return
+        pool.discard_pending()
+        for req, n in chunks:
+            start, points = req.num_computed_tokens, []
+            first = (start // pool.interval + 1) * pool.interval
+            for end in range(first, start + n + 1, pool.interval) if n > 1 else ():
+                h = req.block_hashes(self.block_size, end)[-1]
+                slot = pool.reserve(h)
+                if slot is not None:
+                    points.append((end - start, slot, h))
+            req.snapshot_points = points
 
     def free_uncomputed_tail(self, req: RequestState) -> int:
         """Give back the slots reserved past ``req.num_computed_tokens`` (speculative drafts

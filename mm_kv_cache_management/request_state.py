@@ -125,6 +125,9 @@ class RequestState:
     num_cached_tokens: int = 0  # prompt tokens served by prefix-cache hits at admission
     status: RequestStatus = RequestStatus.WAITING
     state_slot: int | None = None  # hybrid models: its ``StateCache`` slot while it holds blocks
+    # hybrid models with prefix caching: this step's state snapshots [(tokens into the chunk,
+    # snapshot slot, block hash)] (BlockManager.reserve_snapshots / commit_computed)
+    snapshot_points: list[tuple[int, int, bytes]] = field(default_factory=list)
     _block_hashes: list[bytes] = field(default_factory=list, repr=False)  # of full blocks
     _mm_runs: list[PlaceholderRange] = field(default_factory=list, repr=False)
 

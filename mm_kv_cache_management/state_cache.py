@@ -112,8 +112,14 @@ class StateMetadata:
     ``slots[i]`` is the slot sequence ``i`` reads and writes; ``has_initial_state[i]`` is False
     when sequence ``i`` starts at token 0 this step (its state is taken as zero, whatever the
     slot holds), True when it continues from the state its previous step left in the slot.
+
+    ``snapshots[i]``: ``[(k, snapshot slot)]``: after its ``k``-th new token of the step, sequence
+    ``i``'s state (every layer) is also written to that slot of ``snapshot_cache`` (prefix
+    caching of hybrid models, ``state_snapshots.py``); empty / None: no snapshot.
     """
 
     cache: StateCache
     slots: torch.Tensor  # [num_seqs] int64
     has_initial_state: torch.Tensor  # [num_seqs] bool
+    snapshots: list[list[tuple[int, int]]] | None = None  # per sequence, k ascending
+    snapshot_cache: StateCache | None = None  # StateSnapshotPool.storage

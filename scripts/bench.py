@@ -11,6 +11,7 @@
     python scripts/bench.py --chain --quick  # chain-size Q4_K_M / Q8_0 files vs llama.cpp (setup.sh --bench first)
     python scripts/bench.py --spec --kv      # speculative decoding on/off; 8-bit KV and the disk tier
     python scripts/bench.py --qwen35 --threads 1  # Qwen3.5 (scaled-down 0.8B shapes): 16 / 64 requests vs HF
+    python scripts/bench.py --hybrid-prefix  # Qwen3.5 prefix caching (state snapshots): hit vs miss TTFT, < 3 min
 
 Sections: --text (decode tok/s paged/contiguous vs HF generate and llama.cpp, against the
 bandwidth limit; a 2,048-token prefill vs the GEMM peak; KV waste), --quant (decode tok/s of
@@ -24,7 +25,9 @@ peak; VLM mix with prefix + encoder caches on vs off), --detok (output
 processing cost per token at the start and the end of a long output), --structured (grammar
 compile and mask time per library, 64 requests with a JSON schema vs unconstrained), --server (open-loop
 Poisson HTTP load on atlas-vlm serve and transformers serve, offline LLM.chat on the same
-requests; not part of the default run). --text/--vlm/--serve run every system in the
+requests; not part of the default run), --hybrid-prefix (a random scaled-down Qwen3.5 VLM, a
+~2,000-token system prompt + image shared: TTFT of a hit vs a miss, fp32, tokens compared; not
+part of the default run). --text/--vlm/--serve run every system in the
 ``--dtype`` (default: what ``dtype="auto"`` picks here, bf16 on a CPU with AMX/AVX512-BF16)
 and end with the issue-10 targets table. llama.cpp is optional (``bash scripts/setup.sh
 --bench`` builds llama-cpp-python; "not installed" otherwise). Logic: benchmarks/.
@@ -65,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--qwen35", action="store_true",
                    help="Qwen3.5 decode tok/s (random, 0.8B shapes scaled down): ours at 16 / 64 requests vs HF "
                         "generate one at a time; not part of the default run")
+    p.add_argument("--hybrid-prefix", action="store_true",
+                   help="Qwen3.5 prefix caching (state snapshots): TTFT of a hit vs a miss after a shared "
+                        "~2,000-token system prompt + image (random scaled-down model, fp32)")
     p.add_argument("--quick", action="store_true", help="smaller sizes for a smoke run")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="dtype of ours and the HF peers in --text/--vlm/--serve (auto: as LLM(dtype='auto') on "
@@ -75,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "with other work, 1 avoids OpenMP waits that slow small ops 10-100x")
     args = p.parse_args(argv)
     if not (args.text or args.vlm or args.video or args.serve or args.detok or args.server or args.replicas or args.quant
-            or args.structured or args.chain or args.spec or args.kv or args.qwen35):
+            or args.structured or args.chain or args.spec or args.kv or args.qwen35 or args.hybrid_prefix):
         args.text = args.vlm = args.serve = args.detok = args.quant = args.structured = args.chain = True
         args.spec = args.kv = True
     args.video = args.video or args.vlm
@@ -91,8 +97,8 @@ def main(argv=None) -> int:
     import torch
 
     from atlas_vlm import EngineConfig
-    from benchmarks import (chain, detokenize, kv_tiers, quant, qwen3_5, serve, server, spec_decode, structured, targets,
-                            text, video, vlm)
+    from benchmarks import (chain, detokenize, hybrid_prefix, kv_tiers, quant, qwen3_5, serve, server, spec_decode,
+                            structured, targets, text, video, vlm)
 
     replicas = None
     if args.replicas:
@@ -122,7 +128,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     for name, module in (("text", text), ("quant", quant), ("vlm", vlm), ("video", video), ("serve", serve), ("detok", detokenize),
                          ("structured", structured), ("chain", chain), ("spec", spec_decode), ("kv", kv_tiers),
-                         ("server", server), ("replicas", replicas), ("qwen35", qwen3_5)):
+                         ("server", server), ("replicas", replicas), ("qwen35", qwen3_5),
+                         ("hybrid_prefix", hybrid_prefix)):
         if getattr(args, name):
             kwargs = {"dtype": dtype} if name in ("text", "quant", "vlm", "video", "serve", "structured", "spec",
                                                   "kv", "qwen35") else {}

@@ -332,8 +332,10 @@ class AsyncLLM:
         sched, bm, tier = self.engine.scheduler, self.engine.block_manager, getattr(self.engine, "kv_tier", None)
         spec = sched.spec_decode_stats
         disk = (tier.disk.hits, tier.disk.misses, tier.disk.bytes_stored) if tier is not None else (0, 0, 0)
+        pool = getattr(bm, "state_snapshots", None)
         self.stats = EngineStats(len(sched.running), len(sched.waiting), bm.num_blocks, bm.num_free_blocks,
-                                 sched.num_preemptions, spec["drafts"], spec["proposed"], spec["accepted"], *disk)
+                                 sched.num_preemptions, spec["drafts"], spec["proposed"], spec["accepted"], *disk,
+                                 *((pool.queries, pool.hits) if pool is not None else (0, 0)))
         if self.stat_logger is not None and batch_size:
             self.stat_logger.on_step(self.stats, batch_size)
 

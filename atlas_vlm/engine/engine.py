@@ -47,21 +47,24 @@ def _locked(method):
     return wrapper
 
 
-def _check_hybrid(config: EngineConfig, model_name: str) -> bool:
-    """The options a hybrid model (recurrent-state layers) runs with: prefix caching off (a hit
-    would skip tokens whose recurrent state is not stored; one log line when it was asked for);
-    returns that (False).
+def _check_hybrid(config: EngineConfig, model_name: str, snapshots) -> bool:
+    """The options a hybrid model (recurrent-state layers) runs with; returns whether prefix
+    caching is on: only with a state-snapshot pool (``snapshots``, the runner's
+    ``state_snapshots``), else off (a hit would skip tokens whose recurrent state is not stored;
+    one log line when it was asked for).
 
     Raises:
         ValueError: speculative decoding (the recurrent state cannot roll back rejected drafts)
-            or ``kv_cache_dir`` (a tier below the prefix cache, which is off) asked for.
+            or ``kv_cache_dir`` (state snapshots do not spill to disk) asked for.
     """
     if config.speculative is not None:
         raise ValueError(f"speculative={config.speculative!r} cannot run {model_name}, a hybrid model: its "
                          "recurrent state cannot roll back rejected drafts yet; pass speculative=None")
     if config.kv_cache_dir is not None:
-        raise ValueError(f"kv_cache_dir cannot serve {model_name}, a hybrid model: it runs without prefix "
-                         "caching (the tier sits below it); unset kv_cache_dir")
+        raise ValueError(f"kv_cache_dir cannot serve {model_name}, a hybrid model: its recurrent-state "
+                         "snapshots are not kept on disk, so a disk hit could not resume; unset kv_cache_dir")
+    if snapshots is not None:
+        return True
     if config.enable_prefix_caching and config.kv_cache == "paged":
         log.info("prefix caching off for %s: a hybrid model's prefix hit would skip tokens whose recurrent "
                  "state is not stored", model_name)
@@ -95,12 +98,12 @@ class LLMEngine:
         state_cache = self.runner.state_cache  # hybrid models' recurrent-state slots (None otherwise)
         prefix_caching = config.enable_prefix_caching and config.kv_cache == "paged"
         if state_cache is not None:
-            prefix_caching = _check_hybrid(config, type(loaded.model).__name__)
+            prefix_caching = _check_hybrid(config, type(loaded.model).__name__, self.runner.state_snapshots)
         # the disk tier below the prefix cache (None without kv_cache_dir)
         self.kv_tier = build_kv_tier(config, loaded.model_dir, loaded.hf_config, self.runner)
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
                                           enable_prefix_caching=prefix_caching, kv_tier=self.kv_tier,
-                                          state_cache=state_cache)
+                                          state_cache=state_cache, state_snapshots=self.runner.state_snapshots)
         budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             budget = max(budget, self.max_model_len)
@@ -235,7 +238,7 @@ class LLMEngine:
             old.free_request(req)
         self.block_manager = BlockManager(old.num_blocks, old.block_size,
                                           enable_prefix_caching=old.enable_prefix_caching, kv_tier=old.kv_tier,
-                                          state_cache=old.state_cache)
+                                          state_cache=old.state_cache, state_snapshots=old.state_snapshots)
         sched = self.scheduler
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
                                    sched.enable_chunked_prefill, max_model_len=sched.max_model_len,

@@ -44,6 +44,10 @@ class EngineStats:
     disk_kv_hits: int = 0  # blocks loaded from the disk KV tier (kv_cache_dir) since start
     disk_kv_misses: int = 0  # disk KV tier lookups that found no valid block since start
     disk_kv_bytes: int = 0  # bytes of block files in kv_cache_dir (as this engine last saw them)
+    # hybrid models' prefix cache (StateSnapshotPool): admissions that looked up a state snapshot,
+    # and those restored from one (a hit), since start
+    state_snapshot_queries: int = 0
+    state_snapshot_hits: int = 0
 
 
 @dataclass

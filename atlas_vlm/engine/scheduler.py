@@ -200,6 +200,7 @@ class Scheduler:
             budget -= n
             encoder_budget -= cost
         if out.preempted:
+            self.block_manager.reserve_snapshots(out.chunks)
             return out
         skipped: list[Request] = []  # grammars still compiling: back at the front, in order
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -226,6 +227,7 @@ class Scheduler:
             out.chunks.append((req, n))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
+        self.block_manager.reserve_snapshots(out.chunks)  # hybrid + prefix caching: state snapshots to take
         return out
 
     # ---- after the forward ------------------------------------------------------------------

@@ -69,7 +69,8 @@ def plan_model(model: str, args, **overrides) -> MemoryPlan:
                   video_seconds=getattr(args, "video_seconds", 10.0), video_sampling=_video_sampling(folder),
                   video_fps=getattr(args, "fps", None), video_max_frames=getattr(args, "max_frames", None),
                   video_frames=getattr(args, "frames", None), kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-                  max_num_seqs=getattr(args, "max_num_seqs", 64))
+                  max_num_seqs=getattr(args, "max_num_seqs", 64),
+                  max_state_snapshots=getattr(args, "max_state_snapshots", 16))
     kwargs.update(overrides)
     p = plan(cfg, **kwargs)
     if p.image_tokens > p.max_model_len and kwargs["max_pixels"] is None and p.usable_max_pixels:
@@ -129,6 +130,9 @@ def format_plan(p: MemoryPlan) -> str:
         *([("state slots (hybrid)", f"{p.state_slots} (max_num_seqs) x {p.state_bytes_per_seq:,} bytes = "
             f"{p.state_bytes:,} bytes, off the KV budget first; per sequence, independent of its length")]
           if p.state_slots else []),
+        *([("state snapshots (hybrid)", f"{p.state_snapshots} (max_state_snapshots) x {p.state_bytes_per_seq:,} "
+            f"bytes = {p.snapshot_bytes:,} bytes, off the KV budget with the slots (prefix caching)")]
+          if p.state_snapshots else []),
         ("blocks (num_kvcache_blocks=-1)", f"{p.num_blocks:,} ({p.num_blocks * p.block_size:,} tokens)"),
         (f"sequences of L={p.max_model_len}", f"{p.max_num_seqs:,} at once ({p.blocks_per_seq} blocks each"
                                               + (", one image each" if p.image_tokens else "")
@@ -172,6 +176,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--block-size", type=int, default=16, help="kvcache_block_size")
     p.add_argument("--max-num-seqs", type=int, default=64,
                    help="as the engine's (default 64): a hybrid model's (Qwen3.5) state slots, one per running sequence")
+    p.add_argument("--max-state-snapshots", type=int, default=16,
+                   help="as the engine's (default 16; 0: prefix caching off): a hybrid model's state snapshots")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
                    help="as the engine's: auto (the dtype's bytes), int8 / fp8_e4m3 (1 byte + a 2-byte scale per "
                         "token and KV head); --matrix adds 'kv int8' rows when not given")
@@ -190,6 +196,8 @@ def run(args) -> int:
         raise ValueError(f"--video-seconds must be > 0 (seconds), got {seconds:g}")
     if getattr(args, "max_num_seqs", 64) < 1:
         raise ValueError(f"--max-num-seqs must be >= 1 (sequences), got {args.max_num_seqs}")
+    if getattr(args, "max_state_snapshots", 16) < 0:
+        raise ValueError(f"--max-state-snapshots must be >= 0, got {args.max_state_snapshots}")
     for flag, value in (("--fps", args.fps), ("--max-frames", args.max_frames), ("--frames", args.frames)):
         if value is not None and not value > 0:
             raise ValueError(f"{flag} must be > 0, got {value:g}")

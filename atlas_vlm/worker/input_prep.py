@@ -52,9 +52,10 @@ def mm_rows_for_chunk(ranges, encoder_outputs, start: int, end: int):
     return out
 
 
-def state_metadata(chunks, state_cache, device: torch.device | str = "cpu") -> StateMetadata:
-    """The step's ``StateMetadata`` (hybrid models): each chunk's request's state slot, and
-    whether the chunk continues a state (it does not start at token 0).
+def state_metadata(chunks, state_cache, device: torch.device | str = "cpu", snapshot_cache=None) -> StateMetadata:
+    """The step's ``StateMetadata`` (hybrid models): each chunk's request's state slot,
+    whether the chunk continues a state (it does not start at token 0), and, with a
+    ``snapshot_cache``, the snapshots each chunk writes (its request's ``snapshot_points``).
 
     Raises:
         ValueError: a request of the step holds no state slot (a bug upstream, never ignored).
@@ -62,14 +63,17 @@ def state_metadata(chunks, state_cache, device: torch.device | str = "cpu") -> S
     missing = [req.request_id for req, _ in chunks if req.state_slot is None]
     if missing:
         raise ValueError(f"requests {missing} hold no state slot; a hybrid model's step needs one per request")
+    snapshots = None if snapshot_cache is None else \
+        [[(k, slot) for k, slot, _ in getattr(req, "snapshot_points", ())] for req, _ in chunks]
     return StateMetadata(state_cache,
                          torch.tensor([req.state_slot for req, _ in chunks], dtype=torch.long, device=device),
                          torch.tensor([req.num_computed_tokens > 0 for req, _ in chunks], dtype=torch.bool,
-                                      device=device))
+                                      device=device), snapshots, snapshot_cache)
 
 
 def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = False,
-                   attention_backend: str = "reference", state_cache=None, encoder_outputs=None) -> ModelInput:
+                   attention_backend: str = "reference", state_cache=None, encoder_outputs=None,
+                   snapshot_cache=None) -> ModelInput:
     """Flatten one step's work into model inputs.
 
     Args:
@@ -85,6 +89,7 @@ def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = Fal
         state_cache: a hybrid model's ``StateCache``: ``meta.state`` is set (``state_metadata``).
         encoder_outputs: content hash -> encoder rows of every media item the step's chunks
             reach (``mm_rows_for_chunk``); None: no media in the step.
+        snapshot_cache: a hybrid's ``StateSnapshotPool.storage`` (prefix caching on), or None.
 
     Raises:
         ValueError: a chunk outside its request's tokens, or reaching media with no rows.
@@ -118,7 +123,7 @@ def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = Fal
         positions = [p if p.dim() == 2 else p[None].expand(3, -1) for p in positions]
     meta = build_attention_metadata(q_lens, c_lens, slots, tables, device, attention_backend)
     if state_cache is not None:
-        meta.state = state_metadata(chunks, state_cache, device)
+        meta.state = state_metadata(chunks, state_cache, device, snapshot_cache)
     return ModelInput(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.cat(positions, dim=-1).to(device),

@@ -24,6 +24,7 @@ from atlas_vlm.worker.sampler import SamplerOutput
 from atlas_vlm.spec_decode.rejection import sample_with_drafts  # worker.sampler.sample unless a sampled row has drafts
 from atlas_vlm.memory_plan import kv_cache_spec, num_kv_blocks
 from mm_kv_cache_management import ContiguousKVCache, PagedKVCache, StateCache, StateSpec
+from mm_kv_cache_management.state_snapshots import StateSnapshotPool
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,15 @@ def hybrid_state_spec(model) -> StateSpec | None:
     return model.state_spec()
 
 
+def num_state_snapshots(config: EngineConfig, model) -> int:
+    """Snapshots the state-snapshot pool of a hybrid ``model`` holds: ``max_state_snapshots``
+    when prefix caching can serve it (asked for, paged cache, no ``kv_cache_dir``: snapshots do
+    not spill to disk, and a model class with ``supports_state_snapshots``), else 0 (no pool:
+    prefix caching off for it)."""
+    on = config.enable_prefix_caching and config.kv_cache == "paged" and config.kv_cache_dir is None
+    return config.max_state_snapshots if on and getattr(model, "supports_state_snapshots", False) else 0
+
+
 class ModelRunner:
     """Runs the decoder (and the vision tower) for the engine.
 
@@ -77,7 +87,9 @@ class ModelRunner:
 
     A hybrid model (``hybrid_state_spec``) gets a ``StateCache`` of ``max_num_seqs`` slots
     (``state_cache``; None otherwise) under the same budget: state bytes first, KV blocks of
-    its ``num_kv_layers`` layers from the rest; its steps run eager (``meta.state`` set).
+    its ``num_kv_layers`` layers from the rest; its steps run eager (``meta.state`` set). With
+    prefix caching it also gets a ``StateSnapshotPool`` (``state_snapshots``, None otherwise;
+    ``num_state_snapshots``), whose bytes come off the budget with the slots.
 
     Raises:
         KVBudgetError: the budget holds no block (or, contiguous, no strip), or not the state slots.
@@ -125,14 +137,21 @@ class ModelRunner:
         max_pixels = engine_max_pixels(config, loaded.image_settings)  # the checkpoint's, engine options over it
         budget = kv_cache_budget_bytes(config, self.device, loaded.hf_config, max_pixels)
         self.state_cache, state_bytes = None, 0  # hybrid: one state slot per running sequence, first
+        self.state_snapshots = None  # hybrid + prefix caching: the state at block boundaries
         if state_spec is not None:
-            state_bytes = state_spec.bytes_per_seq * config.max_num_seqs
+            snaps = num_state_snapshots(config, self.model)
+            state_bytes = state_spec.bytes_per_seq * (config.max_num_seqs + snaps)
             if state_bytes > budget and config.num_kvcache_blocks == -1:  # explicit blocks: no budget to share
+                pool = f" + max_state_snapshots={snaps}" if snaps else ""
                 raise KVBudgetError(
                     f"KV budget of {budget} bytes cannot hold the state slots of this hybrid model: "
-                    f"max_num_seqs={config.max_num_seqs} x {state_spec.bytes_per_seq} bytes = {state_bytes} bytes; "
-                    "raise kv_cache_memory / gpu_memory_utilization or lower max_num_seqs")
+                    f"max_num_seqs={config.max_num_seqs}{pool} x {state_spec.bytes_per_seq} bytes = {state_bytes} "
+                    "bytes; raise kv_cache_memory / gpu_memory_utilization or lower max_num_seqs"
+                    + (" / max_state_snapshots" if snaps else ""))
             self.state_cache = StateCache(state_spec, config.max_num_seqs, device=self.device)
+            if snaps:
+                self.state_snapshots = StateSnapshotPool(state_spec, snaps, config.hybrid_snapshot_interval,
+                                                         self.block_size, device=self.device)
             budget -= state_bytes
         num_blocks = config.num_kvcache_blocks
         if num_blocks == -1:

@@ -42,8 +42,10 @@ class StepInputs:
         ``encoder_outputs``, by content hash), input embeddings ``x`` ``[num_tokens, hidden]`` and the decoder's extra
         keyword arguments (Qwen3-VL's DeepStack rows)."""
         r = self.runner
+        snapshots = getattr(r, "state_snapshots", None)
         inp = prepare_inputs(self.chunks, r.device, r.mrope, r.attention_backend, r.state_cache,
-                             r.encoder_outputs)
+                             encoder_outputs=r.encoder_outputs,
+                             snapshot_cache=snapshots.storage if snapshots is not None else None)
         x = r.model.embed(inp.input_ids, inp.mm_embeds, inp.mm_token_index)  # [num_tokens, hidden]
         mm = dict(mm_embeds=inp.mm_embeds, mm_token_index=inp.mm_token_index) \
             if getattr(r.model, "takes_mm_in_forward", False) else {}

@@ -51,7 +51,8 @@ def test_matrix_rows_by_hand(capsys):
         assert q8[2] == f"{kv // 2 // 256 * 258:,}" and q8[-1] == row[-1]  # 1-byte codes + a 2-byte scale per head
         p = plan_model(model, _args(), gpu_memory=24 * GiB, max_model_len=4096)
         assert p.state_bytes == 64 * state  # 64 slots (--max-num-seqs) off the budget first
-        blocks = max(0, (p.kv_budget_bytes - 64 * state) // (16 * kv))
+        assert p.snapshot_bytes == 16 * state  # and the prefix cache's 16 state snapshots (max_state_snapshots)
+        blocks = max(0, (p.kv_budget_bytes - (64 + 16) * state) // (16 * kv))
         assert row[11] == f"({blocks})" and p.num_blocks == blocks
         seqs = min(64, blocks // (4096 // 16))
         assert row[10].rstrip("*") == (str(seqs) if blocks else "-")

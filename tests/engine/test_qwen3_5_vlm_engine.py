@@ -111,7 +111,8 @@ def test_preemption_recomputes_the_images_and_the_state(q35):
 
 
 def test_a_repeated_image_is_encoded_once(q35):
-    """Prefix caching is off for a hybrid model, but the encoder cache still serves a repeated
+    """These ~50-token prompts end before the first state snapshot (every 256 tokens), so prefix
+    caching has no hit for this hybrid model, but the encoder cache still serves a repeated
     image: the second prompt runs no tower and still equals HF."""
     folder, hf = q35
     llm = make_llm(folder)

@@ -66,4 +66,10 @@ def test_planner_bytes_equal_the_engine_and_the_model_spec(tmp_path):
     p = plan(config, dtype="fp32", block_size=4, max_num_seqs=MAX_SEQS)
     assert p.state_bytes == runner.state_cache.conv.nbytes + runner.state_cache.recurrent.nbytes
     assert p.kv_bytes_per_token == runner.kv_cache.spec.bytes_per_token == 2 * 1 * 2 * 32 * 4  # 1 of 4 layers
-    assert runner.num_blocks == (budget - p.state_bytes) // p.kv_bytes_per_block
+    pool = runner.state_snapshots  # prefix caching on: the snapshot pool, off the budget with the slots
+    assert p.snapshot_bytes == pool.nbytes == 16 * p.state_bytes_per_seq
+    assert runner.num_blocks == (budget - p.state_bytes - p.snapshot_bytes) // p.kv_bytes_per_block
+    off = plan(config, dtype="fp32", block_size=4, max_num_seqs=MAX_SEQS, max_state_snapshots=0)
+    runner = make_llm(folder, kv_cache_memory=budget, max_state_snapshots=0).engine.runner  # no pool, no prefix cache
+    assert off.snapshot_bytes == 0 and runner.state_snapshots is None
+    assert runner.num_blocks == (budget - off.state_bytes) // off.kv_bytes_per_block

@@ -107,6 +107,11 @@ def add_engine_args(p) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens computed per step")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--max-state-snapshots", type=int, default=16,
+                   help="hybrid models (Qwen3.5) with prefix caching: recurrent-state snapshots kept (one is "
+                        "StateSpec.bytes_per_seq, ~20 MB for Qwen3.5-0.8B; 0: prefix caching off; docs/kv-cache.md)")
+    p.add_argument("--hybrid-snapshot-interval", type=int, default=256,
+                   help="hybrid models: tokens between state snapshots (a multiple of --block-size)")
     add_kv_cache_dir_args(p)
     p.add_argument("--max-pixels", type=int, default=None, help="per-image pixel bound after resize")
     p.add_argument("--min-pixels", type=int, default=None, help="per-image lower pixel bound after resize")
@@ -141,6 +146,8 @@ def engine_config_from_args(args):
                   num_speculative_tokens=getattr(args, "num_speculative_tokens", None),
                   speculative_disable_by_batch_size=getattr(args, "speculative_disable_by_batch_size", 2),
                   deterministic=getattr(args, "deterministic", False),
+                  max_state_snapshots=getattr(args, "max_state_snapshots", 16),
+                  hybrid_snapshot_interval=getattr(args, "hybrid_snapshot_interval", 256),
                   limit_request_pixels=True)  # a request may lower the server's image bounds, never raise them
     for name in ("kv_cache_memory", "max_pixels", "min_pixels"):
         if getattr(args, name) is not None:

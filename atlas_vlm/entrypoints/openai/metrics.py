@@ -52,6 +52,10 @@ class _EngineCollector:
             ("atlas:spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_decode_num_draft_tokens),
             ("atlas:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_decode_num_accepted_tokens),
             ("atlas:kv_cache_disk_hits", "KV blocks loaded from the disk tier (kv_cache_dir).", s.disk_kv_hits),
+            ("atlas:state_snapshot_queries", "Admissions of a hybrid model's request (Qwen3.5) that looked up a "
+             "recurrent-state snapshot (prefix caching).", s.state_snapshot_queries),
+            ("atlas:state_snapshot_hits", "Of those, admissions resumed from a snapshot (a prefix-cache hit).",
+             s.state_snapshot_hits),
             ("atlas:kv_cache_disk_misses", "Disk-tier lookups (one per admission that reached it) that found "
              "no valid block.", s.disk_kv_misses),
         ]

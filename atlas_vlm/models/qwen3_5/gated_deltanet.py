@@ -12,6 +12,10 @@ conv, rule and state update in one call, the same answer); every longer one runs
 through the chunked rule. A sequence reads its
 conv and recurrent state from ``meta.state.cache`` at slot ``meta.state.slots[i]`` (zero when
 ``has_initial_state[i]`` is False) and writes the final state back there (fp32).
+
+A prefill sequence with ``meta.state.snapshots[i]`` runs its chunk in pieces split at those
+points and also writes the state after each piece into its snapshot slot (prefix caching;
+exact up to fp32 rounding, as any chunked prefill).
 """
 
 from __future__ import annotations
@@ -133,6 +137,8 @@ class GatedDeltaNet(nn.Module):
         """Conv + gated delta rule for ``len(seqs)`` sequences of equal length ``L``:
         ``qkv`` ``[n, L, conv_dim]``, ``b``/``a`` ``[n, L, num_v_heads]`` -> ``[n, L, num_v_heads, head_v_dim]``."""
         n, length, _ = qkv.shape
+        if n == 1 and length > 1 and state is not None and state.snapshots and state.snapshots[seqs[0]]:
+            return self._mix_snapshots(seqs, qkv, b, a, state)  # a prefill that also snapshots its state
         conv_state, rec_state = self._read_state(seqs, state, qkv)
         weight = self.conv1d.weight  # [conv_dim, 1, kernel]
         window = torch.cat([conv_state.to(weight.dtype), qkv.transpose(1, 2).to(weight.dtype)], dim=-1)
@@ -152,6 +158,33 @@ class GatedDeltaNet(nn.Module):
             state.cache.conv[self.state_layer, slots] = window[..., -(self.kernel - 1):].to(state.cache.conv.dtype)
             state.cache.recurrent[self.state_layer, slots] = final.to(state.cache.recurrent.dtype)
         return core
+
+    def _mix_snapshots(self, seqs: list[int], qkv, b, a, state) -> torch.Tensor:
+        """``_mix`` for one prefill sequence (``seqs == [i]``) that snapshots its state: the
+        chunk is split after each ``k`` of ``state.snapshots[i]``; the state after a piece goes
+        to its snapshot slot of ``state.snapshot_cache`` and seeds the next piece."""
+        (i,) = seqs
+        conv_state, rec_state = self._read_state(seqs, state, qkv)
+        weight, width = self.conv1d.weight, self.kernel - 1
+        cores, prev = [], 0
+        for end, slot in [*state.snapshots[i], (qkv.shape[1], None)]:
+            if end > prev:
+                piece = qkv[:, prev:end].transpose(1, 2).to(weight.dtype)  # [1, conv_dim, end - prev]
+                window = torch.cat([conv_state.to(weight.dtype), piece], -1)
+                mixed = self.act(F.conv1d(window, weight, groups=self.conv_dim)).to(qkv.dtype).transpose(1, 2)
+                query, key, value = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+                g = -self.A_log.float().exp() * F.softplus(a[:, prev:end].float() + self.dt_bias)
+                core, rec_state = torch_chunk_gated_delta_rule(
+                    query.reshape(1, end - prev, -1, self.head_k_dim), key.reshape(1, end - prev, -1, self.head_k_dim),
+                    value.reshape(1, end - prev, -1, self.head_v_dim), g=g, beta=b[:, prev:end].sigmoid(),
+                    initial_state=rec_state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+                conv_state = window[..., -width:].float()
+                cores.append(core)
+                prev = end
+            target, dst = (state.snapshot_cache, slot) if slot is not None else (state.cache, int(state.slots[i]))
+            target.conv[self.state_layer, dst] = conv_state[0].to(target.conv.device, target.conv.dtype)
+            target.recurrent[self.state_layer, dst] = rec_state[0].to(target.recurrent.device, target.recurrent.dtype)
+        return torch.cat(cores, dim=1)
 
     def _read_state(self, seqs: list[int], state, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Conv state ``[n, conv_dim, kernel - 1]`` and recurrent state

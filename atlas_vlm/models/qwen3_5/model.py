@@ -120,6 +120,8 @@ class Qwen3_5ForCausalLM(nn.Module):
             HF ignores), names without the ``mtp.`` prefix, dtype as stored; kept for
             speculative decoding.
         quantizable: False: ``load_model(quantization=...)`` refuses Qwen3.5 for now.
+        supports_state_snapshots: True: its linear-attention layers write
+            ``meta.state.snapshots`` (so prefix caching can serve it, ``state_snapshots.py``).
 
     Args:
         arch: hyper-parameters (``ModelArch.from_hf_config`` of a Qwen3.5 config).
@@ -131,6 +133,7 @@ class Qwen3_5ForCausalLM(nn.Module):
     """
 
     quantizable = False
+    supports_state_snapshots = True
 
     def __init__(self, arch: ModelArch, text_config):
         super().__init__()
