@@ -194,6 +194,10 @@ def test_bad_pairs_are_refused_by_name_before_any_work(pairs, tmp_path, monkeypa
         (mmproj, mmproj, rf"model GGUF {mmproj} is an mmproj file"),
         (model, _fake_mmproj(tmp_path / "wide.gguf", "qwen2.5vl_merger", 128),
          r"projects to width 128, but model GGUF .* has hidden size 64: the mmproj belongs to another model"),
+        (model, pairs["qwen3_vl"]["f32"][1],  # a Qwen3-VL tower with a Qwen2.5-VL decoder of the same width
+         r"has architecture 'qwen2vl', but mmproj .* is a qwen3_vl tower, whose language model llama.cpp writes "
+         r"as 'qwen3vl'"),
+        (pairs["smolvlm"]["f32"][0], mmproj, r"has architecture 'llama', but mmproj .* is a qwen2_5_vl tower"),
         (model, _fake_mmproj(tmp_path / "gemma.gguf", "gemma3", 64),
          r"has projector type 'gemma3'; supported: idefics3, qwen2.5vl_merger, qwen2vl_merger, qwen3vl_merger "
          r"\(Qwen2-VL, Qwen2.5-VL, Qwen3-VL, SmolVLM2\)"),
