@@ -44,8 +44,8 @@ class Idefics3Pair:
         return dict(text, model_type="llama")
 
     def vision_config(self, mm) -> dict:
-        """HF ``SmolVLMVisionConfig`` fields from the ``clip.vision.*`` keys; also
-        ``scale_factor`` (the top-level config's), popped by the caller."""
+        """HF ``SmolVLMVisionConfig`` fields from the ``clip.vision.*`` keys (``top_config``
+        gives the top-level ``scale_factor``)."""
         return dict(hidden_size=int(field(mm, "clip.vision.embedding_length")),
                     intermediate_size=int(field(mm, "clip.vision.feed_forward_length")),
                     num_hidden_layers=int(field(mm, "clip.vision.block_count")),
@@ -60,7 +60,9 @@ class Idefics3Pair:
 
     def save_processor(self, tmp: Path, mm, config, tokenizer, released: dict | None) -> None:
         """``SmolVLMProcessor`` (image + video processors, ``image_seq_len``, the model GGUF's
-        chat template) saved to ``tmp``.
+        chat template) saved to ``tmp``, and the image processor alone as
+        ``preprocessor_config.json``. ``released`` is unused (the family states no defaults:
+        the mmproj holds every image setting).
 
         Raises:
             ValueError: the tile is not a whole number of patches, or ``image_seq_len`` would be 0.

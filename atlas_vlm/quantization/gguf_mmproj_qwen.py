@@ -24,7 +24,7 @@ import torch
 
 from atlas_vlm.quantization.gguf_mmproj_names import TensorTaker, f32, field
 
-__all__ = ["QwenVLPair"]
+__all__ = ["QwenVLPair", "QWEN2_VL", "QWEN2_5_VL", "QWEN3_VL"]
 
 _BLOCK = {"attn_out": "attn.proj", "ln1": "norm1", "ln2": "norm2"}
 # per tower kind: the MLP names (llama.cpp -> HF), RMSNorms (weight only) or LayerNorms
