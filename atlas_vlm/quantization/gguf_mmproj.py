@@ -1,19 +1,18 @@
 """VLM GGUF pairs: llama.cpp's language-model GGUF plus its ``mmproj`` GGUF (``--mmproj``).
 
-llama.cpp's converter (``convert_hf_to_gguf.py``, ``conversion/qwenvl.py``) writes a Qwen2-VL /
-Qwen2.5-VL checkpoint as two files: the decoder under ``general.architecture`` ``qwen2vl``
-(M-RoPE sections in ``qwen2vl.rope.dimension_sections``) and the vision tower under ``clip``
-(``clip.projector_type`` ``qwen2vl_merger`` / ``qwen2.5vl_merger``, ``v.*`` / ``mm.*`` tensors,
-q/k/v split, the Conv3D patch embedding split in its two temporal halves ``v.patch_embd.weight``
-and ``.weight.1``). :func:`gguf_pair_folder` turns such a pair back into an HF folder the loader
-reads as any other: ``config.json`` from both headers, the tokenizer and chat template from the
-model GGUF, ``preprocessor_config.json`` from the ``clip.vision.*`` keys, the tower's tensors
-under their HF names (:mod:`atlas_vlm.quantization.gguf_mmproj_names`), and, for a dense load,
-the decoder dequantized (``quantization="gguf"`` keeps it as stored instead).
-
-Values the mmproj header does not hold are the released checkpoints' (Qwen2.5-VL
-``window_size`` 112 and ``tokens_per_second`` 2; spatial merge 2; the processor's
-``min_pixels`` / ``max_pixels``: the family's ``FamilyHooks.processor_defaults``).
+llama.cpp's converter (``convert_hf_to_gguf.py --mmproj``) writes a VLM as two files: the
+decoder under its own ``general.architecture`` (``qwen2vl``: Qwen2-VL / Qwen2.5-VL, with M-RoPE
+sections in ``qwen2vl.rope.dimension_sections``; ``qwen3vl``: Qwen3-VL; ``llama``: SmolVLM2) and
+the vision tower under ``clip`` (``clip.projector_type`` ``qwen2vl_merger`` / ``qwen2.5vl_merger``
+/ ``qwen3vl_merger`` / ``idefics3``, ``v.*`` / ``mm.*`` tensors). :func:`gguf_pair_folder` turns
+such a pair back into an HF folder the loader reads as any other: ``config.json`` from both
+headers, the tokenizer and chat template from the model GGUF, the processor from the
+``clip.vision.*`` keys, the tower's tensors under their HF names, and, for a dense load, the
+decoder dequantized (``quantization="gguf"`` keeps it as stored instead). What is each
+projector's own (its tower's names, ``vision_config``, processor, image tokens) lives in
+:mod:`atlas_vlm.quantization.gguf_mmproj_qwen` and :mod:`atlas_vlm.quantization.gguf_mmproj_idefics3`
+(``PAIRS``); the family's released processor defaults come from its hooks
+(``FamilyHooks.processor_defaults``).
 """
 
 from __future__ import annotations
@@ -22,49 +21,29 @@ import hashlib
 from pathlib import Path
 
 from atlas_vlm.models.registry import get_family
-from atlas_vlm.quantization.gguf_mmproj_names import GATED_TOWER, check_pair, field, text_state_dict, vision_state_dict
+from atlas_vlm.quantization.gguf_mmproj_idefics3 import IDEFICS3
+from atlas_vlm.quantization.gguf_mmproj_names import check_pair, f32, field, text_state_dict
+from atlas_vlm.quantization.gguf_mmproj_qwen import QWEN2_5_VL, QWEN2_VL, QWEN3_VL
 
-__all__ = ["GGUF_PAIR_VERSION", "gguf_pair_folder"]
+__all__ = ["GGUF_PAIR_VERSION", "PAIRS", "gguf_pair_folder"]
 
-GGUF_PAIR_VERSION = "v1"  # part of the cache key: bump when the folder's content changes
-
-
-def _f32(x) -> float:
-    """A header float32 as the shortest decimal that rounds to it (1e-05, not 9.9999997e-06)."""
-    import numpy as np
-
-    return float(str(np.float32(x)))
+GGUF_PAIR_VERSION = "v2"  # part of the cache key: bump when the folder's content changes
+#: HF ``model_type`` (``gguf_mmproj_names.PROJECTORS``' values) -> its projector's layout
+PAIRS = {"qwen2_vl": QWEN2_VL, "qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL, "smolvlm": IDEFICS3}
 
 
 def _text_config(model, arch: str, n_vocab: int) -> dict:
-    sections = [int(x) for x in field(model, f"{arch}.rope.dimension_sections")][:3]
-    return dict(vocab_size=n_vocab, hidden_size=int(field(model, f"{arch}.embedding_length")),
+    """The decoder's HF ``text_config`` fields every pair shares (``{arch}.*`` keys)."""
+    text = dict(vocab_size=n_vocab, hidden_size=int(field(model, f"{arch}.embedding_length")),
                 intermediate_size=int(field(model, f"{arch}.feed_forward_length")),
                 num_hidden_layers=int(field(model, f"{arch}.block_count")),
                 num_attention_heads=int(field(model, f"{arch}.attention.head_count")),
                 num_key_value_heads=int(field(model, f"{arch}.attention.head_count_kv")),
                 max_position_embeddings=int(field(model, f"{arch}.context_length")),
-                rms_norm_eps=_f32(field(model, f"{arch}.attention.layer_norm_rms_epsilon")),
-                rope_theta=float(field(model, f"{arch}.rope.freq_base", 10000.0)),
-                rope_scaling={"type": "mrope", "mrope_section": sections})
-
-
-def _vision_config(mm, model_type: str) -> dict:
-    width = int(field(mm, "clip.vision.embedding_length"))
-    common = dict(depth=int(field(mm, "clip.vision.block_count")), num_heads=int(field(mm, "clip.vision.attention.head_count")),
-                  patch_size=int(field(mm, "clip.vision.patch_size")),
-                  spatial_merge_size=int(field(mm, "clip.vision.spatial_merge_size", 2)), temporal_patch_size=2,
-                  in_channels=3)
-    ffn, out = int(field(mm, "clip.vision.feed_forward_length")), int(field(mm, "clip.vision.projection_dim"))
-    if not GATED_TOWER[model_type]:
-        if ffn % width:
-            raise ValueError(f"mmproj: clip.vision.feed_forward_length {ffn} is no multiple of the width {width}, "
-                             f"as Qwen2-VL's mlp_ratio needs")
-        return dict(common, embed_dim=width, hidden_size=out, mlp_ratio=ffn // width, hidden_act="quick_gelu")
-    n_wa = int(field(mm, "clip.vision.n_wa_pattern", common["depth"]))  # full attention every n_wa blocks
-    return dict(common, hidden_size=width, intermediate_size=ffn, out_hidden_size=out, hidden_act="silu",
-                window_size=112, tokens_per_second=2,
-                fullatt_block_indexes=[i for i in range(common["depth"]) if (i + 1) % n_wa == 0])
+                rms_norm_eps=f32(field(model, f"{arch}.attention.layer_norm_rms_epsilon")),
+                rope_theta=float(field(model, f"{arch}.rope.freq_base", 10000.0)))
+    head_dim = field(model, f"{arch}.attention.key_length", None)
+    return text if head_dim is None else dict(text, head_dim=int(head_dim))
 
 
 def _tokenizer(model_path: Path):
@@ -90,10 +69,11 @@ def _token_id(tokenizer, token: str, model_path: Path) -> int:
 def _save(tmp: Path, model_path: Path, mmproj_path: Path, model, mm, model_type: str, dense: bool) -> None:
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig, GenerationConfig, Qwen2VLImageProcessor
+    from transformers import AutoConfig, GenerationConfig
 
     from atlas_vlm.tokenizer import save_gguf_tokenizer
 
+    pair = PAIRS[model_type]
     tokenizer, settings = _tokenizer(model_path)
     arch = field(model, "general.architecture")
     names = {t.name for t in model.tensors}
@@ -101,25 +81,19 @@ def _save(tmp: Path, model_path: Path, mmproj_path: Path, model, mm, model_type:
     ids = settings.token_ids
     eos = [ids[k] for k in ("eos", "eot") if k in ids]
     eos = sorted(set(eos), key=eos.index)
-    text = dict(_text_config(model, arch, n_vocab), bos_token_id=ids.get("bos"), eos_token_id=eos[0] if eos else None)
+    text = dict(pair.text_config(model, arch, _text_config(model, arch, n_vocab)), bos_token_id=ids.get("bos"),
+                eos_token_id=eos[0] if eos else None)
+    tokens = {key: _token_id(tokenizer, tok, model_path) for key, tok in pair.special_tokens.items()}
     config = AutoConfig.for_model(
-        model_type, text_config=text, vision_config=_vision_config(mm, model_type),
-        tie_word_embeddings="output.weight" not in names, architectures=[get_family(model_type).architectures[0]],
-        image_token_id=_token_id(tokenizer, "<|image_pad|>", model_path),
-        video_token_id=_token_id(tokenizer, "<|video_pad|>", model_path),
-        vision_start_token_id=_token_id(tokenizer, "<|vision_start|>", model_path),
-        vision_end_token_id=_token_id(tokenizer, "<|vision_end|>", model_path))
+        model_type, text_config=text, vision_config=pair.vision_config(mm),
+        tie_word_embeddings="output.weight" not in names,
+        architectures=[get_family(model_type).architectures[0]], **pair.top_config(mm), **tokens)
     config.save_pretrained(tmp)
     GenerationConfig(bos_token_id=ids.get("bos"), pad_token_id=ids.get("pad"),
                      eos_token_id=eos if len(eos) > 1 else (eos[0] if eos else None)).save_pretrained(tmp)
-    save_gguf_tokenizer(tokenizer, settings, tmp)
-    released = get_family(model_type).family_hooks().processor_defaults
-    Qwen2VLImageProcessor(image_mean=[_f32(x) for x in field(mm, "clip.vision.image_mean")],
-                          image_std=[_f32(x) for x in field(mm, "clip.vision.image_std")],
-                          min_pixels=released["min_pixels"], max_pixels=released["max_pixels"],
-                          patch_size=config.vision_config.patch_size, merge_size=config.vision_config.spatial_merge_size,
-                          temporal_patch_size=2).save_pretrained(tmp)
-    visual = {f"visual.{k}": v.contiguous() for k, v in vision_state_dict(mm, model_type, mmproj_path).items()}
+    pair.save_processor(tmp, mm, config, tokenizer, get_family(model_type).family_hooks().processor_defaults)
+    save_gguf_tokenizer(tokenizer, settings, tmp)  # after the processor, which saves its tokenizer too
+    visual = {f"visual.{k}": v.contiguous() for k, v in pair.vision_state_dict(mm, model_type, mmproj_path).items()}
     save_file(visual, str(tmp / "vision.safetensors"))
     if dense:
         weights = {k: v.to(torch.float32).contiguous() for k, v in text_state_dict(model).items()}
@@ -130,7 +104,7 @@ def gguf_pair_folder(model_path: Path, mmproj_path: Path, *, dense: bool) -> Pat
     """A cached HF folder for the VLM GGUF pair ``model_path`` + ``mmproj_path`` (built once).
 
     Args:
-        model_path: the language model GGUF (llama.cpp's ``qwen2vl`` architecture).
+        model_path: the language model GGUF (llama.cpp's ``qwen2vl`` / ``qwen3vl`` / ``llama`` architecture).
         mmproj_path: its ``mmproj`` GGUF (``general.architecture`` ``clip``).
         dense: also write the decoder's weights, dequantized to fp32 (``model.safetensors``);
             without it the folder holds config, tokenizer, processor and the tower only

@@ -1,10 +1,10 @@
-"""llama.cpp's GGUF tensor names of a VLM pair mapped back to the HF names our loader and
-vision towers read, and the checks a pair passes before any conversion.
+"""Shared pieces of the VLM GGUF pairs: header values, tensor decoding, the checks a pair passes
+before any conversion, and the decoder's GGUF names mapped back to HF's.
 
-Source of the names: llama.cpp's ``gguf-py/gguf/tensor_mapping.py`` (``V_*``, ``V_MMPROJ``,
-``V_POST_NORM``) and ``conversion/qwenvl.py`` (q/k/v split from HF's fused ``qkv``; the
-Conv3D ``patch_embed`` split into its temporal halves ``v.patch_embd.weight`` /
-``v.patch_embd.weight.1``); decoder names from ``TENSOR_NAMES`` (``blk.N.attn_q`` ...).
+Source of the names: llama.cpp's ``gguf-py/gguf/constants.py`` ``TENSOR_NAMES``
+(``blk.N.attn_q`` ...); the ``llama`` architecture's Q/K rows are permuted by the converter
+(``LlamaModel.permute``), undone here as transformers' ``_reverse_permute_weights`` does. The
+towers' names live with their projectors (``gguf_mmproj_qwen``, ``gguf_mmproj_idefics3``).
 """
 
 from __future__ import annotations
@@ -15,16 +15,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["PROJECTORS", "LM_ARCHITECTURES", "GATED_TOWER", "field", "dequantized", "check_pair", "vision_state_dict",
+__all__ = ["PROJECTORS", "LM_ARCHITECTURES", "field", "f32", "dequantized", "check_pair", "TensorTaker",
            "text_state_dict"]
 
 #: ``clip.projector_type`` -> the HF ``model_type`` it belongs to (the families we run)
-PROJECTORS = {"qwen2vl_merger": "qwen2_vl", "qwen2.5vl_merger": "qwen2_5_vl"}
+PROJECTORS = {"qwen2vl_merger": "qwen2_vl", "qwen2.5vl_merger": "qwen2_5_vl", "qwen3vl_merger": "qwen3_vl",
+              "idefics3": "smolvlm"}
 #: the model GGUF's ``general.architecture`` each family's decoder is written as
-LM_ARCHITECTURES = {"qwen2_vl": "qwen2vl", "qwen2_5_vl": "qwen2vl"}
-#: the tower's layout per family: gated MLP and RMSNorms (Qwen2.5-VL) or fc1/fc2 of
-#: ``mlp_ratio`` and LayerNorms with bias (Qwen2-VL)
-GATED_TOWER = {"qwen2_vl": False, "qwen2_5_vl": True}
+LM_ARCHITECTURES = {"qwen2_vl": "qwen2vl", "qwen2_5_vl": "qwen2vl", "qwen3_vl": "qwen3vl", "smolvlm": "llama"}
+_NAMES = "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, SmolVLM2"
 
 _MISSING = object()
 
@@ -40,6 +39,11 @@ def field(reader, key: str, default=_MISSING):
             raise ValueError(f"GGUF header lacks {key}")
         return default
     return reader.fields[key].contents()
+
+
+def f32(x) -> float:
+    """A header float32 as the shortest decimal that rounds to it (1e-05, not 9.9999997e-06)."""
+    return float(str(np.float32(x)))
 
 
 def dequantized(t) -> torch.Tensor:
@@ -73,7 +77,7 @@ def check_pair(model, mm, model_path: Path, mmproj_path: Path) -> str:
     projector = field(mm, "clip.projector_type", None)
     if projector not in PROJECTORS:
         raise ValueError(f"mmproj file {mmproj_path} has projector type {projector!r}; supported: "
-                         f"{', '.join(sorted(PROJECTORS))} (Qwen2-VL, Qwen2.5-VL)")
+                         f"{', '.join(sorted(PROJECTORS))} ({_NAMES})")
     model_type = PROJECTORS[projector]
     if lm_arch != LM_ARCHITECTURES[model_type]:
         raise ValueError(f"model GGUF {model_path} has architecture {lm_arch!r}, but mmproj {mmproj_path} is a "
@@ -86,46 +90,27 @@ def check_pair(model, mm, model_path: Path, mmproj_path: Path) -> str:
     return model_type
 
 
-_BLOCK = {"attn_out": "attn.proj", "ln1": "norm1", "ln2": "norm2"}
-_MLP = {True: {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"},  # by GATED_TOWER
-        False: {"ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}}
-_TOP = {"v.post_ln": "merger.ln_q", "mm.0": "merger.mlp.0", "mm.2": "merger.mlp.2"}
+class TensorTaker:
+    """Takes an mmproj's tensors by name (dequantized, fp32, HF shape) and remembers which it took.
 
-
-def vision_state_dict(mm, model_type: str, mmproj_path: Path) -> dict[str, torch.Tensor]:
-    """The mmproj's tower as HF ``visual.*`` tensors without the prefix (fp32).
-
-    Raises:
-        ValueError: a tensor is missing, or one is left that the family does not use (named).
+    Raises (on call): ValueError naming the file, the family and the missing tensor.
     """
-    t = {x.name: x for x in mm.tensors}
-    out: dict[str, torch.Tensor] = {}
-    used: set[str] = set()
 
-    def take(name: str) -> torch.Tensor:
-        if name not in t:
-            raise ValueError(f"mmproj file {mmproj_path} lacks tensor {name} of a {model_type} tower")
-        used.add(name)
-        return dequantized(t[name])
+    def __init__(self, mm, model_type: str, mmproj_path: Path):
+        self.tensors = {x.name: x for x in mm.tensors}
+        self.model_type, self.path, self.used = model_type, mmproj_path, set()
 
-    halves = [take("v.patch_embd.weight"), take("v.patch_embd.weight.1")]  # [out, in, h, w] each
-    out["patch_embed.proj.weight"] = torch.stack(halves, dim=2)  # HF Conv3D [out, in, t=2, h, w]
-    depth = int(field(mm, "clip.vision.block_count"))
-    parts = {**_BLOCK, **_MLP[GATED_TOWER[model_type]]}
-    rms = GATED_TOWER[model_type]  # Qwen2.5-VL's norms are RMSNorms: weight only
-    for i in range(depth):
-        for kind in ("weight", "bias"):
-            out[f"blocks.{i}.attn.qkv.{kind}"] = torch.cat([take(f"v.blk.{i}.attn_{p}.{kind}") for p in "qkv"])
-        for ours, hf in parts.items():
-            for kind in ("weight",) if rms and ours.startswith("ln") else ("weight", "bias"):
-                out[f"blocks.{i}.{hf}.{kind}"] = take(f"v.blk.{i}.{ours}.{kind}")
-    for ours, hf in _TOP.items():
-        for kind in ("weight",) if rms and ours == "v.post_ln" else ("weight", "bias"):
-            out[f"{hf}.{kind}"] = take(f"{ours}.{kind}")
-    left = sorted(set(t) - used)
-    if left:
-        raise ValueError(f"mmproj file {mmproj_path} has tensors {left[:8]} that a {model_type} tower does not use")
-    return out
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise ValueError(f"mmproj file {self.path} lacks tensor {name} of a {self.model_type} tower")
+        self.used.add(name)
+        return dequantized(self.tensors[name])
+
+    def check_all_used(self) -> None:
+        """Raises ValueError naming (up to 8) tensors the family's tower does not use."""
+        left = sorted(set(self.tensors) - self.used)
+        if left:
+            raise ValueError(f"mmproj file {self.path} has tensors {left[:8]} that a {self.model_type} tower does not use")
 
 
 _TEXT = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -136,13 +121,22 @@ _TEXT_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "o
 
 
 def text_state_dict(model) -> dict[str, torch.Tensor]:
-    """The model GGUF's decoder as HF tensors (``model.layers.N...``), dequantized to fp32.
-    Names we do not map (``rope_freqs`` ...) are left out; the loader reports what is missing."""
+    """The model GGUF's decoder as HF tensors (``model.layers.N...``), dequantized to fp32; the
+    ``llama`` architecture's Q/K rows back in HF's order. Names we do not map (``rope_freqs``
+    ...) are left out; the loader reports what is missing."""
+    from atlas_vlm.quantization.gguf import _row_permutation  # llama.cpp's Q/K permutation undone
+
+    arch = field(model, "general.architecture")
+    heads = {"attn_q": int(field(model, f"{arch}.attention.head_count", 0)),
+             "attn_k": int(field(model, f"{arch}.attention.head_count_kv", 0))}
     out = {}
     for t in model.tensors:
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
         if m and m.group(2) in _TEXT:
-            out[f"model.layers.{m.group(1)}.{_TEXT[m.group(2)]}.{m.group(3)}"] = dequantized(t)
+            w = dequantized(t)
+            if arch == "llama" and m.group(2) in heads:
+                w = w[_row_permutation(w.shape[0], heads[m.group(2)])]
+            out[f"model.layers.{m.group(1)}.{_TEXT[m.group(2)]}.{m.group(3)}"] = w
         elif t.name.rsplit(".", 1)[0] in _TEXT_TOP:
             base, kind = t.name.rsplit(".", 1)
             out[f"{_TEXT_TOP[base]}.{kind}"] = dequantized(t)
