@@ -24,9 +24,10 @@ from torch import nn
 from atlas_vlm.layers.attention import AttentionMetadata, paged_attention
 from atlas_vlm.layers.rotary import RotaryEmbedding, apply_rotary
 from atlas_vlm.models.arch import ModelArch
-from atlas_vlm.models.decoder import MLP
+from atlas_vlm.models.decoder import MLP, CausalLM
 from atlas_vlm.models.qwen3_5.gated_deltanet import GatedDeltaNet
 from mm_kv_cache_management.state_cache import StateSpec
+from mm_kv_cache_management.state_config import state_spec_from_config
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -108,7 +109,7 @@ class TextModel(nn.Module):
         self.rotary = RotaryEmbedding(text_config, list(arch.mrope_section), mrope_interleaved=arch.mrope_interleaved)
 
 
-class Qwen3_5ForCausalLM(nn.Module):
+class Qwen3_5ForCausalLM(CausalLM):
     """Qwen3.5's decoder + LM head, with ``atlas_vlm.models.decoder.CausalLM``'s surface
     (``embed``, ``forward``, ``compute_logits``, ``arch``) plus ``state_spec()`` and
     ``num_kv_layers`` (the hybrid model's two cache groups).
@@ -136,7 +137,7 @@ class Qwen3_5ForCausalLM(nn.Module):
     supports_state_snapshots = True
 
     def __init__(self, arch: ModelArch, text_config):
-        super().__init__()
+        nn.Module.__init__(self)  # CausalLM's embed / compute_logits, not its plain decoder
         types = list(getattr(text_config, "layer_types", None) or [])
         if len(types) < arch.num_layers or set(types) - {FULL, LINEAR}:
             raise ValueError(f"text_config.layer_types must give {arch.num_layers} entries of {FULL!r} / "
@@ -154,21 +155,10 @@ class Qwen3_5ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def state_spec(self) -> StateSpec:
-        """The per-sequence state of the linear-attention layers (``StateCache``'s shape)."""
-        c = self.text_config
-        return StateSpec(num_layers=self.layer_types.count(LINEAR),
-                         conv_dim=2 * c.linear_num_key_heads * c.linear_key_head_dim
-                         + c.linear_num_value_heads * c.linear_value_head_dim,
-                         conv_kernel=c.linear_conv_kernel_dim, num_v_heads=c.linear_num_value_heads,
-                         k_head_dim=c.linear_key_head_dim, v_head_dim=c.linear_value_head_dim)
-
-    def embed(self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None = None,
-              mm_token_index: torch.Tensor | None = None) -> torch.Tensor:
-        """Token embeddings ``[num_tokens, hidden]``; rows ``mm_token_index`` replaced by ``mm_embeds``."""
-        x = self.model.embed_tokens(input_ids)
-        if mm_embeds is not None and mm_embeds.numel():
-            x = x.index_copy(0, mm_token_index, mm_embeds.to(x.dtype))
-        return x
+        """The per-sequence state of the linear-attention layers (``StateCache``'s shape):
+        ``mm_kv_cache_management.state_spec_from_config`` of the text config, the rule the
+        planner sizes it by."""
+        return state_spec_from_config(self.text_config)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Embeddings ``[num_tokens, hidden]`` -> final hidden states ``[num_tokens, hidden]``.
@@ -193,7 +183,3 @@ class Qwen3_5ForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, kv_cache, meta)
         return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[n, hidden]`` -> fp32 logits ``[n, vocab_size]``."""
-        return self.lm_head(hidden).float()
