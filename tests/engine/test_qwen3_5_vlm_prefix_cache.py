@@ -88,3 +88,28 @@ def test_a_batch_of_questions_after_the_shared_image(folder, reference):
     for _, _, first in results:
         assert_hit_after_the_image(first)
     assert llm.engine.runner.state_cache.num_free_slots == 4
+
+
+def test_a_hit_that_ends_inside_the_image_prefills_the_rest_of_it(folder):
+    """Questions right after the image: the shared blocks end just past the image, the last
+    snapshot (one per block here) falls inside its placeholder run, and the resumed prefill
+    takes the image's remaining rows (sliced from the tower's output) with the state restored
+    there: tokens and logits as cache off."""
+
+    def inside(question):
+        return [{"role": "system", "content": SYSTEM}] + conv(IMAGES / "chelsea.png", text=question)
+
+    def go(llm, questions):
+        outs, rec = chat(llm, [inside(q) for q in questions], N, BOUNDS)
+        return [(o.token_ids, rec.sampled_logits(o.request_id), rec.by_request[o.request_id][0]) for o in outs]
+
+    off = make_llm(folder, enable_prefix_caching=False, hybrid_snapshot_interval=16)
+    reference = {q: go(off, [q])[0] for q in QUESTIONS[:2]}
+    llm = make_llm(folder, hybrid_snapshot_interval=16)
+    first = go(llm, QUESTIONS[:1])
+    second = go(llm, QUESTIONS[1:2])
+    assert_exact(reference, QUESTIONS[:2], first + second)
+    req = second[0][2]["req"]
+    (span,) = req.mm_positions
+    assert req.num_cached_tokens % 16 == 0 and span.offset < req.num_cached_tokens < span.end
+    assert llm.engine.block_manager.state_snapshots.hits == 1
