@@ -266,8 +266,10 @@ class BlockManager:
         tokens or more), a snapshot slot for every multiple of the pool's interval in
         ``num_computed_tokens + 1 .. num_computed_tokens + num_new_tokens``, set as the request's
         ``snapshot_points`` ``[(tokens into the chunk, slot, block hash)]`` (only boundaries not
-        snapshotted yet; none where the pool has no slot). Pending snapshots of an earlier step
-        that never committed are forgotten first. No-op without a snapshot pool."""
+        snapshotted yet; none where the pool has no slot). A chunk that verifies speculative
+        drafts (``spec_token_ids``) takes none: its rows may be rejected, and a decode never
+        snapshots. Pending snapshots of an earlier step that never committed are forgotten
+        first. No-op without a snapshot pool."""
         pool = self.state_snapshots
         if pool is None:
             return
@@ -275,7 +277,8 @@ class BlockManager:
         for req, n in chunks:
             start, points = req.num_computed_tokens, []
             first = (start // pool.interval + 1) * pool.interval
-            for end in range(first, start + n + 1, pool.interval) if n > 1 else ():
+            drafted = bool(getattr(req, "spec_token_ids", None))
+            for end in range(first, start + n + 1, pool.interval) if n > 1 and not drafted else ():
                 h = req.block_hashes(self.block_size, end)[-1]
                 slot = pool.reserve(h)
                 if slot is not None:
@@ -305,6 +308,17 @@ class BlockManager:
             freed += 1
         table.num_tokens = min(table.num_tokens, req.num_computed_tokens)
         return freed
+
+    def accept_state_rows(self, req: RequestState, num_rows: int) -> None:
+        """After ``req``'s verification step took ``num_rows`` rows (its last sampled token and
+        ``num_rows - 1`` accepted drafts): its recurrent state becomes the state after them
+        (``StateCache.accept_rows``). No-op without a state cache or a slot.
+
+        Raises:
+            ValueError: from ``StateCache.accept_rows`` (no rows kept, ``num_rows`` out of range).
+        """
+        if self.state_cache is not None and req.state_slot is not None:
+            self.state_cache.accept_rows(req.state_slot, num_rows)
 
     def free_request(self, req: RequestState) -> None:
         """Give back every block of ``req`` (tail first, so the LRU evicts tails first) and its

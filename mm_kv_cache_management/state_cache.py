@@ -11,6 +11,13 @@ recomputes it from token 0).
 ``StateMetadata`` is what one step's forward needs: which slot each sequence of the step
 reads and writes, and whether it starts from a zero state (its first chunk) or carries the
 state left by its previous chunk.
+
+Speculative decoding (``atlas_vlm.spec_decode``) verifies ``k`` draft tokens in one step: the
+sequence's ``k + 1`` rows advance its state past drafts that may be rejected. The layers keep
+the state after each of the first ``k`` rows (``StateMetadata.num_drafts``,
+``StateCache.keep_row``: vLLM's per-token states of its Mamba layers); once the sampler knows
+how many rows were taken, ``StateCache.accept_rows`` puts the slot at the state after the
+last of them (the slot itself holds the state after all ``k + 1``).
 """
 
 from __future__ import annotations
@@ -79,6 +86,9 @@ class StateCache:
         self.recurrent = torch.zeros(spec.num_layers, num_slots, *spec.recurrent_shape, dtype=STATE_DTYPE,
                                      device=device)
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: pop() gives the lowest
+        # slot -> (conv [num_layers, k, *conv_shape], recurrent [num_layers, k, *recurrent_shape]):
+        # the state after each of the first k rows of the slot's verification step
+        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def num_free_slots(self) -> int:
@@ -98,11 +108,51 @@ class StateCache:
             raise ValueError(f"state slot {slot} is not an allocated slot of {self.num_slots}")
         self._free.append(slot)
         self._free.sort(reverse=True)
+        self._rows.pop(slot, None)
 
     def reset(self, slot: int) -> None:
         """Zero ``slot``'s state in every layer (a sequence that starts over)."""
         self.conv[:, slot].zero_()
         self.recurrent[:, slot].zero_()
+        self._rows.pop(slot, None)
+
+    def keep_row(self, layer: int, slot: int, row: int, num_drafts: int) -> None:
+        """Keep ``slot``'s current state of ``layer`` as its state after row ``row`` of a
+        verification step with ``num_drafts`` drafts (called by the layer after each row
+        ``0 .. num_drafts - 1``; the buffer is made on first use).
+
+        Raises:
+            ValueError: ``row`` not in ``0 .. num_drafts - 1`` or ``layer`` / ``slot`` out of range.
+        """
+        if not 0 <= row < num_drafts or not 0 <= layer < self.spec.num_layers or not 0 <= slot < self.num_slots:
+            raise ValueError(f"keep_row: row {row} of {num_drafts} drafts, layer {layer} of {self.spec.num_layers}, "
+                             f"slot {slot} of {self.num_slots} out of range")
+        rows = self._rows.get(slot)
+        if rows is None or rows[0].shape[1] != num_drafts:
+            rows = (self.conv.new_empty(self.spec.num_layers, num_drafts, *self.spec.conv_shape),
+                    self.recurrent.new_empty(self.spec.num_layers, num_drafts, *self.spec.recurrent_shape))
+            self._rows[slot] = rows
+        rows[0][layer, row].copy_(self.conv[layer, slot])
+        rows[1][layer, row].copy_(self.recurrent[layer, slot])
+
+    def accept_rows(self, slot: int, num_rows: int) -> None:
+        """After a verification step of ``slot``: ``num_rows`` of its ``k + 1`` rows were taken
+        (its last sampled token and ``num_rows - 1`` accepted drafts); the slot's state becomes
+        the state after row ``num_rows - 1`` (every layer) and the kept rows are dropped.
+
+        Raises:
+            ValueError: no rows kept for ``slot`` (its layers did not keep them), or ``num_rows``
+                not in ``1 .. k + 1``.
+        """
+        rows = self._rows.pop(slot, None)
+        if rows is None:
+            raise ValueError(f"state slot {slot} kept no verification rows; its model cannot roll back drafts")
+        k = rows[0].shape[1]
+        if not 1 <= num_rows <= k + 1:
+            raise ValueError(f"accept_rows: num_rows must be in 1..{k + 1} for {k} drafts, got {num_rows}")
+        if num_rows <= k:  # some drafts rejected: back to the state after the last taken row
+            self.conv[:, slot].copy_(rows[0][:, num_rows - 1])
+            self.recurrent[:, slot].copy_(rows[1][:, num_rows - 1])
 
 
 @dataclass
@@ -112,6 +162,10 @@ class StateMetadata:
     ``slots[i]`` is the slot sequence ``i`` reads and writes; ``has_initial_state[i]`` is False
     when sequence ``i`` starts at token 0 this step (its state is taken as zero, whatever the
     slot holds), True when it continues from the state its previous step left in the slot.
+
+    ``num_drafts[i]`` > 0: sequence ``i``'s rows this step are its last sampled token and that
+    many drafts (a verification step): its layers keep the state after each row but the last
+    (``StateCache.keep_row``) for ``accept_rows``; None / 0: a plain chunk.
 
     ``snapshots[i]``: ``[(k, snapshot slot)]``: after its ``k``-th new token of the step, sequence
     ``i``'s state (every layer) is also written to that slot of ``snapshot_cache`` (prefix
@@ -123,3 +177,4 @@ class StateMetadata:
     has_initial_state: torch.Tensor  # [num_seqs] bool
     snapshots: list[list[tuple[int, int]]] | None = None  # per sequence, k ascending
     snapshot_cache: StateCache | None = None  # StateSnapshotPool.storage
+    num_drafts: list[int] | None = None  # per sequence: drafts verified this step (0: none)

@@ -112,11 +112,13 @@ class StepDriver:
         self.seqs[name] = dict(len=0, blocks=[], slot=self.state.allocate())
 
     def step(self, new_tokens: dict[str, list[int]], positions: dict[str, torch.Tensor] | None = None,
-             mm: dict[str, list[tuple[int, torch.Tensor]]] | None = None) -> dict[str, torch.Tensor]:
+             mm: dict[str, list[tuple[int, torch.Tensor]]] | None = None,
+             drafts: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
         """One forward. ``positions``: a sequence's M-RoPE positions ``[3, new_tokens]``
         (default: text positions from its length); ``mm``: a sequence's media rows as
         ``input_prep.mm_rows_for_chunk`` gives them (first token index within its new tokens,
-        rows ``[n, hidden]``), which replace those tokens' embeddings."""
+        rows ``[n, hidden]``), which replace those tokens' embeddings; ``drafts``: a sequence
+        whose new tokens are a verification step's (``meta.state.num_drafts``)."""
         positions, mm = positions or {}, mm or {}
         q_lens, c_lens, slots, tables, pos, ids, rows, index = [], [], [], [], [], [], [], []
         for name, toks in new_tokens.items():
@@ -138,7 +140,8 @@ class StepDriver:
             ids += toks
         meta = build_attention_metadata(q_lens, c_lens, slots, tables, backend=self.backend)
         meta.state = StateMetadata(self.state, torch.tensor([self.seqs[n]["slot"] for n in new_tokens]),
-                                   torch.tensor([c > q for q, c in zip(q_lens, c_lens)]))
+                                   torch.tensor([c > q for q, c in zip(q_lens, c_lens)]),
+                                   num_drafts=[(drafts or {}).get(n, 0) for n in new_tokens])
         with torch.no_grad():
             x = self.model.embed(torch.tensor(ids), torch.cat(rows) if rows else None,
                                    torch.tensor(index, dtype=torch.long))

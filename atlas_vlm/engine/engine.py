@@ -36,6 +36,9 @@ __all__ = ["LLMEngine", "RequestTooLongError"]
 log = logging.getLogger(__name__)
 
 _COMPILE_WAIT_S = 0.05  # longest a step with nothing to run waits for a grammar to compile
+# drafters tested on hybrid models (their recurrent state rolls back by accepted counts alone,
+# whatever the drafter: ``StateCache.accept_rows``); add one here once its hybrid runs are tested
+_HYBRID_SPECULATIVE = ("ngram",)
 
 
 def _locked(method):
@@ -47,19 +50,25 @@ def _locked(method):
     return wrapper
 
 
-def _check_hybrid(config: EngineConfig, model_name: str, snapshots) -> bool:
-    """The options a hybrid model (recurrent-state layers) runs with; returns whether prefix
+def _check_hybrid(config: EngineConfig, model, snapshots) -> bool:
+    """The options a hybrid ``model`` (recurrent-state layers) runs with; returns whether prefix
     caching is on: only with a state-snapshot pool (``snapshots``, the runner's
     ``state_snapshots``), else off (a hit would skip tokens whose recurrent state is not stored;
     one log line when it was asked for).
 
     Raises:
-        ValueError: speculative decoding (the recurrent state cannot roll back rejected drafts)
-            or ``kv_cache_dir`` (state snapshots do not spill to disk) asked for.
+        ValueError: speculative decoding with a model whose layers do not keep a state per
+            verified row (no ``supports_state_rollback``: rejected drafts could not be rolled
+            back) or a drafter not in ``_HYBRID_SPECULATIVE``, or ``kv_cache_dir`` (state
+            snapshots do not spill to disk) asked for.
     """
-    if config.speculative is not None:
+    model_name = type(model).__name__
+    if config.speculative is not None and not getattr(model, "supports_state_rollback", False):
         raise ValueError(f"speculative={config.speculative!r} cannot run {model_name}, a hybrid model: its "
-                         "recurrent state cannot roll back rejected drafts yet; pass speculative=None")
+                         "recurrent state cannot roll back rejected drafts; pass speculative=None")
+    if config.speculative is not None and config.speculative not in _HYBRID_SPECULATIVE:
+        raise ValueError(f"speculative={config.speculative!r} is not tested on hybrid models such as {model_name} "
+                         f"yet; pass one of {_HYBRID_SPECULATIVE} or None")
     if config.kv_cache_dir is not None:
         raise ValueError(f"kv_cache_dir cannot serve {model_name}, a hybrid model: its recurrent-state "
                          "snapshots are not kept on disk, so a disk hit could not resume; unset kv_cache_dir")
@@ -98,7 +107,7 @@ class LLMEngine:
         state_cache = self.runner.state_cache  # hybrid models' recurrent-state slots (None otherwise)
         prefix_caching = config.enable_prefix_caching and config.kv_cache == "paged"
         if state_cache is not None:
-            prefix_caching = _check_hybrid(config, type(loaded.model).__name__, self.runner.state_snapshots)
+            prefix_caching = _check_hybrid(config, loaded.model, self.runner.state_snapshots)
         # the disk tier below the prefix cache (None without kv_cache_dir)
         self.kv_tier = build_kv_tier(config, loaded.model_dir, loaded.hf_config, self.runner)
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,

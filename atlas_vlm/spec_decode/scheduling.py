@@ -12,7 +12,8 @@ take are chosen (Leviathan et al. 2023): row ``j`` holds the target's choice aft
 the replacement it drew); rows are taken while the previous draft equals the row's token,
 plus the target's own next token. For greedy requests, taking those rows one by one
 reproduces, token for token, what decoding without drafts would have done. The scheduler then commits only the K/V of the
-accepted tokens and gives back the rejected drafts' slots (``free_uncomputed_tail``).
+accepted tokens and gives back the rejected drafts' slots (``free_uncomputed_tail``); a
+hybrid model's recurrent state is rolled back to the same point (``accept_state_rows``).
 
 No request drafts while more than ``speculative_disable_by_batch_size`` requests run (a
 batched step is bound by compute, not by reading the weights: measured, drafts lost there).
@@ -109,6 +110,9 @@ def take_verified(scheduler, req, sampled, first_row: int) -> list[int]:
 def commit_verified(scheduler, req, num_rows: int) -> None:
     """Commit the K/V of ``req``'s last sampled token and its accepted drafts (``num_rows``
     taken rows: ``num_rows - 1`` drafts accepted), capped at the tokens ``req`` kept (a stop
-    inside the run), then give back the slots past them."""
-    scheduler.block_manager.commit_computed(req, min(num_rows, req.num_tokens - req.num_computed_tokens))
+    inside the run), then give back the slots past them; a hybrid model's recurrent state
+    goes back to the state after the same rows (``BlockManager.accept_state_rows``)."""
+    num_rows = min(num_rows, req.num_tokens - req.num_computed_tokens)
+    scheduler.block_manager.commit_computed(req, num_rows)
     scheduler.block_manager.free_uncomputed_tail(req)
+    scheduler.block_manager.accept_state_rows(req, num_rows)

@@ -54,7 +54,8 @@ def mm_rows_for_chunk(ranges, encoder_outputs, start: int, end: int):
 
 def state_metadata(chunks, state_cache, device: torch.device | str = "cpu", snapshot_cache=None) -> StateMetadata:
     """The step's ``StateMetadata`` (hybrid models): each chunk's request's state slot,
-    whether the chunk continues a state (it does not start at token 0), and, with a
+    whether the chunk continues a state (it does not start at token 0), the drafts it
+    verifies (its request's ``spec_token_ids``: the layers keep a state per row), and, with a
     ``snapshot_cache``, the snapshots each chunk writes (its request's ``snapshot_points``).
 
     Raises:
@@ -68,7 +69,8 @@ def state_metadata(chunks, state_cache, device: torch.device | str = "cpu", snap
     return StateMetadata(state_cache,
                          torch.tensor([req.state_slot for req, _ in chunks], dtype=torch.long, device=device),
                          torch.tensor([req.num_computed_tokens > 0 for req, _ in chunks], dtype=torch.bool,
-                                      device=device), snapshots, snapshot_cache)
+                                      device=device), snapshots, snapshot_cache,
+                         [len(getattr(req, "spec_token_ids", ()) or ()) for req, _ in chunks])
 
 
 def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = False,

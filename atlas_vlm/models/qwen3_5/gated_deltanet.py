@@ -13,6 +13,13 @@ through the chunked rule. A sequence reads its
 conv and recurrent state from ``meta.state.cache`` at slot ``meta.state.slots[i]`` (zero when
 ``has_initial_state[i]`` is False) and writes the final state back there (fp32).
 
+A verification sequence (speculative decoding: ``meta.state.num_drafts[i] = k`` > 0, its
+``k + 1`` rows the last sampled token and ``k`` drafts) runs its rows one token at a time, as
+``k + 1`` decode steps would (the C kernel or the recurrent rule, batched with the other
+verification sequences at the same row): the state after each of its first ``k`` rows is
+kept (``StateCache.keep_row``) so ``StateCache.accept_rows`` can put the slot right after the
+sampler took some of them; its slot holds the state after all ``k + 1``.
+
 A prefill sequence with ``meta.state.snapshots[i]`` runs its chunk in pieces split at those
 points and also writes the state after each piece into its snapshot slot (prefix caching;
 exact up to fp32 rounding, as any chunked prefill).
@@ -87,8 +94,9 @@ class GatedDeltaNet(nn.Module):
         Raises:
             ValueError: ``meta.state`` is None while some sequence continues an earlier step
                 (only a full prefill from token 0 may run without a state cache; its state
-                is then dropped), its slots / flags are not one per sequence, or the query
-                lengths do not cover ``x``.
+                is then dropped), its slots / flags are not one per sequence, the query
+                lengths do not cover ``x``, or a verification sequence is malformed
+                (``_num_drafts``).
         """
         q_lens, state = list(meta.query_lens), meta.state
         if sum(q_lens) != x.shape[0]:
@@ -99,12 +107,13 @@ class GatedDeltaNet(nn.Module):
         if state is not None and not (len(state.slots) == len(state.has_initial_state) == len(q_lens)):
             raise ValueError(f"meta.state gives {len(state.slots)} slots and {len(state.has_initial_state)} "
                              f"has_initial_state flags for {len(q_lens)} sequences")
+        drafts = self._num_drafts(q_lens, state)
         qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)  # [T, conv_dim], [T, value_dim]
         b, a = self.in_proj_b(x), self.in_proj_a(x)  # [T, num_v_heads]
         out = torch.empty(x.shape[0], self.value_dim, dtype=x.dtype, device=x.device)
         starts = [0, *itertools.accumulate(q_lens)][:-1]
         decode = [i for i, q in enumerate(q_lens) if q == 1]
-        groups = ([decode] if decode else []) + [[i] for i, q in enumerate(q_lens) if q > 1]
+        groups = ([decode] if decode else []) + [[i] for i, q in enumerate(q_lens) if q > 1 and not drafts[i]]
         for seqs in groups:  # decode sequences as one batch, each prefill alone
             n, length = len(seqs), q_lens[seqs[0]]
             if n == len(q_lens) and length == 1:  # a decode-only step: every row, in order
@@ -112,19 +121,52 @@ class GatedDeltaNet(nn.Module):
             else:
                 rows = torch.tensor([r for i in seqs for r in range(starts[i], starts[i] + q_lens[i])],
                                     device=x.device)
-            if length == 1 and self._kernel_serves(x, state):
-                out[rows] = gated_delta.decode_step(
-                    qkv[rows], b[rows], a[rows], self.conv1d.weight, self.A_log, self.dt_bias,
-                    state.cache.conv[self.state_layer], state.cache.recurrent[self.state_layer], state.slots[seqs],
-                    state.has_initial_state[seqs], self.num_k_heads, self.head_k_dim,
-                    self.head_v_dim).reshape(n, self.value_dim)
-                continue
-            core = self._mix(seqs, qkv[rows].view(n, length, -1), b[rows].view(n, length, -1),
-                             a[rows].view(n, length, -1), state)  # [n, length, num_v_heads, head_v_dim]
-            out[rows] = core.reshape(n * length, self.value_dim)
+            out[rows] = self._run_rows(seqs, rows, length, qkv, b, a, state, x)
+        verify = [i for i, k in enumerate(drafts) if k]
+        for t in range(max(drafts) + 1 if verify else 0):  # verification rows: row t of each, as a decode
+            seqs = [i for i in verify if drafts[i] >= t]
+            rows = torch.tensor([starts[i] + t for i in seqs], device=x.device)
+            out[rows] = self._run_rows(seqs, rows, 1, qkv, b, a, state, x)
+            for i in seqs:
+                if t < drafts[i]:  # the state after this row, for accept_rows
+                    state.cache.keep_row(self.state_layer, int(state.slots[i]), t, drafts[i])
         z = z.reshape(-1, self.head_v_dim)
         core = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(x.shape[0], self.value_dim)
         return self.out_proj(core)
+
+    @staticmethod
+    def _num_drafts(q_lens: list[int], state) -> list[int]:
+        """Drafts verified per sequence (``meta.state.num_drafts``; zeros when None).
+
+        Raises:
+            ValueError: not one per sequence, or a verification sequence whose rows are not
+                ``k + 1`` or that does not continue a state (drafts follow a decoded token)."""
+        drafts = None if state is None else state.num_drafts
+        if not drafts:
+            return [0] * len(q_lens)
+        drafts = [int(k) for k in drafts]
+        if len(drafts) != len(q_lens):
+            raise ValueError(f"meta.state.num_drafts gives {len(drafts)} entries for {len(q_lens)} sequences")
+        for i, (k, q) in enumerate(zip(drafts, q_lens)):
+            if k and (k < 0 or q != k + 1 or not bool(state.has_initial_state[i])):
+                raise ValueError(f"sequence {i}: {k} drafts need {k + 1} rows continuing a state, got {q} rows "
+                                 f"(has_initial_state={bool(state.has_initial_state[i])})")
+        return drafts
+
+    def _run_rows(self, seqs: list[int], rows, length: int, qkv, b, a, state, x) -> torch.Tensor:
+        """Conv + rule for ``len(seqs)`` sequences of ``length`` rows each (``rows``: their
+        flat indices, sequence after sequence), reading and writing their slots; one-row
+        sequences through the C kernel where it serves. Returns ``[n * length, value_dim]``."""
+        n = len(seqs)
+        if length == 1 and self._kernel_serves(x, state):
+            return gated_delta.decode_step(
+                qkv[rows], b[rows], a[rows], self.conv1d.weight, self.A_log, self.dt_bias,
+                state.cache.conv[self.state_layer], state.cache.recurrent[self.state_layer], state.slots[seqs],
+                state.has_initial_state[seqs], self.num_k_heads, self.head_k_dim,
+                self.head_v_dim).reshape(n, self.value_dim)
+        core = self._mix(seqs, qkv[rows].view(n, length, -1), b[rows].view(n, length, -1),
+                         a[rows].view(n, length, -1), state)  # [n, length, num_v_heads, head_v_dim]
+        return core.reshape(n * length, self.value_dim)
 
     def _kernel_serves(self, x: torch.Tensor, state) -> bool:
         """Whether this step's decode batch goes through the C kernel (``kernels.gated_delta``):

@@ -123,6 +123,9 @@ class Qwen3_5ForCausalLM(CausalLM):
         quantizable: False: ``load_model(quantization=...)`` refuses Qwen3.5 for now.
         supports_state_snapshots: True: its linear-attention layers write
             ``meta.state.snapshots`` (so prefix caching can serve it, ``state_snapshots.py``).
+        supports_state_rollback: True: its linear-attention layers keep the state after each
+            verified row (``meta.state.num_drafts``), so speculative decoding can roll the state
+            back over rejected drafts (``StateCache.accept_rows``).
 
     Args:
         arch: hyper-parameters (``ModelArch.from_hf_config`` of a Qwen3.5 config).
@@ -135,6 +138,7 @@ class Qwen3_5ForCausalLM(CausalLM):
 
     quantizable = False
     supports_state_snapshots = True
+    supports_state_rollback = True
 
     def __init__(self, arch: ModelArch, text_config):
         nn.Module.__init__(self)  # CausalLM's embed / compute_logits, not its plain decoder
