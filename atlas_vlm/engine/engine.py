@@ -71,6 +71,23 @@ def _check_hybrid(config: EngineConfig, model_name: str, snapshots) -> bool:
     return False
 
 
+def _check_mtp(config: EngineConfig, prefix_caching: bool) -> bool:
+    """Prefix caching with ``speculative="mtp"``: off (a hit's last block holds MTP K/V made
+    with the next token of the request that wrote it, and its hidden states are gone; vLLM
+    recomputes that block, not done here). One log line when it was on.
+
+    Raises:
+        ValueError: ``kv_cache_dir`` asked for (the disk tier serves prefix hits only).
+    """
+    if config.kv_cache_dir is not None:
+        raise ValueError("kv_cache_dir cannot serve speculative='mtp' (prefix caching is off with the MTP drafter); "
+                         "unset kv_cache_dir or use speculative='ngram'")
+    if prefix_caching:
+        log.info("prefix caching off with speculative='mtp': a hit would skip positions whose MTP K/V "
+                 "depend on the request's next token")
+    return False
+
+
 class LLMEngine:
     """The engine behind ``LLM``.
 
@@ -99,6 +116,8 @@ class LLMEngine:
         prefix_caching = config.enable_prefix_caching and config.kv_cache == "paged"
         if state_cache is not None:
             prefix_caching = _check_hybrid(config, type(loaded.model).__name__, self.runner.state_snapshots)
+        if config.speculative == "mtp":
+            prefix_caching = _check_mtp(config, prefix_caching)
         # the disk tier below the prefix cache (None without kv_cache_dir)
         self.kv_tier = build_kv_tier(config, loaded.model_dir, loaded.hf_config, self.runner)
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
@@ -132,6 +151,8 @@ class LLMEngine:
         model's media are never drafted."""
         if self.config.speculative is None:
             return None
+        if self.config.speculative == "mtp":  # drafts made by the runner's MTP head after each step
+            return self.runner.drafter.proposer
         from atlas_vlm.spec_decode import NgramProposer
 
         pads = {getattr(self.hf_config, name, None) for name in ("image_token_id", "video_token_id")}

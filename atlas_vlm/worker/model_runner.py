@@ -129,6 +129,16 @@ class ModelRunner:
             if self.deterministic:
                 tile_linears(self.vision)
         num_kv_layers = arch.num_layers if state_spec is None else self.model.num_kv_layers  # full attention only
+        self.drafter = None  # speculative="mtp": the MTP head, its K/V one more cache layer
+        if config.speculative == "mtp":
+            from atlas_vlm.spec_decode.mtp import build_drafter
+
+            pads = {getattr(loaded.hf_config, name, None) for name in ("image_token_id", "video_token_id")}
+            self.drafter = build_drafter(self.model, config, num_kv_layers, str(config.model),
+                                         {t for t in pads if isinstance(t, int)})
+            if pack:
+                self.num_packed_linears += pack_linears(self.drafter.mtp)
+            num_kv_layers += 1
         spec = kv_cache_spec(num_kv_layers, arch.num_kv_heads, arch.head_dim, self.dtype, config.kv_cache_dtype)
         contiguous = config.kv_cache == "contiguous"
         self.block_size = max_model_len if contiguous else config.kvcache_block_size
@@ -175,6 +185,8 @@ class ModelRunner:
                                                                 config.kv_cache_dtype)
         if state_spec is not None:  # the fast decode paths carry no state slots: eager runs hybrids
             on, self.compile_decode_reason = False, "hybrid model (recurrent-state layers): decode runs eager"
+        if self.drafter is not None:  # the drafter reads every step's hidden states: eager keeps them
+            on, self.compile_decode_reason = False, "speculative='mtp': every step runs eager"
         compiled = CompiledDecode(
             self.model, self.kv_cache, self.block_size, max_model_len, config.max_num_seqs, self.mrope,
             use_kernel=self.attention_backend == "decode_kernel") if on else None  # None: eager decode
@@ -184,6 +196,8 @@ class ModelRunner:
         c_step, self.decode_step_reason = DecodeStep.build(self.model, self.kv_cache, self.attention_backend) \
             if self.device.type == "cpu" and state_spec is None else \
             (None, "CPU only" if state_spec is None else "hybrid model (recurrent-state layers)")
+        if self.drafter is not None:
+            c_step, self.decode_step_reason = None, "speculative='mtp': every step runs eager"
         # the step executors, asked in order; the first that serves a step runs it (eager serves all)
         self.executors: list = []
         self.compiled_decode, self.decode_step = compiled, c_step
@@ -195,6 +209,7 @@ class ModelRunner:
         # Called after each forward as observer(chunks, inputs, logits, sampled), before any
         # request state moves on and before sampling (a test may write into ``logits`` to
         # inject a fault): how tests and benchmarks watch steps without patching methods.
+        self.last_step: StepInputs | None = None  # the latest forward_logits step (inputs, hidden states)
         self.observers: list[Callable[[list, ModelInput, torch.Tensor, list[int]], None]] = []
 
     @torch.inference_mode()
@@ -256,9 +271,11 @@ class ModelRunner:
         chunks that reach their request's end (pooling requests' excluded: their
         ``embedding`` is set instead, ``worker.pooler``), and those chunks' indices."""
         step = StepInputs(self, chunks)
+        self.last_step = step  # its inputs and hidden states (the MTP drafter reads them after sampling)
         pooling = any(getattr(req, "pooling_params", None) is not None for req, _ in chunks)
-        executors = [e for e in self.executors if e.name == "eager"] if pooling else self.executors
-        for executor in executors:  # a pooling request needs the hidden states: only the eager one keeps them
+        eager = pooling or self.drafter is not None
+        executors = [e for e in self.executors if e.name == "eager"] if eager else self.executors
+        for executor in executors:  # pooling / the drafter need the hidden states: only the eager one keeps them
             logits = executor.run(step)
             if logits is not None:
                 break
@@ -292,4 +309,8 @@ class ModelRunner:
             rows = [j for j, r in enumerate(reqs) if r.request_id in pos]
             masks = (rows, grammar_bitmask.bitmask[[pos[reqs[j].request_id] + j - first[reqs[j].request_id]
                                                     for j in rows]])
-        return sampled, sample_with_drafts(logits, reqs, masks)
+        out = sample_with_drafts(logits, reqs, masks)
+        if self.drafter is not None:  # MTP drafts for the next step, from this step's hidden states
+            step = self.last_step
+            self.drafter.after_step(chunks, step.inp, step.hidden, sampled, out, self.kv_cache)
+        return sampled, out
