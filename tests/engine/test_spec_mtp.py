@@ -184,3 +184,19 @@ def test_proposer_keeps_drafts_for_their_length():
     assert p.propose([1], 3, request_id="b") == [7]  # stops before a placeholder id
     p.store("c", 1, [1])
     assert p.propose([1, 2, 3], 2, request_id="a") == []  # the oldest dropped past capacity
+
+
+def test_cli_flags_take_mtp():
+    import importlib.util
+
+    from helpers import REPO
+    from atlas_vlm.entrypoints import cli
+    from atlas_vlm.entrypoints.openai.cli_args import engine_config_from_args
+
+    config = engine_config_from_args(cli.build_parser().parse_args(["serve", "m", "--speculative", "mtp"]))
+    assert (config.speculative, config.speculative_tokens) == ("mtp", 4)
+    spec = importlib.util.spec_from_file_location("generate_cli_mtp", REPO / "scripts" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = module.parse_args(["--speculative", "mtp", "--num-speculative-tokens", "2", "--prompt", "hi"])
+    assert (args.speculative, args.num_speculative_tokens) == ("mtp", 2)
