@@ -7,7 +7,8 @@ or the token the sampler just chose at that row; ``models.qwen3_5.mtp``). That w
 for every position the target computed (prompt chunks included), at the target's slots. At a
 request's newest position (the last verified row taken) its output gives draft 1; drafts
 2..k chain the layer on its own output hidden state and draft (``mtp_chain``). Drafts are
-greedy (argmax of the shared LM head), kept by ``MTPProposer`` until the scheduler asks for
+greedy (argmax of the shared LM head; one only while every drafting request of the step is
+below the acceptance floor, where it drafts one at most), kept by ``MTPProposer`` until the scheduler asks for
 them before the next step (``propose``, the n-gram proposer's interface), and verified there
 as any drafts: the output is exactly the target's.
 
@@ -25,6 +26,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from atlas_vlm.spec_decode import scheduling
 from atlas_vlm.spec_decode.mtp_chain import ChainKV, chain_metadata
 
 __all__ = ["MTPDrafter", "MTPProposer"]
@@ -132,10 +134,13 @@ class MTPDrafter:
             return
         h = h[torch.tensor(last_index, device=h.device)]  # [num_drafting, hidden]
         tokens = [self.model.compute_logits(h).argmax(-1)]  # draft 1 of each request
-        if self.k > 1:
+        # chained drafts only for a request that will draft more than one: below the acceptance
+        # floor it drafts one at most (a probe, spec_decode.scheduling.draft_limit)
+        steps = self.k if any(req.spec_acceptance >= scheduling.ACCEPTANCE_FLOOR for _, req, _ in drafting) else 1
+        if steps > 1:
             tables = inp.meta.block_tables[torch.tensor([i for i, _, _ in drafting], device=h.device)]
             chain = ChainKV(kv_cache, tables, [length for _, _, length in drafting])
-            for step in range(1, self.k):
+            for step in range(1, steps):
                 pos = [req.positions(length - 1 + step, length + step) for _, req, length in drafting]
                 pos = torch.cat([p if p.dim() == 2 else p[None].expand(3, -1) for p in pos], dim=1)  # [3, n]
                 embeds, cos, sin = self._embed_and_rope(tokens[-1], pos.to(h.device), h.dtype)
