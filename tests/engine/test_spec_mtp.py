@@ -200,3 +200,25 @@ def test_cli_flags_take_mtp():
     spec.loader.exec_module(module)
     args = module.parse_args(["--speculative", "mtp", "--num-speculative-tokens", "2", "--prompt", "hi"])
     assert (args.speculative, args.num_speculative_tokens) == ("mtp", 2)
+
+
+@pytest.mark.vlm
+def test_image_prompt_greedy_equals_speculation_off(tmp_path, always_draft):
+    """An image prompt beside a text one (M-RoPE positions of the chained drafts: index +
+    rope delta; image rows in the target's hidden states), with the prompt in chunks cut
+    inside the image."""
+    from helpers import IMAGES, conv
+    from qwen3_5_helpers import tiny_vl_config
+
+    config = tiny_vl_config()
+    config.text_config.layer_types = ["full_attention"] * config.text_config.num_hidden_layers
+    build_tiny_qwen3_5(tmp_path, seed=21, config=config, mtp=random_mtp_weights(config.text_config, seed=2))
+    convs = [conv(IMAGES / "chelsea.png", text="Describe this image."), [{"role": "user", "content": "Just text."}]]
+    bounds = {"min_pixels": 16 * 32 * 32, "max_pixels": 40 * 32 * 32}
+    kw = dict(max_model_len=1024, max_num_batched_tokens=16)
+    ref = LLM(str(tmp_path), **{**BASE, **kw}).chat(convs, greedy(12), mm_options=bounds, use_tqdm=False)
+    outs = spec_llm(tmp_path, **kw).chat(convs, greedy(12), mm_options=bounds, use_tqdm=False)
+    assert sum(o.spec_decode["proposed"] for o in outs) > 0
+    for a, b in zip(outs, ref):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
