@@ -78,10 +78,15 @@ class MTPDrafter:
         mtp: the MTP head (``models.qwen3_5.mtp.Qwen3_5MTP``).
         num_speculative_tokens: drafts made per request (``k``).
         proposer: where drafts are kept.
+        disable_by_batch_size: a step of more requests than this makes no drafts (the
+            scheduler would not take them: ``speculative_disable_by_batch_size``); its MTP K/V
+            are still written. None: drafts at any batch size.
     """
 
-    def __init__(self, model, mtp, num_speculative_tokens: int, proposer: MTPProposer):
+    def __init__(self, model, mtp, num_speculative_tokens: int, proposer: MTPProposer,
+                 disable_by_batch_size: int | None = None):
         self.model, self.mtp, self.k, self.proposer = model, mtp, num_speculative_tokens, proposer
+        self.disable_by_batch_size = disable_by_batch_size
         self.num_draft_steps = 0  # MTP passes run (real pass + chained steps), for measurements
 
     def _embed_and_rope(self, ids: torch.Tensor, positions: torch.Tensor, dtype):
@@ -130,7 +135,8 @@ class MTPDrafter:
         embeds, cos, sin = self._embed_and_rope(ids, inp.positions, hidden.dtype)
         h = self.mtp(embeds, hidden, cos, sin, kv_cache, inp.meta)  # [num_tokens, hidden]
         self.num_draft_steps += 1
-        if not drafting or self.k < 1:
+        limit = self.disable_by_batch_size
+        if not drafting or self.k < 1 or (limit is not None and len(chunks) > limit):
             return
         h = h[torch.tensor(last_index, device=h.device)]  # [num_drafting, hidden]
         tokens = [self.model.compute_logits(h).argmax(-1)]  # draft 1 of each request
@@ -169,4 +175,4 @@ def build_drafter(model, config, kv_layer: int, model_name: str, placeholder_tok
 
     mtp = build_mtp(model, kv_layer, model_name)
     proposer = MTPProposer(placeholder_token_ids, capacity=4 * config.max_num_seqs + 16)
-    return MTPDrafter(model, mtp, config.speculative_tokens, proposer)
+    return MTPDrafter(model, mtp, config.speculative_tokens, proposer, config.speculative_disable_by_batch_size)

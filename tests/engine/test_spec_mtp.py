@@ -163,6 +163,23 @@ def test_greedy_equals_speculation_off(repeater_mtp, always_draft):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
 
+def test_no_drafts_in_a_large_batch(repeater_mtp, always_draft):
+    """With ``speculative_disable_by_batch_size=2``: four running requests draft nothing (the
+    drafter makes none either), the last two draft once the others finished; output as off."""
+    params = [greedy(n) for n in (4, 6, 24, 24)]
+    ref = LLM(str(repeater_mtp), **BASE).generate(PROMPTS, params)
+    llm = LLM(str(repeater_mtp), speculative="mtp", num_speculative_tokens=K, speculative_disable_by_batch_size=2,
+              **BASE)
+    stored = []
+    store = llm.engine.scheduler.proposer.store
+    llm.engine.scheduler.proposer.store = lambda rid, n, d: (stored.append(rid), store(rid, n, d))
+    outs = llm.generate(PROMPTS, params)
+    assert [o.spec_decode["drafts"] > 0 for o in outs] == [False, False, True, True]
+    assert stored.count(outs[0].request_id) == 0 and stored.count(outs[1].request_id) == 0
+    for a, b in zip(outs, ref):
+        assert a.token_ids == b.token_ids
+
+
 def test_checkpoint_without_mtp_weights_is_refused(tmp_path):
     build_tiny_qwen3_5(tmp_path, seed=2, text_only=True, config=full_attention_config())
     with pytest.raises(ValueError, match=rf"(?s){tmp_path}.*mtp\.fc\.weight"):
