@@ -96,7 +96,8 @@ class MTPDrafter:
         return self.model.embed(ids), cos, sin
 
     @torch.inference_mode()
-    def after_step(self, chunks, inp, hidden: torch.Tensor, sampled_chunks: list[int], out, kv_cache) -> None:
+    def after_step(self, chunks, inp, hidden: torch.Tensor, sampled_chunks: list[int], out, kv_cache,
+                   inputs_embeds: torch.Tensor | None = None) -> None:
         """One MTP pass over the step's positions, then drafts for every request whose chunk
         sampled.
 
@@ -107,11 +108,14 @@ class MTPDrafter:
             hidden: the target's output hidden states ``[num_tokens, hidden]``.
             sampled_chunks: the chunk index of each sampler row; ``out``: the ``SamplerOutput``.
             kv_cache: the engine's cache (the MTP's layer included).
+            inputs_embeds: the target's input embeddings ``[num_tokens, hidden]`` (media rows
+                in place): a prompt position whose next token is in the same chunk takes that
+                token's row (an image row, not its placeholder's embedding), as vLLM shifts them.
         """
         rows_of: dict[int, list[int]] = {}
         for row, i in enumerate(sampled_chunks):
             rows_of.setdefault(i, []).append(row)
-        next_ids, last_index, drafting = [], [], []
+        next_ids, last_index, drafting, shifted = [], [], [], []  # shifted: positions whose next row is in the chunk
         base = 0
         for i, (req, n) in enumerate(chunks):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
@@ -119,10 +123,12 @@ class MTPDrafter:
             if rows is None:  # mid-prompt (or a pooling request): the prompt's next tokens
                 nxt = list(req.token_ids[start + 1:end + 1])
                 next_ids += nxt + [0] * (n - len(nxt))
+                shifted += range(base, base + n - 1)
             else:
                 k = len(rows) - 1
                 taken = [out.token_ids[r] if out.errors[r] is None else 0 for r in rows]
                 next_ids += list(req.token_ids[start + 1:end - k]) + taken
+                shifted += range(base, base + n - 1 - k)
                 drafts = list(req.spec_token_ids) if k else []
                 a = 0  # drafts accepted: the rows take_verified takes
                 while a < k and out.errors[rows[a]] is None and taken[a] == drafts[a]:
@@ -133,6 +139,9 @@ class MTPDrafter:
             base += n
         ids = torch.tensor(next_ids, dtype=torch.long, device=hidden.device)
         embeds, cos, sin = self._embed_and_rope(ids, inp.positions, hidden.dtype)
+        if inputs_embeds is not None and inp.mm_embeds is not None and shifted:  # text rows are equal anyway
+            dst = torch.tensor(shifted, device=embeds.device)
+            embeds[dst] = inputs_embeds[dst + 1].to(embeds.dtype)
         h = self.mtp(embeds, hidden, cos, sin, kv_cache, inp.meta)  # [num_tokens, hidden]
         self.num_draft_steps += 1
         limit = self.disable_by_batch_size

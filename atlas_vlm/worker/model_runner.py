@@ -312,5 +312,5 @@ class ModelRunner:
         out = sample_with_drafts(logits, reqs, masks)
         if self.drafter is not None:  # MTP drafts for the next step, from this step's hidden states
             step = self.last_step
-            self.drafter.after_step(chunks, step.inp, step.hidden, sampled, out, self.kv_cache)
+            self.drafter.after_step(chunks, step.inp, step.hidden, sampled, out, self.kv_cache, step.prepared[1])
         return sampled, out
