@@ -6,6 +6,7 @@ yet: the Gated DeltaNet state cannot roll back rejected drafts).
   here from vLLM's ``qwen3_next_mtp.py``, HF's target hidden states, no cache): every draft
   the engine proposed, at every step (chunked prefill, drafts accepted and rejected), equals
   the reference's greedy proposals (fp32).
+  After a prefix hit (its last block recomputed) too.
 - Greedy output with MTP drafts equals speculation off token for token, logprobs within 1e-5,
   in a batch, with drafts accepted and rejected.
 - A checkpoint without ``mtp.*`` (or a model without an MTP head) is refused by name.
@@ -150,6 +151,38 @@ def test_drafts_equal_the_reference(random_mtp, always_draft):
     assert all(d for _, d in seen)  # a draft every decode step
     for tokens, drafts in seen:
         assert drafts == reference_drafts(hf, w, tokens, K)[:len(drafts)], tokens
+
+
+def test_prefix_hit_drafts_equal_the_reference(random_mtp, always_draft):
+    """A prompt sharing 24 tokens (6 blocks) with a finished one: its hit drops the last
+    block (whose last MTP K/V were made with the first prompt's next token), and every
+    draft after the hit equals the reference's; output as speculation off."""
+    folder, hf, w = random_mtp
+    first = list(range(100, 130))
+    second = first[:24] + [7, 8, 9]
+    llm = spec_llm(folder, enable_prefix_caching=True)
+    llm.generate([first], greedy(6))
+    bm, proposer = llm.engine.block_manager, llm.engine.scheduler.proposer
+    cached, seen = [], []
+    allocate, propose = bm.prefill_allocate, proposer.propose
+
+    def allocating(req):
+        table = allocate(req)
+        cached.append(req.num_cached_tokens)
+        return table
+
+    def recording(token_ids, k, media_ranges=(), request_id=None):
+        drafts = propose(token_ids, k, media_ranges, request_id)
+        seen.append((list(token_ids), drafts))
+        return drafts
+
+    bm.prefill_allocate, proposer.propose = allocating, recording
+    out = llm.generate([second], greedy(10))[0]
+    assert cached == [20]  # 6 blocks cached, the last one recomputed
+    assert len(seen) >= 5
+    for tokens, drafts in seen:
+        assert drafts == reference_drafts(hf, w, tokens, K)[:len(drafts)], tokens
+    assert out.token_ids == LLM(str(folder), **BASE).generate([second], greedy(10))[0].token_ids
 
 
 def test_greedy_equals_speculation_off(repeater_mtp, always_draft):
