@@ -7,10 +7,14 @@ or the token the sampler just chose at that row; ``models.qwen3_5.mtp``). That w
 for every position the target computed (prompt chunks included), at the target's slots. At a
 request's newest position (the last verified row taken) its output gives draft 1; drafts
 2..k chain the layer on its own output hidden state and draft (``mtp_chain``). Drafts are
-greedy (argmax of the shared LM head; one only while every drafting request of the step is
-below the acceptance floor, where it drafts one at most), kept by ``MTPProposer`` until the scheduler asks for
+greedy (argmax of the shared LM head), kept by ``MTPProposer`` until the scheduler asks for
 them before the next step (``propose``, the n-gram proposer's interface), and verified there
-as any drafts: the output is exactly the target's.
+as any drafts: the output is exactly the target's. Only one draft is made while every
+drafting request of the step is below the acceptance floor (each drafts one at most), none
+in a step the scheduler would not draft in (``speculative_disable_by_batch_size``).
+
+A prefix-cache hit must not end at a block whose last MTP K/V used another request's next
+token: the engine sets ``BlockManager.drop_last_hit_block`` (vLLM's rule for EAGLE / MTP).
 
 Which rows: a chunk's sampler rows are its last ``k + 1`` positions (``k`` its drafts); the
 rows taken are those the scheduler takes (``spec_decode.scheduling.take_verified``: while the

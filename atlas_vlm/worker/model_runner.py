@@ -91,9 +91,14 @@ class ModelRunner:
     prefix caching it also gets a ``StateSnapshotPool`` (``state_snapshots``, None otherwise;
     ``num_state_snapshots``), whose bytes come off the budget with the slots.
 
+    With ``speculative="mtp"`` it also holds the MTP drafter (``drafter``, else None;
+    ``spec_decode.mtp``): its layer's K/V are one more cache layer, every step runs eager, and
+    ``run`` hands it each step's hidden states after sampling.
+
     Raises:
         KVBudgetError: the budget holds no block (or, contiguous, no strip), or not the state slots.
-        ValueError: ``deterministic=True`` with a hybrid model.
+        ValueError: ``deterministic=True`` with a hybrid model; ``speculative="mtp"`` with a
+            model or checkpoint without an MTP head (``spec_decode.mtp.build_drafter``).
     """
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int):
@@ -206,10 +211,10 @@ class ModelRunner:
         # what to encode and what to drop (SchedulerOutput.encoder_inputs / freed_encoder_hashes)
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         self.num_encoder_runs = 0  # media items encoded (one per item not found in the cache)
+        self.last_step: StepInputs | None = None  # with the drafter: the latest step (inputs, hidden states)
         # Called after each forward as observer(chunks, inputs, logits, sampled), before any
         # request state moves on and before sampling (a test may write into ``logits`` to
         # inject a fault): how tests and benchmarks watch steps without patching methods.
-        self.last_step: StepInputs | None = None  # the latest forward_logits step (inputs, hidden states)
         self.observers: list[Callable[[list, ModelInput, torch.Tensor, list[int]], None]] = []
 
     @torch.inference_mode()
@@ -271,7 +276,8 @@ class ModelRunner:
         chunks that reach their request's end (pooling requests' excluded: their
         ``embedding`` is set instead, ``worker.pooler``), and those chunks' indices."""
         step = StepInputs(self, chunks)
-        self.last_step = step  # its inputs and hidden states (the MTP drafter reads them after sampling)
+        if self.drafter is not None:
+            self.last_step = step  # its inputs and hidden states: the MTP drafter reads them after sampling
         pooling = any(getattr(req, "pooling_params", None) is not None for req, _ in chunks)
         eager = pooling or self.drafter is not None
         executors = [e for e in self.executors if e.name == "eager"] if eager else self.executors
@@ -311,6 +317,6 @@ class ModelRunner:
                                                     for j in rows]])
         out = sample_with_drafts(logits, reqs, masks)
         if self.drafter is not None:  # MTP drafts for the next step, from this step's hidden states
-            step = self.last_step
+            step, self.last_step = self.last_step, None
             self.drafter.after_step(chunks, step.inp, step.hidden, sampled, out, self.kv_cache, step.prepared[1])
         return sampled, out
