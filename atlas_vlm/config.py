@@ -103,8 +103,9 @@ class EngineConfig:
     # CUDA; off on CPU, where it was measured not to pay). The eager path is the fallback.
     compile_decode: bool | str = "auto"
     # exact speculative decoding (atlas_vlm.spec_decode, docs/speculative.md): "ngram" (prompt-lookup
-    # drafts, vLLM's method="ngram"), "mtp" (a Qwen3.5 checkpoint's MTP head) or None (off); drafts per
-    # decode step (None: 4 when on), and the longest / shortest n-gram looked up (vLLM's prompt_lookup_max / prompt_lookup_min)
+    # drafts, vLLM's method="ngram"), "mtp" (a Qwen3.5 checkpoint's MTP head) or None (off); drafts
+    # per decode step (None: 4 when on), and the longest / shortest n-gram looked up (vLLM's
+    # prompt_lookup_max / prompt_lookup_min)
     speculative: str | None = None
     num_speculative_tokens: int | None = None
     prompt_lookup_max: int = 4

@@ -165,6 +165,7 @@ def random_mtp_weights(text_config, seed: int = 0) -> dict[str, torch.Tensor]:
              "self_attn.q_proj.weight": w(2 * q, h), "self_attn.k_proj.weight": w(kv, h),
              "self_attn.v_proj.weight": w(kv, h), "self_attn.o_proj.weight": w(h, q),
              "self_attn.q_norm.weight": w(hd, scale=0.2), "self_attn.k_norm.weight": w(hd, scale=0.2),
-             "mlp.gate_proj.weight": w(inter, h), "mlp.up_proj.weight": w(inter, h), "mlp.down_proj.weight": w(h, inter)}
+             "mlp.gate_proj.weight": w(inter, h), "mlp.up_proj.weight": w(inter, h),
+             "mlp.down_proj.weight": w(h, inter)}
     out.update({f"layers.0.{k}": v for k, v in layer.items()})
     return out

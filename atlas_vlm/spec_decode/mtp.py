@@ -171,7 +171,8 @@ class MTPDrafter:
             self.proposer.store(req.request_id, length + 1, d)
 
 
-def build_drafter(model, config, kv_layer: int, model_name: str, placeholder_token_ids: Iterable[int] = ()) -> MTPDrafter:
+def build_drafter(model, config, kv_layer: int, model_name: str,
+                  placeholder_token_ids: Iterable[int] = ()) -> MTPDrafter:
     """The ``MTPDrafter`` of a loaded target for ``EngineConfig`` ``config``; its MTP layer
     reads and writes cache layer ``kv_layer`` (the one after the target's own); media
     placeholder ids are never proposed.
