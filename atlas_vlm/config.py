@@ -11,7 +11,7 @@ from atlas_vlm import hardware
 from mm_token_pipeline import DEFAULT_HTTP_MAX_BYTES, DEFAULT_HTTP_TIMEOUT_S, MultiModalOptions
 
 KV_CACHE_KINDS = ("paged", "contiguous")
-SPECULATIVE_METHODS = (None, "ngram")  # atlas_vlm.spec_decode's proposers
+SPECULATIVE_METHODS = (None, "ngram", "mtp")  # atlas_vlm.spec_decode's proposers
 DEFAULT_KV_CACHE_DIR_MAX_BYTES = 10 << 30  # 10 GiB
 ATTENTION_BACKENDS = ("auto", "reference", "bucketed", "decode_kernel")  # atlas_vlm.layers.attention's + "auto"
 
@@ -103,8 +103,9 @@ class EngineConfig:
     # CUDA; off on CPU, where it was measured not to pay). The eager path is the fallback.
     compile_decode: bool | str = "auto"
     # exact speculative decoding (atlas_vlm.spec_decode, docs/speculative.md): "ngram" (prompt-lookup
-    # drafts, vLLM's method="ngram") or None (off); drafts per decode step (None: 4 when on), and the
-    # longest / shortest n-gram looked up (vLLM's prompt_lookup_max / prompt_lookup_min)
+    # drafts, vLLM's method="ngram"), "mtp" (a Qwen3.5 checkpoint's MTP head) or None (off); drafts
+    # per decode step (None: 4 when on), and the longest / shortest n-gram looked up (vLLM's
+    # prompt_lookup_max / prompt_lookup_min)
     speculative: str | None = None
     num_speculative_tokens: int | None = None
     prompt_lookup_max: int = 4
@@ -194,7 +195,7 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens must be an int >= 1 (tokens) or None, got {k!r}")
         if k is not None and self.speculative is None:
             raise ValueError("num_speculative_tokens is set but speculative is None (off); "
-                             "pass speculative='ngram' (--speculative ngram) to turn speculation on")
+                             "pass speculative='ngram' or 'mtp' (--speculative ngram|mtp) to turn speculation on")
         b = self.speculative_disable_by_batch_size
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise ValueError(f"speculative_disable_by_batch_size must be an int >= 1 (requests) or None, got {b!r}")

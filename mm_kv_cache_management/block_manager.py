@@ -64,6 +64,10 @@ class BlockManager:
             caching; a ``state_cache`` with prefix caching but no ``state_snapshots``.
     """
 
+    #: drop the last block of every prefix hit, so it is recomputed (vLLM's ``use_eagle``): set for
+    #: a drafter whose K/V at a block's last position depend on the token after the block (MTP)
+    drop_last_hit_block: bool = False
+
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False,
                  kv_tier=None, state_cache=None, state_snapshots=None):
         if num_blocks < 1:
@@ -99,7 +103,8 @@ class BlockManager:
     # ---- prefix cache -------------------------------------------------------------------
     def _cache_hits(self, req: RequestState) -> list[int]:
         """Block ids of the longest cached prefix; never covers the last prompt token (C11).
-        With state snapshots: the longest that ends at a block with a snapshot (maybe none)."""
+        With ``drop_last_hit_block``: without its last block. With state snapshots: the longest
+        that ends at a block with a snapshot (maybe none)."""
         if not self.enable_prefix_caching:
             return []
         hits = []
@@ -109,6 +114,8 @@ class BlockManager:
             if block_id is None:
                 break
             hits.append(block_id)
+        if self.drop_last_hit_block and hits:
+            hits.pop()
         if self.state_snapshots is not None:
             while hits and hashes[len(hits) - 1] not in self.state_snapshots:
                 hits.pop()

@@ -53,8 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf", "awq", "gptq"],
                    help="weight-only quantization: int8 / int4 at load, gguf as stored (a .gguf), awq / gptq "
                         "(read from the checkpoint's quantization_config when not given)")
-    p.add_argument("--speculative", default=None, choices=["ngram"],
-                   help="exact speculative decoding: ngram (prompt-lookup drafts; greedy requests; docs/speculative.md)")
+    p.add_argument("--speculative", default=None, choices=["ngram", "mtp"],
+                   help="exact speculative decoding: ngram (prompt-lookup drafts) or mtp (a Qwen3.5 checkpoint's "
+                        "multi-token-prediction head); docs/speculative.md")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per decode step with --speculative (default 4)")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant mode: the same tokens and logprobs whatever the batch (CPU, dense; docs/deterministic.md)")

@@ -147,3 +147,28 @@ class StepDriver:
                                    torch.tensor(index, dtype=torch.long))
             logits = self.model.compute_logits(self.model(x, torch.cat(pos, dim=1), self.kv, meta))
         return dict(zip(new_tokens, logits.split(q_lens)))
+
+
+def random_mtp_weights(text_config, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random ``mtp.*`` tensors (names without the prefix) for a Qwen3.5 text config, shaped as
+    a released checkpoint's MTP head (one layer: HF's separate q/k/v and gate/up projections,
+    ``q_proj`` of query + gate); HF's ``save_pretrained`` drops ``mtp.*``, so tests add these
+    with ``build_tiny_qwen3_5(mtp=...)``. Norm weights are random around 0 (zero-centred)."""
+    c = text_config
+    g = torch.Generator().manual_seed(seed)
+    h, inter, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
+
+    def w(*shape, scale=None):
+        return torch.randn(*shape, generator=g) * (scale if scale is not None else shape[-1] ** -0.5)
+
+    out = {"fc.weight": w(h, 2 * h), "norm.weight": w(h, scale=0.2), "pre_fc_norm_embedding.weight": w(h, scale=0.2),
+           "pre_fc_norm_hidden.weight": w(h, scale=0.2)}
+    layer = {"input_layernorm.weight": w(h, scale=0.2), "post_attention_layernorm.weight": w(h, scale=0.2),
+             "self_attn.q_proj.weight": w(2 * q, h), "self_attn.k_proj.weight": w(kv, h),
+             "self_attn.v_proj.weight": w(kv, h), "self_attn.o_proj.weight": w(h, q),
+             "self_attn.q_norm.weight": w(hd, scale=0.2), "self_attn.k_norm.weight": w(hd, scale=0.2),
+             "mlp.gate_proj.weight": w(inter, h), "mlp.up_proj.weight": w(inter, h),
+             "mlp.down_proj.weight": w(h, inter)}
+    out.update({f"layers.0.{k}": v for k, v in layer.items()})
+    return out

@@ -80,6 +80,20 @@ def _check_hybrid(config: EngineConfig, model, snapshots) -> bool:
     return False
 
 
+def _check_mtp(config: EngineConfig) -> None:
+    """The options ``speculative="mtp"`` runs with. Its prefix hits drop their last block
+    (``BlockManager.drop_last_hit_block``, set by the engine): that block's last MTP K/V were
+    made with the next token of the request that wrote it.
+
+    Raises:
+        ValueError: ``kv_cache_dir`` asked for (a disk hit would resume past the last memory
+            hit, whose last block's MTP K/V are the writer's).
+    """
+    if config.kv_cache_dir is not None:
+        raise ValueError("kv_cache_dir cannot serve speculative='mtp' (a disk hit's last block holds MTP K/V made "
+                         "with another request's next token); unset kv_cache_dir or use speculative='ngram'")
+
+
 class LLMEngine:
     """The engine behind ``LLM``.
 
@@ -108,11 +122,14 @@ class LLMEngine:
         prefix_caching = config.enable_prefix_caching and config.kv_cache == "paged"
         if state_cache is not None:
             prefix_caching = _check_hybrid(config, loaded.model, self.runner.state_snapshots)
+        if config.speculative == "mtp":
+            _check_mtp(config)
         # the disk tier below the prefix cache (None without kv_cache_dir)
         self.kv_tier = build_kv_tier(config, loaded.model_dir, loaded.hf_config, self.runner)
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
                                           enable_prefix_caching=prefix_caching, kv_tier=self.kv_tier,
                                           state_cache=state_cache, state_snapshots=self.runner.state_snapshots)
+        self.block_manager.drop_last_hit_block = config.speculative == "mtp"
         budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             budget = max(budget, self.max_model_len)
@@ -141,6 +158,8 @@ class LLMEngine:
         model's media are never drafted."""
         if self.config.speculative is None:
             return None
+        if self.config.speculative == "mtp":  # drafts made by the runner's MTP head after each step
+            return self.runner.drafter.proposer
         from atlas_vlm.spec_decode import NgramProposer
 
         pads = {getattr(self.hf_config, name, None) for name in ("image_token_id", "video_token_id")}
@@ -248,6 +267,7 @@ class LLMEngine:
         self.block_manager = BlockManager(old.num_blocks, old.block_size,
                                           enable_prefix_caching=old.enable_prefix_caching, kv_tier=old.kv_tier,
                                           state_cache=old.state_cache, state_snapshots=old.state_snapshots)
+        self.block_manager.drop_last_hit_block = old.drop_last_hit_block
         sched = self.scheduler
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
                                    sched.enable_chunked_prefill, max_model_len=sched.max_model_len,

@@ -77,7 +77,7 @@ class LLM:
             ``kvcache_block_size``, ``max_model_len``, ``max_pixels``, ``allow_http_images``,
             ``http_image_timeout_s``, ``http_image_max_bytes``, ``tool_call_parser`` (a
             ``atlas_vlm.tool_parsers`` name; None: detected from the chat template),
-            ``speculative="ngram"`` with ``num_speculative_tokens`` (exact speculative
+            ``speculative="ngram" | "mtp"`` with ``num_speculative_tokens`` (exact speculative
             decoding, docs/speculative.md), ``deterministic=True`` (each request's tokens and
             logprobs independent of its batch, docs/deterministic.md), ...).
 

@@ -47,7 +47,8 @@ class NgramProposer:
             masked[r.offset:r.offset + r.length] = True
         return masked
 
-    def propose(self, token_ids: Sequence[int], k: int, media_ranges: Iterable = ()) -> list[int]:
+    def propose(self, token_ids: Sequence[int], k: int, media_ranges: Iterable = (),
+                request_id: str | None = None) -> list[int]:
         """Up to ``k`` draft tokens to follow ``token_ids``.
 
         Args:
@@ -56,6 +57,7 @@ class NgramProposer:
             media_ranges: the request's placeholder runs (objects with ``offset`` and
                 ``length``, e.g. ``PlaceholderRange``); none of their tokens is matched or
                 proposed.
+            request_id: unused (the MTP proposer's drafts are per request).
 
         Returns:
             the drafts (maybe fewer than ``k``, maybe none): the continuation of the most

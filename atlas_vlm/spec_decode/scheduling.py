@@ -68,7 +68,7 @@ def add_drafts(scheduler, req, budget: int) -> int:
     if not can_draft(req) or (limit is not None and len(scheduler.running) > limit):
         return 0
     k = draft_limit(req, scheduler.num_speculative_tokens, budget, scheduler.max_model_len)
-    drafts = scheduler.proposer.propose(req.token_ids, k, req.mm_positions) if k else []
+    drafts = scheduler.proposer.propose(req.token_ids, k, req.mm_positions, request_id=req.request_id) if k else []
     manager = scheduler.structured_output_manager
     if drafts and manager is not None:
         drafts = drafts[:manager.draft_prefix(req, drafts)]

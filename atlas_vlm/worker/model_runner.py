@@ -91,9 +91,14 @@ class ModelRunner:
     prefix caching it also gets a ``StateSnapshotPool`` (``state_snapshots``, None otherwise;
     ``num_state_snapshots``), whose bytes come off the budget with the slots.
 
+    With ``speculative="mtp"`` it also holds the MTP drafter (``drafter``, else None;
+    ``spec_decode.mtp``): its layer's K/V are one more cache layer, every step runs eager, and
+    ``run`` hands it each step's hidden states after sampling.
+
     Raises:
         KVBudgetError: the budget holds no block (or, contiguous, no strip), or not the state slots.
-        ValueError: ``deterministic=True`` with a hybrid model.
+        ValueError: ``deterministic=True`` with a hybrid model; ``speculative="mtp"`` with a
+            model or checkpoint without an MTP head (``spec_decode.mtp.build_drafter``).
     """
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int):
@@ -129,6 +134,16 @@ class ModelRunner:
             if self.deterministic:
                 tile_linears(self.vision)
         num_kv_layers = arch.num_layers if state_spec is None else self.model.num_kv_layers  # full attention only
+        self.drafter = None  # speculative="mtp": the MTP head, its K/V one more cache layer
+        if config.speculative == "mtp":
+            from atlas_vlm.spec_decode.mtp import build_drafter
+
+            pads = {getattr(loaded.hf_config, name, None) for name in ("image_token_id", "video_token_id")}
+            self.drafter = build_drafter(self.model, config, num_kv_layers, str(config.model),
+                                         {t for t in pads if isinstance(t, int)})
+            if pack:
+                self.num_packed_linears += pack_linears(self.drafter.mtp)
+            num_kv_layers += 1
         spec = kv_cache_spec(num_kv_layers, arch.num_kv_heads, arch.head_dim, self.dtype, config.kv_cache_dtype)
         contiguous = config.kv_cache == "contiguous"
         self.block_size = max_model_len if contiguous else config.kvcache_block_size
@@ -175,6 +190,8 @@ class ModelRunner:
                                                                 config.kv_cache_dtype)
         if state_spec is not None:  # the fast decode paths carry no state slots: eager runs hybrids
             on, self.compile_decode_reason = False, "hybrid model (recurrent-state layers): decode runs eager"
+        if self.drafter is not None:  # the drafter reads every step's hidden states: eager keeps them
+            on, self.compile_decode_reason = False, "speculative='mtp': every step runs eager"
         compiled = CompiledDecode(
             self.model, self.kv_cache, self.block_size, max_model_len, config.max_num_seqs, self.mrope,
             use_kernel=self.attention_backend == "decode_kernel") if on else None  # None: eager decode
@@ -184,6 +201,8 @@ class ModelRunner:
         c_step, self.decode_step_reason = DecodeStep.build(self.model, self.kv_cache, self.attention_backend) \
             if self.device.type == "cpu" and state_spec is None else \
             (None, "CPU only" if state_spec is None else "hybrid model (recurrent-state layers)")
+        if self.drafter is not None:
+            c_step, self.decode_step_reason = None, "speculative='mtp': every step runs eager"
         # the step executors, asked in order; the first that serves a step runs it (eager serves all)
         self.executors: list = []
         self.compiled_decode, self.decode_step = compiled, c_step
@@ -192,6 +211,7 @@ class ModelRunner:
         # what to encode and what to drop (SchedulerOutput.encoder_inputs / freed_encoder_hashes)
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         self.num_encoder_runs = 0  # media items encoded (one per item not found in the cache)
+        self.last_step: StepInputs | None = None  # with the drafter: the latest step (inputs, hidden states)
         # Called after each forward as observer(chunks, inputs, logits, sampled), before any
         # request state moves on and before sampling (a test may write into ``logits`` to
         # inject a fault): how tests and benchmarks watch steps without patching methods.
@@ -256,9 +276,12 @@ class ModelRunner:
         chunks that reach their request's end (pooling requests' excluded: their
         ``embedding`` is set instead, ``worker.pooler``), and those chunks' indices."""
         step = StepInputs(self, chunks)
+        if self.drafter is not None:
+            self.last_step = step  # its inputs and hidden states: the MTP drafter reads them after sampling
         pooling = any(getattr(req, "pooling_params", None) is not None for req, _ in chunks)
-        executors = [e for e in self.executors if e.name == "eager"] if pooling else self.executors
-        for executor in executors:  # a pooling request needs the hidden states: only the eager one keeps them
+        eager = pooling or self.drafter is not None
+        executors = [e for e in self.executors if e.name == "eager"] if eager else self.executors
+        for executor in executors:  # pooling / the drafter need the hidden states: only the eager one keeps them
             logits = executor.run(step)
             if logits is not None:
                 break
@@ -292,4 +315,8 @@ class ModelRunner:
             rows = [j for j, r in enumerate(reqs) if r.request_id in pos]
             masks = (rows, grammar_bitmask.bitmask[[pos[reqs[j].request_id] + j - first[reqs[j].request_id]
                                                     for j in rows]])
-        return sampled, sample_with_drafts(logits, reqs, masks)
+        out = sample_with_drafts(logits, reqs, masks)
+        if self.drafter is not None:  # MTP drafts for the next step, from this step's hidden states
+            step, self.last_step = self.last_step, None
+            self.drafter.after_step(chunks, step.inp, step.hidden, sampled, out, self.kv_cache, step.prepared[1])
+        return sampled, out

@@ -118,8 +118,8 @@ class Qwen3_5ForCausalLM(CausalLM):
         qkv_sizes: rows of the fused ``qkv_proj`` per HF projection (``q_proj`` is query + gate,
             ``2 x heads x head_dim``); the loader stacks HF's q/k/v with these sizes.
         mtp_state_dict: the checkpoint's ``mtp.*`` tensors (multi-token prediction head, which
-            HF ignores), names without the ``mtp.`` prefix, dtype as stored; kept for
-            speculative decoding.
+            HF ignores), names without the ``mtp.`` prefix, dtype as stored; the drafter of
+            ``speculative="mtp"`` is built from them (``models.qwen3_5.mtp.build_mtp``).
         quantizable: False: ``load_model(quantization=...)`` refuses Qwen3.5 for now.
         supports_state_snapshots: True: its linear-attention layers write
             ``meta.state.snapshots`` (so prefix caching can serve it, ``state_snapshots.py``).
