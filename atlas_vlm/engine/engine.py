@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 _COMPILE_WAIT_S = 0.05  # longest a step with nothing to run waits for a grammar to compile
 # drafters tested on hybrid models (their recurrent state rolls back by accepted counts alone,
 # whatever the drafter: ``StateCache.accept_rows``); add one here once its hybrid runs are tested
-_HYBRID_SPECULATIVE = ("ngram",)
+_HYBRID_SPECULATIVE = ("ngram", "mtp")
 
 
 def _locked(method):

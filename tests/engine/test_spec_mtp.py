@@ -1,6 +1,6 @@
-"""Speculative decoding with Qwen3.5's MTP head (``speculative="mtp"``), on a tiny random
-Qwen3.5 whose layers are all full attention (speculation does not run on the hybrid pattern
-yet: the Gated DeltaNet state cannot roll back rejected drafts).
+"""Speculative decoding with Qwen3.5's MTP head (``speculative="mtp"``), on tiny random
+Qwen3.5 models: all layers full attention, and the released hybrid pattern (Gated DeltaNet
+layers whose state rolls back over rejected drafts, ``StateCache.accept_rows``).
 
 - The drafter against a plain PyTorch forward of the MTP math over whole sequences (written
   here from vLLM's ``qwen3_next_mtp.py``, HF's target hidden states, no cache): every draft
@@ -29,30 +29,37 @@ BASE = dict(device="cpu", dtype="float32", max_model_len=256, kvcache_block_size
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], list(range(50, 80)), [9, 8, 7], [5] * 6]
 
 
-def full_attention_config(tie: bool = False):
+def full_attention_config(tie: bool = False, hybrid: bool = False):
+    """The tiny Qwen3.5 config: all layers full attention, or (``hybrid``) the released
+    pattern of Gated DeltaNet and full-attention layers."""
     config = tiny_config()
-    config.text_config.layer_types = ["full_attention"] * config.text_config.num_hidden_layers
+    if not hybrid:
+        config.text_config.layer_types = ["full_attention"] * config.text_config.num_hidden_layers
     config.text_config.tie_word_embeddings = config.tie_word_embeddings = tie
     return config
 
 
-@pytest.fixture(scope="module")
-def random_mtp(tmp_path_factory):
-    """All-full-attention tiny Qwen3.5 with a random MTP head; returns (folder, HF model, mtp tensors)."""
+PATTERNS = ["full_attention", "hybrid"]
+
+
+@pytest.fixture(scope="module", params=PATTERNS)
+def random_mtp(tmp_path_factory, request):
+    """Tiny Qwen3.5 (all full attention, or the hybrid pattern) with a random MTP head;
+    returns (folder, HF model, mtp tensors)."""
     folder = tmp_path_factory.mktemp("qwen3_5_mtp")
-    config = full_attention_config()
+    config = full_attention_config(hybrid=request.param == "hybrid")
     mtp = random_mtp_weights(config.text_config, seed=5)
     hf = build_tiny_qwen3_5(folder, seed=1, text_only=True, config=config, mtp=mtp)
     return folder, hf, mtp
 
 
-@pytest.fixture(scope="module")
-def repeater_mtp(tmp_path_factory):
+@pytest.fixture(scope="module", params=PATTERNS)
+def repeater_mtp(tmp_path_factory, request):
     """Tied embeddings and an MTP head whose ``fc`` carries the next token's embedding
     through: it mostly proposes the last token again, so on this model's repetitive greedy
     outputs drafts are both accepted and rejected."""
     folder = tmp_path_factory.mktemp("qwen3_5_mtp_repeat")
-    config = full_attention_config(tie=True)
+    config = full_attention_config(tie=True, hybrid=request.param == "hybrid")
     mtp = random_mtp_weights(config.text_config, seed=5)
     h = config.text_config.hidden_size
     mtp["fc.weight"][:, :h] += 3.0 * torch.eye(h)
@@ -160,7 +167,8 @@ def test_prefix_hit_drafts_equal_the_reference(random_mtp, always_draft):
     folder, hf, w = random_mtp
     first = list(range(100, 130))
     second = first[:24] + [7, 8, 9]
-    llm = spec_llm(folder, enable_prefix_caching=True)
+    # a state snapshot at every block (hybrid pattern; the option is unused without linear attention)
+    llm = spec_llm(folder, enable_prefix_caching=True, hybrid_snapshot_interval=4)
     llm.generate([first], greedy(6))
     bm, proposer = llm.engine.block_manager, llm.engine.scheduler.proposer
     cached, seen = [], []
@@ -253,7 +261,8 @@ def test_cli_flags_take_mtp():
 
 
 @pytest.mark.vlm
-def test_image_prompt_greedy_equals_speculation_off(tmp_path, always_draft):
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_image_prompt_greedy_equals_speculation_off(tmp_path, always_draft, pattern):
     """An image prompt beside a text one (M-RoPE positions of the chained drafts: index +
     rope delta; image rows in the target's hidden states), with the prompt in chunks cut
     inside the image."""
@@ -261,7 +270,8 @@ def test_image_prompt_greedy_equals_speculation_off(tmp_path, always_draft):
     from qwen3_5_helpers import tiny_vl_config
 
     config = tiny_vl_config()
-    config.text_config.layer_types = ["full_attention"] * config.text_config.num_hidden_layers
+    if pattern == "full_attention":
+        config.text_config.layer_types = ["full_attention"] * config.text_config.num_hidden_layers
     build_tiny_qwen3_5(tmp_path, seed=21, config=config, mtp=random_mtp_weights(config.text_config, seed=2))
     convs = [conv(IMAGES / "chelsea.png", text="Describe this image."), [{"role": "user", "content": "Just text."}]]
     bounds = {"min_pixels": 16 * 32 * 32, "max_pixels": 40 * 32 * 32}
