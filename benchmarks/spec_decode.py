@@ -6,6 +6,9 @@ typos in a paragraph, extract fields from a given document) and one free-writing
 task: one stream, tok/s with ``speculative="ngram"`` over tok/s without, the acceptance rate
 (accepted / proposed drafts), and whether the tokens are identical (they must be: greedy).
 Then batches of 16 and 64 requests mixing the four tasks: throughput on / off.
+``quantization="gguf"`` (``scripts/bench.py --spec-quantization gguf``) runs the GGUF as stored
+(the one-call C decode step, ``kernels.decode_step``) instead of dequantized; the steps each
+executor ran are reported (``runner.executor_steps``).
 Units: seconds of wall clock; tok/s counts generated tokens.
 """
 
@@ -43,20 +46,21 @@ def _run(llm, prompts, params) -> tuple[float, list]:
     return best_of(lambda: llm.chat(convs, params, use_tqdm=False), repeats=1, warmup=1)
 
 
-def run(quick: bool = False, dtype=None) -> dict:
+def run(quick: bool = False, dtype=None, quantization: str | None = None) -> dict:
     from atlas_vlm import LLM, SamplingParams
     from atlas_vlm.default_models import default_text_model
     from benchmarks.common import dtype_name
 
     n_tokens = 96 if quick else 192
     kw = dict(dtype=dtype_name(dtype) if dtype is not None else "auto", max_model_len=2048,
-              kv_cache_memory=1 << 30, max_num_seqs=64)
+              kv_cache_memory=1 << 30, max_num_seqs=64, **({"quantization": quantization} if quantization else {}))
     off = LLM(default_text_model(), **kw)
     on = LLM(default_text_model(), speculative="ngram", num_speculative_tokens=4, **kw)
     params = SamplingParams(temperature=0, max_tokens=n_tokens)
-    section(f"Speculative decoding (n-gram drafts, k=4) on SmolLM2-135M, {kw['dtype']}, greedy, "
+    weights = f"quantized ({quantization})" if quantization else "dense"
+    section(f"Speculative decoding (n-gram drafts, k=4) on SmolLM2-135M, {weights}, {kw['dtype']}, greedy, "
             f"up to {n_tokens} tokens")
-    res: dict = {"tasks": {}, "batches": {}, "max_tokens": n_tokens}
+    res: dict = {"tasks": {}, "batches": {}, "max_tokens": n_tokens, "weights": weights}
     table = []
     for name, prompt in TASKS.items():
         log(name)
@@ -84,4 +88,6 @@ def run(quick: bool = False, dtype=None) -> dict:
         rows.append([batch, toks, f"{toks / t_off:.1f}", f"{toks / t_on:.1f}", f"{t_off / t_on:.2f}x", same])
     print()
     print(markdown_table(["requests", "tokens", "off tok/s", "on tok/s", "on / off", "identical"], rows))
+    res["executor_steps"] = {"off": dict(off.engine.runner.executor_steps), "on": dict(on.engine.runner.executor_steps)}
+    print(f"steps per executor: off {res['executor_steps']['off']}, on {res['executor_steps']['on']}")
     return res
