@@ -126,6 +126,31 @@ def test_real_smollm2_gguf_drafted_steps_same_bits():
     assert tokens_on == _run(make(), True, prompts, params)[0]
 
 
+def test_a_one_token_prompt_chunk_beside_a_decode_gets_no_logits_row():
+    """A step of one decode row and one mid-prompt token (chunked prefill, a budget of 2) is
+    decode rows only, so it runs in the one call; the quantized LM head's logits of the
+    unsampled prompt row are dropped (one row per sampled token), tokens as op by op."""
+    require_quant_kernel("the decode step on the real GGUF")
+    outs = []
+    for on in (True, False):
+        llm = LLM(default_text_model(), quantization="gguf", dtype="bfloat16", max_model_len=256,
+                  num_kvcache_blocks=32, max_num_batched_tokens=2)
+        runner, eng, rows = llm.engine.runner, llm.engine, []
+        if not on:
+            runner.decode_step = None
+        runner.observers.append(lambda chunks, inp, lg, sampled: rows.append((len(chunks), lg.shape[0], len(sampled))))
+        a = eng.add_request([1, 9690], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        for _ in range(3):
+            eng.step()
+        b = eng.add_request([1, 504, 3575, 282, 33, 44], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        done = {}
+        while eng.has_unfinished_requests():
+            done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+        assert all(n == s for _, n, s in rows) and (2, 1, 1) in rows  # a step of 2 chunks, 1 sampled
+        outs.append((done[a], done[b], runner.executor_steps["decode_step"]))
+    assert outs[0][:2] == outs[1][:2] and outs[0][2] > 0 and outs[1][2] == 0
+
+
 def test_where_it_does_not_serve_the_engine_says_why(tiny_models, monkeypatch):
     folder, _ = tiny_models["qwen2"]
     dense = LLM(str(folder), dtype="float32", max_model_len=64, num_kvcache_blocks=8)
