@@ -6,6 +6,11 @@ typos in a paragraph, extract fields from a given document) and one free-writing
 task: one stream, tok/s with ``speculative="ngram"`` over tok/s without, the acceptance rate
 (accepted / proposed drafts), and whether the tokens are identical (they must be: greedy).
 Then batches of 16 and 64 requests mixing the four tasks: throughput on / off.
+``quantization="gguf"`` (``scripts/bench.py --spec-quantization gguf``) runs the GGUF as stored
+(the one-call C decode step, ``kernels.decode_step``) instead of dequantized; the steps each
+executor ran are reported (``runner.executor_steps``), and one stream per task is timed again
+alternating, best of 3: off, on with drafted steps op by op (only undrafted steps in the
+one-call step: the routing before it verified drafts), on with drafted steps in it.
 Units: seconds of wall clock; tok/s counts generated tokens.
 """
 
@@ -43,20 +48,49 @@ def _run(llm, prompts, params) -> tuple[float, list]:
     return best_of(lambda: llm.chat(convs, params, use_tqdm=False), repeats=1, warmup=1)
 
 
-def run(quick: bool = False, dtype=None) -> dict:
+def _one_call_ab(off, on, params) -> dict:
+    """Per task, tok/s of ``off``, of ``on`` with drafted steps op by op and of ``on`` with
+    drafted steps in the one-call step, timed alternating (best of 3: the shared CPU's load
+    moves all three alike)."""
+    step = on.engine.runner.decode_step
+    undrafted = type("UndraftedOnly", (), {  # a step of one row per request: no drafts
+        "applies": lambda self, meta, rows, media: rows == len(meta.query_lens) and step.applies(meta, rows, media),
+        "__call__": lambda self, *a: step(*a)})()
+    out, table = {}, []
+    for name, prompt in TASKS.items():
+        best, convs = {}, [[{"role": "user", "content": prompt}]]
+        modes = (("off", off, None), ("drafted op by op", on, undrafted), ("drafted in C", on, step))
+        for _ in range(3):  # warm already (the table above ran every task)
+            for mode, llm, impl in modes:
+                if impl is not None:
+                    on.engine.runner.decode_step = impl
+                t, o = best_of(lambda: llm.chat(convs, params, use_tqdm=False), repeats=1, warmup=0)
+                best[mode] = min(best.get(mode, t), t)
+        n = len(o[0].token_ids)
+        out[name] = {m: n / t for m, t in best.items()}
+        table.append([name, n, *(f"{n / t:.1f}" for t in best.values()),
+                      f"{best['off'] / best['drafted op by op']:.2f}x", f"{best['off'] / best['drafted in C']:.2f}x"])
+    on.engine.runner.decode_step = step
+    print(markdown_table(["one stream (best of 3)", "tokens", "off tok/s", "drafted op by op tok/s",
+                          "drafted in C tok/s", "on / off, op by op", "on / off, in C"], table))
+    return out
+
+
+def run(quick: bool = False, dtype=None, quantization: str | None = None) -> dict:
     from atlas_vlm import LLM, SamplingParams
     from atlas_vlm.default_models import default_text_model
     from benchmarks.common import dtype_name
 
     n_tokens = 96 if quick else 192
     kw = dict(dtype=dtype_name(dtype) if dtype is not None else "auto", max_model_len=2048,
-              kv_cache_memory=1 << 30, max_num_seqs=64)
+              kv_cache_memory=1 << 30, max_num_seqs=64, **({"quantization": quantization} if quantization else {}))
     off = LLM(default_text_model(), **kw)
     on = LLM(default_text_model(), speculative="ngram", num_speculative_tokens=4, **kw)
     params = SamplingParams(temperature=0, max_tokens=n_tokens)
-    section(f"Speculative decoding (n-gram drafts, k=4) on SmolLM2-135M, {kw['dtype']}, greedy, "
+    weights = f"quantized ({quantization})" if quantization else "dense"
+    section(f"Speculative decoding (n-gram drafts, k=4) on SmolLM2-135M, {weights}, {kw['dtype']}, greedy, "
             f"up to {n_tokens} tokens")
-    res: dict = {"tasks": {}, "batches": {}, "max_tokens": n_tokens}
+    res: dict = {"tasks": {}, "batches": {}, "max_tokens": n_tokens, "weights": weights}
     table = []
     for name, prompt in TASKS.items():
         log(name)
@@ -84,4 +118,9 @@ def run(quick: bool = False, dtype=None) -> dict:
         rows.append([batch, toks, f"{toks / t_off:.1f}", f"{toks / t_on:.1f}", f"{t_off / t_on:.2f}x", same])
     print()
     print(markdown_table(["requests", "tokens", "off tok/s", "on tok/s", "on / off", "identical"], rows))
+    res["executor_steps"] = {"off": dict(off.engine.runner.executor_steps), "on": dict(on.engine.runner.executor_steps)}
+    print(f"steps per executor: off {res['executor_steps']['off']}, on {res['executor_steps']['on']}")
+    if quantization and on.engine.runner.decode_step is not None:
+        print()
+        res["one_call_ab"] = _one_call_ab(off, on, params)
     return res

@@ -63,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "llama.cpp on the same file; part of the default run")
     p.add_argument("--spec", action="store_true",
                    help="n-gram speculative decoding on vs off: copy-heavy and free-writing tasks, batches 16 / 64")
+    p.add_argument("--spec-quantization", choices=["gguf", "int8", "int4"], default=None,
+                   help="with --spec: load SmolLM2 quantized (gguf: the Q4_1 file as stored, the one-call C "
+                        "decode step) instead of dequantized")
     p.add_argument("--kv", action="store_true",
                    help="int8 vs auto K/V (pool tokens, decode at batch 32); the disk tier (evicted chat, restart)")
     p.add_argument("--qwen35", action="store_true",
@@ -133,6 +136,8 @@ def main(argv=None) -> int:
         if getattr(args, name):
             kwargs = {"dtype": dtype} if name in ("text", "quant", "vlm", "video", "serve", "structured", "spec",
                                                   "kv", "qwen35") else {}
+            if name == "spec" and args.spec_quantization:
+                kwargs["quantization"] = args.spec_quantization
             results[name] = module.run(quick=args.quick, **kwargs)
     results["targets"] = targets.report(results)
     results["wall_s"] = time.perf_counter() - start

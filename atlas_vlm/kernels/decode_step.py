@@ -10,8 +10,14 @@ its output has the same bits (tested); only the overhead between them goes.
 
 It serves a model whose every decoder projection is an ``Int8Linear`` / ``Int4Linear`` on
 the kernel path, SwiGLU, fp32 or bf16, a KV cache in the model dtype, sizes the C kernels
-take (``head_dim`` <= 256, <= 16 query heads per KV head), and a step whose every row is one
-decode token (``DecodeBatch.all_tokens``), at most ``KERNEL_MAX_ROWS`` rows, no media rows.
+take (``head_dim`` <= 256, <= 16 query heads per KV head), and a step whose every row is a
+decode row (``DecodeBatch.all_tokens``), at most ``KERNEL_MAX_ROWS`` rows, no media rows. A
+decode row is a request's one decode token or one of its speculative verification rows (a
+decode token and its ``d`` drafts: ``1 + d`` consecutive rows at consecutive positions, as
+``worker.input_prep`` lays them out): each row carries its own slot, RoPE row, block table row
+and context length (its request's keys up to and including its own), every row's K/V is
+written before any row attends, so a drafted step is verified in the same one call with the
+op-by-op path's bits (a plain decode step is the case ``d = 0``).
 ``ModelRunner`` builds it once (:meth:`DecodeStep.build`, None where it does not serve, with
 the reason) and calls it where :meth:`DecodeStep.applies`; everything else runs op by op.
 """
@@ -123,8 +129,8 @@ class DecodeStep:
         return cls(model, kv_cache, lib), ""
 
     def applies(self, meta, num_rows: int, has_media: bool) -> bool:
-        """A decode-only step (every row one decode token) of at most ``KERNEL_MAX_ROWS`` rows,
-        no media rows, outside ``torch.compile``."""
+        """A decode-only step (every row a decode token or a verification row) of at most
+        ``KERNEL_MAX_ROWS`` rows, no media rows, outside ``torch.compile``."""
         if has_media or not isinstance(meta, AttentionMetadata) or meta.bucketed is None:
             return False
         batch = meta.bucketed.decode_batch
@@ -133,7 +139,9 @@ class DecodeStep:
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Embeddings ``x`` ``[B, hidden]`` -> (the final norm's output ``[B, hidden]``, fp32
+        """Embeddings ``x`` ``[B, hidden]`` (``cos`` / ``sin`` ``[B, head_dim]``: each row's
+        position; ``meta``: each row's slot, block table row and context length) -> (the
+        final norm's output ``[B, hidden]``, fp32
         logits ``[B, vocab]`` when the LM head is quantized (what ``compute_logits`` gives,
         the same bits), else None).
 

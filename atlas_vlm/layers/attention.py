@@ -74,6 +74,7 @@ def build_attention_metadata(
     block_tables: list[list[int]],
     device: torch.device | str = "cpu",
     backend: str = "reference",
+    verify: list[bool] | None = None,
 ) -> AttentionMetadata:
     """Pure layout math for one step (no model, no cache).
 
@@ -81,7 +82,10 @@ def build_attention_metadata(
     ``"bucketed"`` builds ``attention_bucketed.BucketedLayout`` instead (no dense mask);
     ``"decode_kernel"`` the same layout with the decode requests in one batch for the C
     kernel (``attention_bucketed.DecodeBatch``); ``"batch_invariant"`` (``deterministic=True``)
-    every query row in that batch (``layers.batch_invariant.per_row_layout``).
+    every query row in that batch (``layers.batch_invariant.per_row_layout``). ``verify``
+    (per request, or None): its new tokens are a decode token and its speculative drafts;
+    ``"decode_kernel"`` attends each of them as a decode row (``build_bucketed_layout``), the
+    other backends as a prefill chunk (the same keys either way).
 
     Query ``i`` of a request with ``q`` new tokens and ``c`` context tokens sits at absolute
     position ``c - q + i`` and attends keys ``0 .. c - q + i``. Padded query rows attend key
@@ -97,6 +101,8 @@ def build_attention_metadata(
         raise ValueError("query_lens, context_lens, block_tables and slot_mapping disagree in size")
     if any(q < 1 or q > c for q, c in zip(query_lens, context_lens)):
         raise ValueError(f"every request needs 1 <= query_len <= context_len, got {query_lens} / {context_lens}")
+    if verify is not None and len(verify) != len(query_lens):
+        raise ValueError(f"verify has {len(verify)} flags for {len(query_lens)} requests")
     num_seqs, max_q, max_c = len(query_lens), max(query_lens), max(context_lens)
     starts = torch.tensor([0] + query_lens[:-1]).cumsum(0)  # [num_seqs] first flat token of each request
     q_lens = torch.tensor(query_lens)
@@ -112,7 +118,7 @@ def build_attention_metadata(
         bucketed = per_row_layout(list(query_lens), list(context_lens), tables, device)
     elif backend in ("bucketed", "decode_kernel"):
         bucketed = build_bucketed_layout(list(query_lens), list(context_lens), block_tables, device,
-                                         decode_kernel=backend == "decode_kernel", tables=tables)
+                                         decode_kernel=backend == "decode_kernel", tables=tables, verify=verify)
     else:
         keys = torch.arange(max_c)
         mask = keys[None, None, :] <= query_pos[:, :, None]  # [num_seqs, max_q, max_c] causal, within length

@@ -17,7 +17,10 @@ The grouping is vLLM's "split decode from prefill" layout (``FlashAttentionMetad
 decode / prefill split) with length buckets in place of a variable-length kernel. The
 ``"decode_kernel"`` backend builds the same layout with all decode requests in one
 ``DecodeBatch`` instead of buckets, attended by the C kernel of ``decode_kernel`` straight
-from the blocks (no gather, no padding); its prefill chunks are the same.
+from the blocks (no gather, no padding); its prefill chunks are the same, except speculative
+verification rows (a decode token and its drafts, flagged by ``verify``): each of those is a
+row of the ``DecodeBatch`` too, attending its request's keys up to its own position, so a
+drafted step is decode rows only (the one-call C decode step serves it, with these bits).
 """
 
 from __future__ import annotations
@@ -47,9 +50,9 @@ class DecodeBucket:
 class DecodeBatch:
     """Every decode request of a step, for the decode kernel."""
 
-    token_index: torch.Tensor  # [D] int64: flat token (query row) of each request
-    block_tables: torch.Tensor  # [D, max_blocks] int64, padded with block 0 (never read)
-    context_lens: torch.Tensor  # [D] int64: tokens in cache per request, the new one included
+    token_index: torch.Tensor  # [D] int64: flat token (query row) of each row, ascending
+    block_tables: torch.Tensor  # [D, max_blocks] int64: each row's request's blocks, padded with block 0 (never read)
+    context_lens: torch.Tensor  # [D] int64: keys each row attends (its request's, up to and including its own)
     all_tokens: bool = False  # the step is decode only: token_index is 0 .. D-1 (no gather / scatter)
 
 
@@ -109,25 +112,30 @@ def _rows(tables: torch.Tensor, rows: list[int], width: int) -> torch.Tensor:
 
 def build_bucketed_layout(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
                           device: torch.device | str = "cpu", decode_kernel: bool = False,
-                          tables: torch.Tensor | None = None) -> BucketedLayout:
+                          tables: torch.Tensor | None = None, verify: list[bool] | None = None) -> BucketedLayout:
     """Split one step into decode buckets (or, ``decode_kernel``, one ``DecodeBatch``) and
     prefill chunks (lengths already validated by ``attention.build_attention_metadata``).
     ``tables``: ``block_table_tensor(block_tables, device)`` when the caller has it already
-    (each bucket's tables are rows of it, not rebuilt from lists)."""
+    (each bucket's tables are rows of it, not rebuilt from lists). ``verify``: per request,
+    its new tokens are speculative verification rows; with ``decode_kernel`` each of them is
+    a ``DecodeBatch`` row (row ``r`` of ``q`` attends ``c - q + r + 1`` keys), else ignored."""
     if tables is None:
         tables = block_table_tensor(block_tables, device)
     starts = [0]
     for q in query_lens[:-1]:
         starts.append(starts[-1] + q)
-    decodes = [i for i, (q, c) in enumerate(zip(query_lens, context_lens)) if q == 1 and c > 1]
+    verify = verify if decode_kernel and verify is not None else [False] * len(query_lens)
+    decodes = [i for i, (q, c) in enumerate(zip(query_lens, context_lens)) if (q == 1 and c > 1) or verify[i]]
     buckets, batch = [], None
     if decode_kernel and decodes:
         width = max(len(block_tables[s]) for s in decodes)
+        seqs = [s for s in decodes for _ in range(query_lens[s])]  # each row's request
+        lens = [context_lens[s] - query_lens[s] + 1 + r for s in decodes for r in range(query_lens[s])]
         batch = DecodeBatch(
-            token_index=torch.tensor([starts[s] for s in decodes], device=device),
-            block_tables=_rows(tables, decodes, width),
-            context_lens=torch.tensor([context_lens[s] for s in decodes], dtype=torch.long, device=device),
-            all_tokens=len(decodes) == sum(query_lens))
+            token_index=torch.tensor([starts[s] + r for s in decodes for r in range(query_lens[s])], device=device),
+            block_tables=_rows(tables, seqs, width),
+            context_lens=torch.tensor(lens, dtype=torch.long, device=device),
+            all_tokens=len(seqs) == sum(query_lens))
         decodes = []
     for group in decode_groups([context_lens[i] for i in decodes]):
         seqs = [decodes[g] for g in group]
@@ -142,7 +150,7 @@ def build_bucketed_layout(query_lens: list[int], context_lens: list[int], block_
                                     max_len=max_len, pad_mask=mask))
     prefills = []
     for i, (q, c) in enumerate(zip(query_lens, context_lens)):
-        if q == 1 and c > 1:
+        if (q == 1 and c > 1) or verify[i]:
             continue
         mask = None
         if q != c:  # query row r sits at position c - q + r and sees keys 0 .. c - q + r

@@ -85,7 +85,9 @@ def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = Fal
             produces logits (its last token is sampled), unless its request is a pooling
             request (``pooling_params`` set: it samples nothing). A request with ``k``
             speculative drafts (``spec_token_ids``, the last ``k`` of its ``token_ids``) gets
-            ``k + 1`` rows, its last ``k + 1`` tokens', all with the chunk's index in ``sampled``.
+            ``k + 1`` rows, its last ``k + 1`` tokens', all with the chunk's index in ``sampled``;
+            a chunk of exactly those rows is flagged to the attention layout as verification
+            rows (``build_attention_metadata``'s ``verify``: decode rows for the C kernel).
         mrope: the model uses M-RoPE (positions ``[3, num_tokens]``).
         attention_backend: ``EngineConfig.attention_backend`` (the layout the metadata carries).
         state_cache: a hybrid model's ``StateCache``: ``meta.state`` is set (``state_metadata``).
@@ -96,7 +98,7 @@ def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = Fal
     Raises:
         ValueError: a chunk outside its request's tokens, or reaching media with no rows.
     """
-    ids, positions, slots, tables, q_lens, c_lens = [], [], [], [], [], []
+    ids, positions, slots, tables, q_lens, c_lens, verify = [], [], [], [], [], [], []
     logits_index, sampled, mm_rows, mm_index = [], [], [], []
     base = 0
     for i, (req, n) in enumerate(chunks):
@@ -116,6 +118,8 @@ def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = Fal
                 raise ValueError(f"request {req.request_id!r}: a chunk of {n} tokens cannot verify {k} drafts")
             logits_index.extend(range(base + n - 1 - k, base + n))
             sampled.extend([i] * (k + 1))
+        verify.append(0 < len(getattr(req, "spec_token_ids", ())) == n - 1 and end == req.num_tokens
+                      and getattr(req, "pooling_params", None) is None)
         if req.mm_positions:
             for offset, rows in mm_rows_for_chunk(req.mm_positions, encoder_outputs or {}, start, end):
                 mm_rows.append(rows)
@@ -123,7 +127,8 @@ def prepare_inputs(chunks, device: torch.device | str = "cpu", mrope: bool = Fal
         base += n
     if mrope:
         positions = [p if p.dim() == 2 else p[None].expand(3, -1) for p in positions]
-    meta = build_attention_metadata(q_lens, c_lens, slots, tables, device, attention_backend)
+    meta = build_attention_metadata(q_lens, c_lens, slots, tables, device, attention_backend,
+                                    verify if any(verify) else None)
     if state_cache is not None:
         meta.state = state_metadata(chunks, state_cache, device, snapshot_cache)
     return ModelInput(

@@ -5,8 +5,9 @@ runs it) instead of branching on each fast path:
 
 - ``CompiledDecodeExecutor``: decode-only batches through a captured graph
   (``worker.compiled_decode``; CUDA graphs / ``torch.compile`` where resolved on);
-- ``DecodeStepExecutor``: decode-only steps of quantized models on CPU through every decoder
-  layer in one C call (``kernels.decode_step``; the op-by-op bits);
+- ``DecodeStepExecutor``: decode-only steps (speculative verification rows included) of
+  quantized models on CPU through every decoder layer in one C call (``kernels.decode_step``;
+  the op-by-op bits);
 - ``EagerExecutor``: any step, layer by layer (the reference every other one is tested against);
   the only one that keeps the step's final hidden states (``StepInputs.hidden``), so a step
   with a pooling request (``PoolingParams``) runs through it.
@@ -85,7 +86,10 @@ class DecodeStepExecutor:
             return None
         cos, sin = step.runner.model.model.rotary(inp.positions, x.dtype)
         hidden, logits = self.impl(x, cos, sin, inp.meta)  # every layer in one call, the same bits
-        return logits if logits is not None else step.runner.model.compute_logits(hidden[inp.logits_index])
+        if logits is None:
+            return step.runner.model.compute_logits(hidden[inp.logits_index])  # [num_sampled, vocab]
+        # every row's logits: keep the sampled ones (a one-token chunk of a prompt samples nothing)
+        return logits if inp.logits_index.numel() == logits.shape[0] else logits[inp.logits_index]
 
 
 class EagerExecutor:

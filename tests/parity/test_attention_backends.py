@@ -40,10 +40,10 @@ def random_step(rng: random.Random, num_seqs: int, decode_share: float, max_ctx:
 
 
 def run_both(cache, q_lens, c_lens, slots, tables, seed: int, reference_cache=None,
-             backends=("reference", "bucketed")):
+             backends=("reference", "bucketed"), verify=None):
     """Outputs and caches of both backends on copies of ``cache`` (layer 1 of 2), in the
     cache's dtype; the reference runs on ``reference_cache`` (and q/k/v cast to its dtype)
-    when given."""
+    when given. ``verify``: ``build_attention_metadata``'s speculative verification flags."""
     g = torch.Generator().manual_seed(seed)
     n = sum(q_lens)
     kv_heads, dtype = (KV_HEADS, torch.float32) if cache is None else (cache.spec.num_kv_heads, cache.spec.dtype)
@@ -54,7 +54,7 @@ def run_both(cache, q_lens, c_lens, slots, tables, seed: int, reference_cache=No
         c = copy.deepcopy(reference_cache if backend == "reference" and reference_cache is not None else cache)
         if c is not None:
             q, k, v = q.to(c.spec.dtype), k.to(c.spec.dtype), v.to(c.spec.dtype)
-        meta = build_attention_metadata(q_lens, c_lens, slots, tables, backend=backend)
+        meta = build_attention_metadata(q_lens, c_lens, slots, tables, backend=backend, verify=verify)
         results[backend] = (paged_attention(q, k, v, c, 1, meta, HEAD_DIM ** -0.5), c)
     return results
 

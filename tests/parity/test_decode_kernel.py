@@ -118,6 +118,49 @@ def test_decode_requests_form_one_batch():
 
 
 @needs_kernel
+def test_verification_rows_are_decode_rows_of_the_batch():
+    # request 1 verifies 2 drafts (3 rows at positions 7, 8, 9), request 3 is a prefill chunk
+    meta = build_attention_metadata([1, 3, 1, 2], [20, 10, 7, 2], list(range(7)), [[4, 5], [6], [7], [8]],
+                                    backend="decode_kernel", verify=[False, True, False, False])
+    d = meta.bucketed.decode_batch
+    assert [p.start for p in meta.bucketed.prefills] == [5] and not d.all_tokens
+    assert d.token_index.tolist() == [0, 1, 2, 3, 4] and d.context_lens.tolist() == [20, 8, 9, 10, 7]
+    assert d.block_tables.tolist() == [[4, 5], [6, 0], [6, 0], [6, 0], [7, 0]]
+    only = build_attention_metadata([3, 1], [10, 7], list(range(4)), [[6], [7]], backend="decode_kernel",
+                                    verify=[True, False]).bucketed
+    assert only.decode_batch.all_tokens and only.prefills == []  # a drafted step: decode rows only
+    ref = build_attention_metadata([3, 1], [10, 7], list(range(4)), [[6], [7]], backend="bucketed",
+                                   verify=[True, False]).bucketed
+    assert [p.start for p in ref.prefills] == [0]  # other backends: a prefill chunk, as before
+    with pytest.raises(ValueError, match="verify has 1 flags for 2 requests"):
+        build_attention_metadata([3, 1], [10, 7], list(range(4)), [[6], [7]], verify=[True])
+
+
+@needs_kernel
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verification_rows_equal_the_reference(seed, dtype):
+    """A step of decode rows, verification rows (1 + 1..4 drafts over cached context) and
+    prefill chunks: each verification row through the kernel attends its request's keys up
+    to its own; the reference's values (within 1e-5 in fp32, bf16's rounding in bf16) and
+    the same cache writes."""
+    rng = random.Random(seed)
+    free = rng.sample(range(1, NUM_BLOCKS), NUM_BLOCKS - 1)
+    q_lens, c_lens, slots, tables, verify = [], [], [], [], []
+    for kind in ["decode", "verify", "prefill", "verify", "decode", "verify"]:
+        c = rng.randint(6, 300)
+        q = {"decode": 1, "verify": rng.randint(2, 5), "prefill": rng.randint(2, c)}[kind]
+        table = [free.pop() for _ in range(-(-c // 16))]
+        q_lens.append(q), c_lens.append(c), tables.append(table), verify.append(kind == "verify")
+        slots += [table[p // 16] * 16 + p % 16 for p in range(c - q, c)]
+    results = run_both(filled(dtype, 2, seed=seed), q_lens, c_lens, slots, tables, seed,
+                       backends=("reference", "decode_kernel"), verify=verify)
+    (ref, ref_cache), (ours, our_cache) = results["reference"], results["decode_kernel"]
+    torch.testing.assert_close(ours.float(), ref.float(), atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
+    assert torch.equal(our_cache.k_cache, ref_cache.k_cache) and torch.equal(our_cache.v_cache, ref_cache.v_cache)
+
+
+@needs_kernel
 def test_a_context_past_its_block_table_is_refused():
     cache = filled(torch.float32, 2)
     q = torch.randn(1, HEADS, HEAD_DIM)

@@ -1,8 +1,9 @@
 """The one-call decode step (``atlas_vlm.kernels.decode_step``) against the op-by-op path it
 replaces: the same requests with the step on and off give the same bits (every step's
 logits, the tokens) for int8 / int4 tiny Llama, Qwen2, Qwen3 (q/k norms) in fp32 and bf16
-and for the real SmolLM2 GGUF; it runs only for decode-only steps, and where it cannot
-serve (a dense model, no quantized kernel) the engine says why and runs op by op."""
+and for the real SmolLM2 GGUF; it runs only for decode-only steps (speculative verification
+rows included: a drafted step's k + 1 rows per request, with the op-by-op bits), and where it
+cannot serve (a dense model, no quantized kernel) the engine says why and runs op by op."""
 
 from __future__ import annotations
 
@@ -19,9 +20,16 @@ pytestmark = pytest.mark.text
 PROMPTS = [list(range(100, 140)), list(range(300, 311)), list(range(500, 517))]
 
 
-def _run(llm: LLM, on: bool, prompts=PROMPTS, params=None):
+# repetitive prompts: n-gram drafts found, accepted and rejected, different counts per request
+SPEC_PROMPTS = [list(range(100, 108)) * 4, [300, 301, 302] * 5 + [7], list(range(500, 517))]
+SPEC = dict(speculative="ngram", num_speculative_tokens=3, speculative_disable_by_batch_size=None)
+
+
+def _run(llm: LLM, on: bool, prompts=PROMPTS, params=None, chunk_sizes=None):
     runner = llm.engine.runner
     calls = []
+    if chunk_sizes is not None:  # each step's new tokens per request
+        runner.observers.append(lambda chunks, inp, lg, sampled: chunk_sizes.append([n for _, n in chunks]))
     if not on:
         runner.decode_step = None
     else:
@@ -57,6 +65,31 @@ def test_same_bits_as_op_by_op(family, method, dtype, tiny_models):
     assert dict(fast.engine.runner.executor_steps) == {"eager": 1, "decode_step": 9}
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_drafted_steps_same_bits_as_op_by_op(method, dtype, tiny_models):
+    """Speculation on: steps whose requests carry different numbers of drafts run in the one
+    call (only the prefill runs op by op) with the op-by-op path's bits, and the tokens are
+    those of decoding without drafts."""
+    require_quant_kernel("the decode step (it runs quantized kernels only)")
+    folder, _ = tiny_models["qwen3"]
+
+    def make(**kw):
+        return LLM(str(folder), quantization=method, dtype=dtype, max_model_len=128, num_kvcache_blocks=48, **kw)
+
+    fast, sizes = make(**SPEC), []
+    tokens_on, logits_on, calls = _run(fast, True, SPEC_PROMPTS, greedy(16), sizes)
+    tokens_off, logits_off, _ = _run(make(**SPEC), False, SPEC_PROMPTS, greedy(16))
+    assert tokens_on == tokens_off
+    assert len(logits_on) == len(logits_off) and all(torch.equal(a, b) for a, b in zip(logits_on, logits_off))
+    assert dict(fast.engine.runner.executor_steps) == {"eager": 1, "decode_step": len(calls)}
+    # drafted steps were among them, with requests verifying different numbers of rows at once
+    assert any(len(set(s)) > 1 and max(s) > 1 for s in sizes[1:]), sizes
+    assert sum(calls) > sum(len(s) for s in sizes[1:])
+    tokens_plain, _, _ = _run(make(), True, SPEC_PROMPTS, greedy(16))
+    assert tokens_on == tokens_plain
+
+
 def test_real_smollm2_gguf_same_bits():
     require_quant_kernel("the decode step on the real GGUF")
 
@@ -70,6 +103,52 @@ def test_real_smollm2_gguf_same_bits():
     tokens_off, logits_off, _ = _run(make(), False, prompts, params)
     assert calls and tokens_on == tokens_off
     assert all(torch.equal(a, b) for a, b in zip(logits_on, logits_off))
+
+
+def test_real_smollm2_gguf_drafted_steps_same_bits():
+    """The Q4_1 GGUF as stored, bf16, speculation on: drafted steps in the one call with the
+    op-by-op bits, the tokens of decoding without drafts."""
+    require_quant_kernel("the decode step on the real GGUF")
+
+    def make(**kw):
+        return LLM(default_text_model(), quantization="gguf", dtype="bfloat16", max_model_len=256,
+                   num_kvcache_blocks=32, **kw)
+
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompts = ["Repeat this list exactly: apples, pears, plums, figs, dates, limes, apples, pears, plums.",
+               "Copy: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16"]
+    fast = make(**SPEC)
+    tokens_on, logits_on, calls = _run(fast, True, prompts, params)
+    tokens_off, logits_off, _ = _run(make(**SPEC), False, prompts, params)
+    assert tokens_on == tokens_off
+    assert len(logits_on) == len(logits_off) and all(torch.equal(a, b) for a, b in zip(logits_on, logits_off))
+    assert fast.engine.runner.executor_steps["eager"] == 1 and sum(calls) > len(calls) * len(prompts)  # drafts in C
+    assert tokens_on == _run(make(), True, prompts, params)[0]
+
+
+def test_a_one_token_prompt_chunk_beside_a_decode_gets_no_logits_row():
+    """A step of one decode row and one mid-prompt token (chunked prefill, a budget of 2) is
+    decode rows only, so it runs in the one call; the quantized LM head's logits of the
+    unsampled prompt row are dropped (one row per sampled token), tokens as op by op."""
+    require_quant_kernel("the decode step on the real GGUF")
+    outs = []
+    for on in (True, False):
+        llm = LLM(default_text_model(), quantization="gguf", dtype="bfloat16", max_model_len=256,
+                  num_kvcache_blocks=32, max_num_batched_tokens=2)
+        runner, eng, rows = llm.engine.runner, llm.engine, []
+        if not on:
+            runner.decode_step = None
+        runner.observers.append(lambda chunks, inp, lg, sampled: rows.append((len(chunks), lg.shape[0], len(sampled))))
+        a = eng.add_request([1, 9690], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        for _ in range(3):
+            eng.step()
+        b = eng.add_request([1, 504, 3575, 282, 33, 44], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        done = {}
+        while eng.has_unfinished_requests():
+            done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+        assert all(n == s for _, n, s in rows) and (2, 1, 1) in rows  # a step of 2 chunks, 1 sampled
+        outs.append((done[a], done[b], runner.executor_steps["decode_step"]))
+    assert outs[0][:2] == outs[1][:2] and outs[0][2] > 0 and outs[1][2] == 0
 
 
 def test_where_it_does_not_serve_the_engine_says_why(tiny_models, monkeypatch):

@@ -8,8 +8,12 @@
  * phases instead of a fork and join per op) and no Python between ops.
  *
  * Per layer, for B rows of D values (activations in the model dtype):
- *   h = norm_in(res [+= m])   qkv = h Wqkv   per (row, KV head): q, cache <- rope(qkv), a = attend(q)
+ *   h = norm_in(res [+= m])   qkv = h Wqkv   per (row, KV head): q, cache <- rope(qkv)
+ *   then per (row, KV head): a = attend(q) over the row's first lens[row] keys
  *   o = a Wo   h = norm_post(res += o)   gu = h Wgu   s = silu_mul(gu)   m = s Wdown
+ * A row is a decode token or a speculative verification row: a request's 1 + d rows are
+ * consecutive with consecutive slots and lengths (all rows' K/V are written before any row
+ * attends, so row j sees rows 0 .. j of its request and no later one).
  * then res += m and the final norm into x, and with a quantized LM head its logits (in the
  * dtype, [B, V]). Returns 0, or -1 for an input out of range (a slot
  * or context outside the cache / block table, a size the kernels refuse), checked before
@@ -84,11 +88,11 @@ static void tiles_team(const QLinear *l, int64_t B, void *out, int bf16, const Q
   for (int64_t t = 0; t < (l->N + TILE - 1) / TILE; t++) tile_rows(&a, t, B, l->N, l->bias, out, bf16);
 }
 
-/* Row s, KV head kh: fused_ops.c's rope_kv_pair (the op-by-op path's bits), then its attention. */
-static int rope_attend_pair(const void *qkv, const void *cs, const void *sn, const Layer *ly, float eps,
-                            const int64_t *slots, const int64_t *tables, int64_t stride, const int64_t *lens,
-                            int64_t H, int64_t KV, int64_t Dh, int64_t bs, float scale, void *q, void *att,
-                            int64_t s, int64_t kh, int bf16) {
+/* Row s, KV head kh: fused_ops.c's rope_kv_pair (the op-by-op path's bits): q into `q`, k / v
+ * into the cache at slots[s]. */
+static void rope_pair(const void *qkv, const void *cs, const void *sn, const Layer *ly, float eps,
+                      const int64_t *slots, int64_t H, int64_t KV, int64_t Dh, void *q, int64_t s, int64_t kh,
+                      int bf16) {
   float c[MAX_HEAD_DIM], sn_[MAX_HEAD_DIM], qn[MAX_HEAD_DIM], kn[MAX_HEAD_DIM];
   load_row(cs, s * Dh, Dh, bf16, c);
   load_row(sn, s * Dh, Dh, bf16, sn_);
@@ -98,6 +102,12 @@ static int rope_attend_pair(const void *qkv, const void *cs, const void *sn, con
   }
   rope_kv_pair(qkv, c, sn_, ly->q_norm != NULL ? qn : NULL, ly->k_norm != NULL ? kn : NULL, eps, s, kh, H, KV, Dh, q,
                ly->k_cache, ly->v_cache, slots[s], bf16);
+}
+
+/* Row s, KV head kh: paged_decode.c's attention of its query over its first lens[s] keys. */
+static int attend_pair(const Layer *ly, const int64_t *tables, int64_t stride, const int64_t *lens, int64_t H,
+                       int64_t KV, int64_t Dh, int64_t bs, float scale, const void *q, void *att, int64_t s,
+                       int64_t kh, int bf16) {
   if (bf16)
     return paged_decode_bf16_pair(q, ly->k_cache, ly->v_cache, tables, stride, lens, H, KV, Dh, bs, scale, att, s, kh);
   return paged_decode_f32_pair(q, ly->k_cache, ly->v_cache, tables, stride, lens, H, KV, Dh, bs, scale, att, s, kh);
@@ -131,17 +141,21 @@ int decode_layers(const Layer *layers, int64_t L, const void *final_norm, const 
   memcpy(res, x, (size_t)(esz * B * D));
   int status = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
-  { /* 8 barriers a layer: after each serial step, each for and the attention */
+  { /* 9 barriers a layer: after each serial step, each for, the K/V writes and the attention */
     for (int64_t l = 0; l < L; l++) {
       const Layer *ly = layers + l;
       SERIAL((rms_norm(l == 0 ? res : m, l == 0 ? NULL : res, ly->in_norm, B, D, eps, h, bf16, 1),
               quantize_in(&ly->qkv, h, B, bf16, &qs)), &ly->qkv);
       tiles_team(&ly->qkv, B, qkv, bf16, &qs);
+      /* every row's K/V into the cache first (the barrier of this for), then each row attends
+       * its own context: a verification row reads the K/V of the rows before it */
+#pragma omp for collapse(2) schedule(static)
+      for (int64_t s = 0; s < B; s++)
+        for (int64_t kh = 0; kh < KV; kh++) rope_pair(qkv, cs, sn, ly, eps, slots, H, KV, Dh, q, s, kh, bf16);
 #pragma omp for collapse(2) schedule(dynamic, 1) nowait
       for (int64_t s = 0; s < B; s++)
         for (int64_t kh = 0; kh < KV; kh++)
-          if (rope_attend_pair(qkv, cs, sn, ly, eps, slots, tables, stride, lens, H, KV, Dh, bs, scale, q, att, s, kh,
-                               bf16) != 0) {
+          if (attend_pair(ly, tables, stride, lens, H, KV, Dh, bs, scale, q, att, s, kh, bf16) != 0) {
 #pragma omp atomic write
             status = -1;
           }
