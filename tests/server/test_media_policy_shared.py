@@ -19,6 +19,7 @@ import pytest
 from atlas_vlm.config import EngineConfig
 from atlas_vlm.engine.mm_inputs import MediaInputs
 from atlas_vlm.entrypoints import cli
+from atlas_vlm.entrypoints.openai.api_server import one_media_policy
 from atlas_vlm.entrypoints.openai.cli_args import engine_config_from_args
 from atlas_vlm.entrypoints.openai.media import MediaPolicy, resolve_image, resolve_media
 from atlas_vlm.entrypoints.openai.protocol import APIError
@@ -127,3 +128,14 @@ def test_serve_flags_become_the_one_policy():
     assert served.fetch_policy() == media and served.allowed_local_media_path == "/srv/media"
     defaults = engine_config_from_args(cli.build_parser().parse_args(["serve", "m"])).multimodal_config.media
     assert defaults == EngineConfig(model="m").multimodal_config.media  # the flags' defaults are the engine's
+
+
+def test_run_server_media_is_the_engines_policy_too():
+    config = EngineConfig(model="m", allow_http_images=True, http_image_max_bytes=1000)
+    same, media = one_media_policy(config)
+    assert same is config and media.fetch_policy() == config.multimodal_config.media
+    assert media.allowed_local_media_path is None
+    given = MediaPolicy(allow_http_images=True, allowed_media_domains=["127.0.0.1"], allowed_local_media_path="/srv")
+    engine, media = one_media_policy(EngineConfig(model="m", kvcache_block_size=32), given)
+    assert media is given and engine.multimodal_config.media == given.fetch_policy()
+    assert engine.cache_config.block_size == 32  # the rest of the config unchanged

@@ -235,6 +235,19 @@ def server_context(engine, front, engine_config, served_model_names=None, media=
                                                          getattr(engine.tokenizer, "chat_template", None)))
 
 
+def one_media_policy(engine_config, media=None):
+    """``(engine_config, media)`` sharing one ``MediaFetchPolicy``: without ``media`` the
+    server's ``MediaPolicy`` is the engine's ``multimodal_config.media`` (no local files);
+    with it, a copy of ``engine_config`` takes ``media``'s fetch fields, so the engine's own
+    downloads obey what the server's do."""
+    from atlas_vlm.entrypoints.openai.media import MediaPolicy
+
+    if media is None:
+        return engine_config, MediaPolicy.over(engine_config.multimodal_config.media)
+    mm = dataclasses.replace(engine_config.multimodal_config, media=media.fetch_policy())
+    return dataclasses.replace(engine_config, multimodal_config=mm), media
+
+
 def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, served_model_names=None,
                api_key: str | None = None, max_waiting_requests: int | None = None, media=None,
                log_level: str = "info", max_request_body_bytes: int | None = None,
@@ -246,6 +259,8 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
     ``/v1/files`` keeps files (None: a temporary directory), each upload at most
     ``max_file_bytes``; ``batch_max_in_flight``: lines of one batch running at once;
     ``responses_dir`` / ``max_stored_responses``: the ``/v1/responses`` store (None: memory).
+    ``media``: the server's ``MediaPolicy`` (None: the engine's ``multimodal_config.media``, no
+    local files); its fetch fields become the engine's too (``one_media_policy``).
 
     Returns:
         0 after a signal; 1 if the engine was declared dead (repeated step failures), so a
@@ -258,14 +273,9 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
 
     from atlas_vlm.engine import LLMEngine
     from atlas_vlm.engine.async_llm import AsyncLLM
-    from atlas_vlm.entrypoints.openai.media import MediaPolicy
     from atlas_vlm.entrypoints.openai.metrics import PrometheusStatLogger
 
-    if media is None:  # the server fetches under the engine's one policy
-        media = MediaPolicy.over(engine_config.multimodal_config.media)
-    else:  # ... and the engine under the server's: one policy either way
-        engine_config = dataclasses.replace(engine_config, multimodal_config=dataclasses.replace(
-            engine_config.multimodal_config, media=media.fetch_policy()))
+    engine_config, media = one_media_policy(engine_config, media)
     if max_request_body_bytes is None:
         max_request_body_bytes = default_max_request_body_bytes(media.max_image_bytes)
     engine = LLMEngine(engine_config)
