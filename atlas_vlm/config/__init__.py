@@ -19,5 +19,5 @@ from atlas_vlm.config.speculative import SPECULATIVE_METHODS, SpeculativeConfig
 from mm_token_pipeline.fetch_policy import MediaFetchPolicy
 
 __all__ = ["ATTENTION_BACKENDS", "CacheConfig", "DEFAULT_KV_CACHE_DIR_MAX_BYTES", "DeviceConfig", "EngineConfig",
-           "FLAT_ROUTES", "KV_CACHE_KINDS", "MediaFetchPolicy", "ModelConfig", "MultiModalConfig", "SPECULATIVE_METHODS",
-           "SUB_CONFIGS", "SchedulerConfig", "SpeculativeConfig", "kv_cache_dir_kwargs"]
+           "FLAT_ROUTES", "KV_CACHE_KINDS", "MediaFetchPolicy", "ModelConfig", "MultiModalConfig",
+           "SPECULATIVE_METHODS", "SUB_CONFIGS", "SchedulerConfig", "SpeculativeConfig", "kv_cache_dir_kwargs"]

@@ -58,8 +58,8 @@ def _check_hybrid(config: EngineConfig, model_name: str, snapshots) -> bool:
             or ``kv_cache_dir`` (state snapshots do not spill to disk) asked for.
     """
     if config.speculative_config.method is not None:
-        raise ValueError(f"speculative={config.speculative_config.method!r} cannot run {model_name}, a hybrid model: its "
-                         "recurrent state cannot roll back rejected drafts yet; pass speculative=None")
+        raise ValueError(f"speculative={config.speculative_config.method!r} cannot run {model_name}, a hybrid "
+                         "model: its recurrent state cannot roll back rejected drafts yet; pass speculative=None")
     if config.cache_config.kv_cache_dir is not None:
         raise ValueError(f"kv_cache_dir cannot serve {model_name}, a hybrid model: its recurrent-state "
                          "snapshots are not kept on disk, so a disk hit could not resume; unset kv_cache_dir")

@@ -13,8 +13,8 @@ vLLM's ``--allowed-local-media-path``, ``--allowed-media-domains`` and ``MediaCo
 The http(s) rules are the engine's (one ``MediaFetchPolicy``, ``mm_token_pipeline.fetch_policy``:
 the same timeout, byte caps, allowed hosts and address rule; the engine reads its bytes with
 ``fetch_url``, the server here with ``httpx``). Fetches cannot reach inside (SSRF): every hop's
-host is resolved first and refused if any of its addresses is loopback, private, link-local, multicast, unspecified or otherwise not
-global (``address_rule``), unless the host is named in ``--allowed-media-domains``; the
+host is resolved first and refused if any of its addresses is loopback, private, link-local,
+multicast, unspecified or otherwise not global (``address_rule``), unless the host is named in ``--allowed-media-domains``; the
 connection then goes to the address that was checked (no second lookup to rebind), with
 the original ``Host`` and TLS server name. Redirects are followed by hand, at most
 ``max_redirects``, each hop checked the same way. With ``--allowed-media-domains`` only
