@@ -104,12 +104,12 @@ def video_tokens_per_clip(hf_config, seconds: float, video_sampling: dict | None
 
 
 def engine_max_pixels(config, image_settings) -> int | None:
-    """The bound the engine sizes its vision reserve for: ``EngineConfig.image_bounds`` over
+    """The bound the engine sizes its vision reserve for: ``MultiModalConfig.image_bounds`` over
     the checkpoint's ``image_settings`` (its ``max_pixels`` where the config sets none; None
     for a text-only model). ``plan`` with ``max_pixels=None`` takes the same value."""
     if image_settings is None:
         return None
-    return config.image_bounds(image_settings).max_pixels or image_settings.max_pixels
+    return config.multimodal_config.image_bounds(image_settings).max_pixels or image_settings.max_pixels
 
 
 def vision_activation_peak(hf_config, max_pixels: int, dtype_bytes: int) -> int:

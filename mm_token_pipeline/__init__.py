@@ -1,7 +1,7 @@
 """mm_token_pipeline: images and chat messages to the tokens, embeddings and positions of a prompt.
 
 Scope: image loading and normalisation (``load_image``; URLs through ``fetch_url`` with an
-overall deadline and a byte cap), per-request options (``MultiModalOptions``), qwen-vl-utils ``smart_resize``
+overall deadline and a byte cap, under the engine's and the server's one ``MediaFetchPolicy``), per-request options (``MultiModalOptions``), qwen-vl-utils ``smart_resize``
 with ``min_pixels``/``max_pixels``, patchify with HF ``Qwen2VLImageProcessor``
 (``preprocess_image``), placeholder expansion and prompt ids (``build_prompt_ids``), M-RoPE
 positions (``get_rope_index``): the stages every family shares. Imports only torch, Pillow,
@@ -53,6 +53,7 @@ KV cache block, since the token count of each image (``ProcessedImage.num_tokens
 known after ``preprocess_image`` and never exceeds ``max_pixels // 28**2``.
 """
 
+from .fetch_policy import DEFAULT_VIDEO_MAX_BYTES, MediaFetchPolicy, MediaRefused
 from .http_fetch import DownloadError, fetch_url
 from .image_io import (DEFAULT_HTTP_MAX_BYTES, DEFAULT_HTTP_TIMEOUT_S, DEFAULT_MAX_IMAGE_PIXELS, ImageInputError,
                        load_image, to_rgb)
@@ -74,7 +75,10 @@ __all__ = [
     "DEFAULT_MAX_IMAGE_PIXELS",
     "DEFAULT_HTTP_TIMEOUT_S",
     "DEFAULT_HTTP_MAX_BYTES",
+    "DEFAULT_VIDEO_MAX_BYTES",
     "DownloadError",
+    "MediaFetchPolicy",
+    "MediaRefused",
     "fetch_url",
     "MultiModalOptions",
     "smart_resize",

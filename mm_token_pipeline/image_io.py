@@ -18,6 +18,7 @@ import warnings
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from .fetch_policy import DEFAULT_HTTP_MAX_BYTES, DEFAULT_HTTP_TIMEOUT_S, MediaFetchPolicy, MediaRefused
 from .http_fetch import DownloadError, fetch_url
 
 __all__ = ["ImageInputError", "load_image", "to_rgb", "DEFAULT_MAX_IMAGE_PIXELS", "DEFAULT_HTTP_TIMEOUT_S",
@@ -43,14 +44,11 @@ class ImageInputError(ValueError):
 
 #: Largest declared image area accepted, in pixels (Pillow's own default bomb limit).
 DEFAULT_MAX_IMAGE_PIXELS: int = 89_478_485
-#: Default overall deadline of one image download, in seconds.
-DEFAULT_HTTP_TIMEOUT_S: float = 10.0
-#: Default byte cap of one image download (20 MiB).
-DEFAULT_HTTP_MAX_BYTES: int = 20 * 2**20
 _SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 
 
-def _read_source(source, allow_http: bool, http_timeout_s: float, max_http_bytes: int):
+def _read_source(source, allow_http: bool, http_timeout_s: float, max_http_bytes: int,
+                 policy: MediaFetchPolicy | None = None):
     """Return ``(name, bytes_or_path)`` for a non-PIL source; raises ImageInputError."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         return "bytes", bytes(source)
@@ -70,8 +68,8 @@ def _read_source(source, allow_http: bool, http_timeout_s: float, max_http_bytes
         if not allow_http:
             raise ImageInputError(source, "HTTP(S) download refused (allow_http=False)")
         try:
-            return source, fetch_url(source, timeout_s=http_timeout_s, max_bytes=max_http_bytes)
-        except DownloadError as exc:
+            return source, fetch_url(source, timeout_s=http_timeout_s, max_bytes=max_http_bytes, policy=policy)
+        except (DownloadError, MediaRefused) as exc:
             raise ImageInputError(source, str(exc)) from exc
     path = source[len("file://"):] if source.startswith("file://") else source
     if not os.path.isfile(path):
@@ -108,6 +106,7 @@ def load_image(
     http_timeout_s: float = DEFAULT_HTTP_TIMEOUT_S,
     max_http_bytes: int = DEFAULT_HTTP_MAX_BYTES,
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    fetch_policy: MediaFetchPolicy | None = None,
 ) -> Image.Image:
     """Load one image as an upright 8-bit RGB ``PIL.Image`` (size w x h in pixels).
 
@@ -120,6 +119,9 @@ def load_image(
         max_http_bytes: byte cap of one download (declared ``Content-Length`` or received).
         max_image_pixels: largest declared w*h accepted, checked before decoding. Pillow's own
             ``DecompressionBombError`` (over 2 * ``Image.MAX_IMAGE_PIXELS``) is also reported.
+        fetch_policy: a ``MediaFetchPolicy`` (the engine's): when given, it replaces the three
+            http arguments (``allow_http_images``, ``http_timeout_s``, ``max_image_bytes``) and
+            every hop is checked as the server checks it (``fetch_policy`` module).
 
     Steps: EXIF orientation (``PIL.ImageOps.exif_transpose``), first frame of animations,
     full decode (``.load()``, so truncated data fails here), then :func:`to_rgb`.
@@ -133,7 +135,10 @@ def load_image(
     if isinstance(source, Image.Image):
         name, image = "PIL.Image", source
     else:
-        name, payload = _read_source(source, allow_http, http_timeout_s, max_http_bytes)
+        if fetch_policy is not None:
+            allow_http, http_timeout_s = fetch_policy.allow_http_images, fetch_policy.http_timeout_s
+            max_http_bytes = fetch_policy.max_image_bytes
+        name, payload = _read_source(source, allow_http, http_timeout_s, max_http_bytes, fetch_policy)
         if isinstance(payload, bytes) and not payload:
             raise ImageInputError(name, "empty data (0 bytes)")
         fp = io.BytesIO(payload) if isinstance(payload, bytes) else payload

@@ -94,9 +94,8 @@ class ChatInput:
 
     Args:
         tokenizer: the model's transformers tokenizer (its ``chat_template`` is the default).
-        config: ``EngineConfig`` (``min_pixels``/``max_pixels`` over the checkpoint's,
-            ``limit_request_pixels``, ``allow_http_images``, ``http_image_timeout_s``,
-            ``http_image_max_bytes``).
+        config: ``EngineConfig`` (its ``multimodal_config``: ``min_pixels``/``max_pixels`` over
+            the checkpoint's, ``limit_request_pixels``, the media fetch policy).
         hf_config: the model's transformers config; its ``ModelFamily.mm_inputs`` handles
             the media (``engine.mm_inputs.MediaInputs``, one subclass per family folder), text models take none.
         image_settings: the checkpoint's ``ImageProcessorSettings`` (its
@@ -105,7 +104,7 @@ class ChatInput:
         max_model_len: tokens per request; a video over it is refused before decoding.
 
     Raises:
-        ValueError: the engine's pixel bounds contradict the checkpoint's (``EngineConfig.image_bounds``).
+        ValueError: the engine's pixel bounds contradict the checkpoint's (``MultiModalConfig.image_bounds``).
     """
 
     def __init__(self, tokenizer, config, hf_config, image_settings=None, max_model_len: int | None = None):
@@ -119,7 +118,7 @@ class ChatInput:
         if image_settings is None and self.family.multimodal:
             image_settings = image_processor_settings(None, hf_config)
         self.image_settings = image_settings
-        self.engine_bounds = config.image_bounds(image_settings)  # checkpoint, then engine options
+        self.engine_bounds = config.multimodal_config.image_bounds(image_settings)  # checkpoint, then engine options
         self.media = None  # the family's MediaInputs; None for text models
         if self.family.mm_inputs is not None:
             self.media = import_named(self.family.mm_inputs)(

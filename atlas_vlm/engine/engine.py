@@ -63,18 +63,19 @@ def _check_hybrid(config: EngineConfig, model, snapshots) -> bool:
             snapshots do not spill to disk) asked for.
     """
     model_name = type(model).__name__
-    if config.speculative is not None and not getattr(model, "supports_state_rollback", False):
-        raise ValueError(f"speculative={config.speculative!r} cannot run {model_name}, a hybrid model: its "
+    method = config.speculative_config.method
+    if method is not None and not getattr(model, "supports_state_rollback", False):
+        raise ValueError(f"speculative={method!r} cannot run {model_name}, a hybrid model: its "
                          "recurrent state cannot roll back rejected drafts; pass speculative=None")
-    if config.speculative is not None and config.speculative not in _HYBRID_SPECULATIVE:
-        raise ValueError(f"speculative={config.speculative!r} is not tested on hybrid models such as {model_name} "
+    if method is not None and method not in _HYBRID_SPECULATIVE:
+        raise ValueError(f"speculative={method!r} is not tested on hybrid models such as {model_name} "
                          f"yet; pass one of {_HYBRID_SPECULATIVE} or None")
-    if config.kv_cache_dir is not None:
+    if config.cache_config.kv_cache_dir is not None:
         raise ValueError(f"kv_cache_dir cannot serve {model_name}, a hybrid model: its recurrent-state "
                          "snapshots are not kept on disk, so a disk hit could not resume; unset kv_cache_dir")
     if snapshots is not None:
         return True
-    if config.enable_prefix_caching and config.kv_cache == "paged":
+    if config.cache_config.prefix_caching:
         log.info("prefix caching off for %s: a hybrid model's prefix hit would skip tokens whose recurrent "
                  "state is not stored", model_name)
     return False
@@ -89,7 +90,7 @@ def _check_mtp(config: EngineConfig) -> None:
         ValueError: ``kv_cache_dir`` asked for (a disk hit would resume past the last memory
             hit, whose last block's MTP K/V are the writer's).
     """
-    if config.kv_cache_dir is not None:
+    if config.cache_config.kv_cache_dir is not None:
         raise ValueError("kv_cache_dir cannot serve speculative='mtp' (a disk hit's last block holds MTP K/V made "
                          "with another request's next token); unset kv_cache_dir or use speculative='ngram'")
 
@@ -109,41 +110,44 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         device, dtype = config.torch_device(), config.torch_dtype()
+        model_config, cache_config = config.model_config, config.cache_config
+        scheduler_config, spec_config = config.scheduler_config, config.speculative_config
         if device.type == "cpu":
-            hardware.apply_num_threads(config.num_threads)
-        loaded = load_model(config.model, dtype=dtype, device=device, revision=config.revision,
-                            quantization=config.quantization, mmproj=config.mmproj)
+            hardware.apply_num_threads(config.device_config.num_threads)
+        loaded = load_model(model_config.model, dtype=dtype, device=device, revision=model_config.revision,
+                            quantization=model_config.quantization, mmproj=model_config.mmproj)
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
         arch = loaded.model.arch
-        self.max_model_len = config.max_model_len or min(arch.max_position_embeddings, 4096)
+        self.max_model_len = model_config.max_model_len or min(arch.max_position_embeddings, 4096)
         self.runner = ModelRunner(loaded, config, self.max_model_len)
         state_cache = self.runner.state_cache  # hybrid models' recurrent-state slots (None otherwise)
-        prefix_caching = config.enable_prefix_caching and config.kv_cache == "paged"
+        prefix_caching = cache_config.prefix_caching
         if state_cache is not None:
             prefix_caching = _check_hybrid(config, loaded.model, self.runner.state_snapshots)
-        if config.speculative == "mtp":
+        if spec_config.method == "mtp":
             _check_mtp(config)
         # the disk tier below the prefix cache (None without kv_cache_dir)
         self.kv_tier = build_kv_tier(config, loaded.model_dir, loaded.hf_config, self.runner)
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
                                           enable_prefix_caching=prefix_caching, kv_tier=self.kv_tier,
                                           state_cache=state_cache, state_snapshots=self.runner.state_snapshots)
-        self.block_manager.drop_last_hit_block = config.speculative == "mtp"
-        budget = config.max_num_batched_tokens
-        if not config.enable_chunked_prefill:
+        self.block_manager.drop_last_hit_block = spec_config.method == "mtp"
+        budget = scheduler_config.max_num_batched_tokens
+        if not scheduler_config.enable_chunked_prefill:
             budget = max(budget, self.max_model_len)
         eos = eos_token_ids(self.tokenizer, loaded.model_dir)
-        self.reasoning_parser = get_reasoning_parser(config.reasoning_parser, self.tokenizer)
+        self.reasoning_parser = get_reasoning_parser(model_config.reasoning_parser, self.tokenizer)
         self.structured_output_manager = StructuredOutputManager(self.tokenizer, arch.vocab_size, eos,
                                                                  self.reasoning_parser)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill,
+        self.scheduler = Scheduler(self.block_manager, scheduler_config.max_num_seqs, budget,
+                                   scheduler_config.enable_chunked_prefill,
                                    max_model_len=self.max_model_len, eos_token_ids=eos,
                                    structured_output_manager=self.structured_output_manager,
-                                   max_num_encoder_tokens=config.max_num_encoder_tokens or budget,
-                                   encoder_cache=EncoderCacheManager(config.encoder_cache_tokens),
-                                   proposer=self._proposer(), num_speculative_tokens=config.speculative_tokens,
-                                   speculative_disable_by_batch_size=config.speculative_disable_by_batch_size)
+                                   max_num_encoder_tokens=scheduler_config.max_num_encoder_tokens or budget,
+                                   encoder_cache=EncoderCacheManager(scheduler_config.encoder_cache_tokens),
+                                   proposer=self._proposer(), num_speculative_tokens=spec_config.speculative_tokens,
+                                   speculative_disable_by_batch_size=spec_config.disable_by_batch_size)
         self.input_processor = InputProcessor(self.tokenizer, self.hf_config, config, arch.vocab_size,
                                               self.max_model_len, self.block_manager, self.runner.device,
                                               loaded.image_settings)
@@ -154,16 +158,17 @@ class LLMEngine:
         self._lock = threading.RLock()
 
     def _proposer(self):
-        """The draft proposer of ``config.speculative`` (None: off); placeholder ids of the
-        model's media are never drafted."""
-        if self.config.speculative is None:
+        """The draft proposer of ``speculative_config.method`` (None: off); placeholder ids of
+        the model's media are never drafted."""
+        spec = self.config.speculative_config
+        if spec.method is None:
             return None
-        if self.config.speculative == "mtp":  # drafts made by the runner's MTP head after each step
+        if spec.method == "mtp":  # drafts made by the runner's MTP head after each step
             return self.runner.drafter.proposer
         from atlas_vlm.spec_decode import NgramProposer
 
         pads = {getattr(self.hf_config, name, None) for name in ("image_token_id", "video_token_id")}
-        return NgramProposer(self.config.prompt_lookup_max, self.config.prompt_lookup_min,
+        return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min,
                              {t for t in pads if isinstance(t, int)})
 
     @property
@@ -232,7 +237,7 @@ class LLMEngine:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.structured_output_manager.add_request(req)  # its grammar compiles off this thread
-        if self.config.speculative is not None and req.pooling_params is None:
+        if self.config.speculative_config.method is not None and req.pooling_params is None:
             req.spec_decode = {"drafts": 0, "proposed": 0, "accepted": 0}
         self.requests[req.request_id] = req
         self.output_processor.add_request(req.request_id, req.prompt, req.token_ids, req.sampling_params.stop,

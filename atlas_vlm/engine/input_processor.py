@@ -247,7 +247,7 @@ class InputProcessor:
         """Turn one prompt into a ``Request`` ready for the scheduler.
 
         ``max_tokens=None`` resolves to what is left of ``max_model_len``; a request with
-        ``seed=None`` is seeded with ``config.seed + arrival index`` (reproducible runs).
+        ``seed=None`` is seeded with ``model_config.seed + arrival index`` (reproducible runs).
         ``params`` may be a ``PoolingParams``: an embedding request (its prompt only; the
         prompt must leave room for one token below ``max_model_len``, as any prompt).
 
@@ -262,7 +262,7 @@ class InputProcessor:
             pooling, params = params, SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
         p, max_tokens = self._checked(prompt, params)
         generator = torch.Generator(device=self.device)
-        generator.manual_seed(params.seed if params.seed is not None else self.config.seed + next(self._seeds))
+        generator.manual_seed(params.seed if params.seed is not None else self.config.model_config.seed + next(self._seeds))
         return Request(
             request_id=request_id if request_id is not None else str(next(self._ids)),
             token_ids=list(p.prompt_token_ids), mm_features=media_items(p.mm_positions, p.mm_items),

@@ -31,10 +31,10 @@ class MediaInputs:
 
     Args:
         tokenizer: the model's (serialized) tokenizer.
-        config: ``EngineConfig`` (http policy, ``limit_request_pixels``).
+        config: ``EngineConfig`` (its ``multimodal_config``: the fetch policy, ``limit_request_pixels``).
         hf_config: the model's transformers config.
         image_settings: the checkpoint's ``ImageProcessorSettings``.
-        engine_bounds: ``config.image_bounds(image_settings)`` (a ``MultiModalOptions``).
+        engine_bounds: ``config.multimodal_config.image_bounds(image_settings)`` (a ``MultiModalOptions``).
         max_prompt_tokens: ``max_model_len - 1``: a video whose tokens alone reach it is
             refused from its stream's facts, before a frame is decoded; None: no check.
     """
@@ -43,6 +43,7 @@ class MediaInputs:
                  max_prompt_tokens: int | None = None):
         self.tokenizer = tokenizer
         self.config = config
+        self.mm_config = config.multimodal_config
         self.hf_config = hf_config
         self.image_settings = image_settings
         self.engine_bounds = engine_bounds
@@ -63,12 +64,19 @@ class MediaInputs:
 
     # ---- shared ----------------------------------------------------------------------------
     def _fetch(self, url: str) -> bytes:
-        """Download one http(s) medium under the engine's policy (``allow_http_images``)."""
+        """Download one http(s) video under the engine's ``MediaFetchPolicy``
+        (``multimodal_config.media``: the server's rules, its ``max_video_bytes`` cap).
+
+        Raises:
+            ValueError: http(s) media are off; ``MediaRefused`` (a ValueError) for a refused host.
+            DownloadError: the download failed, was late or went over the cap.
+        """
         from mm_token_pipeline import fetch_url
 
-        if not self.config.allow_http_images:
+        policy = self.mm_config.media
+        if not policy.allow_http_images:
             raise ValueError(f"{url}: http(s) media are not fetched (allow_http_images is off)")
-        return fetch_url(url, timeout_s=self.config.http_image_timeout_s, max_bytes=self.config.http_image_max_bytes)
+        return fetch_url(url, timeout_s=policy.http_timeout_s, max_bytes=policy.max_bytes("video"), policy=policy)
 
     def _check_limits(self, opts: MultiModalOptions, where: str) -> None:
         limits = {"max_pixels": self.engine_bounds.max_pixels,
@@ -86,7 +94,7 @@ class MediaInputs:
         medium the loaded RGB PIL image. Videos: ``options`` is a dict of the item's
         ``VIDEO_ITEM_OPTIONS`` (its ``min_pixels`` / ``max_pixels`` falling back to the
         request's ``mm_options``), the medium the item's source, which each family loads
-        with its own sampling rule (:meth:`load_video`). With ``config.limit_request_pixels``
+        with its own sampling rule (:meth:`load_video`). With ``multimodal_config.limit_request_pixels``
         (the server) a request or item may lower ``max_pixels`` / ``longest_edge``, never
         raise them: checked before loading.
 
@@ -106,15 +114,13 @@ class MediaInputs:
             if modality == "image":
                 item_opts = {k: item[k] for k in ("min_pixels", "max_pixels", "longest_edge") if k in item}
                 opts = MultiModalOptions.from_value(item_opts, where=where).merged_over(request_opts)
-                if self.config.limit_request_pixels:
+                if self.mm_config.limit_request_pixels:
                     self._check_limits(opts, where)
-                yield modality, index, opts, load_image(
-                    source, allow_http=self.config.allow_http_images, http_timeout_s=self.config.http_image_timeout_s,
-                    max_http_bytes=self.config.http_image_max_bytes)
+                yield modality, index, opts, load_image(source, fetch_policy=self.mm_config.media)
                 continue
             asked = p["mm_options"]
             opts = {k: v for k, v in (("min_pixels", asked.min_pixels), ("max_pixels", asked.max_pixels)) if v}
             opts.update({k: item[k] for k in VIDEO_ITEM_OPTIONS if item.get(k) is not None})
-            if self.config.limit_request_pixels:
+            if self.mm_config.limit_request_pixels:
                 self._check_limits(MultiModalOptions(max_pixels=opts.get("max_pixels")), where)
             yield modality, index, opts, source

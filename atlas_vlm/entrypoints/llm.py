@@ -73,7 +73,8 @@ class LLM:
         model: HF model folder, ``.gguf`` file or Hub id ``ORG/NAME`` (fetched through
             ``huggingface_hub``'s cache; ``revision=`` picks a branch/tag/commit); ``None`` uses
             the embedded SmolLM2-135M-Instruct.
-        **kwargs: any ``EngineConfig`` field (``kv_cache="paged" | "contiguous"``,
+        **kwargs: any flat ``EngineConfig`` keyword (``EngineConfig.flat_names()``, routed to its
+            sub-config; docs/library.md#where-settings-live), e.g. ``kv_cache="paged" | "contiguous"``,
             ``kvcache_block_size``, ``max_model_len``, ``max_pixels``, ``allow_http_images``,
             ``http_image_timeout_s``, ``http_image_max_bytes``, ``tool_call_parser`` (a
             ``atlas_vlm.tool_parsers`` name; None: detected from the chat template),
@@ -266,7 +267,7 @@ class LLM:
             return [_finish_chat(o, parser) for o in result]
         from atlas_vlm.tool_parsers import forced_tool_calls, resolve_tool_parser
 
-        parser_cls = resolve_tool_parser(self.config.tool_call_parser,
+        parser_cls = resolve_tool_parser(self.config.model_config.tool_call_parser,
                                          chat_template or getattr(self.tokenizer, "chat_template", None))
         forced = forced_tool_calls(parser_cls, tools, tool_choice, parallel_tool_calls, self.tokenizer)
         if forced is not None:

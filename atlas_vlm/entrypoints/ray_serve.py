@@ -27,7 +27,7 @@ class EngineReplica:
     """One engine (``LLMEngine`` + ``AsyncLLM``) and its Prometheus registry.
 
     Args:
-        engine_kwargs: ``EngineConfig`` fields.
+        engine_kwargs: flat ``EngineConfig`` keywords (``EngineConfig.flat_kwargs()``).
         max_waiting_requests: as ``--max-waiting-requests`` (per replica).
         num_threads: torch CPU threads (the replica's CPU share; 0: torch's default).
     """
@@ -140,7 +140,11 @@ def build_app(engine_kwargs: dict, num_replicas: int, *, served_model_names: lis
         server_limits: the ingress's ``max_request_body_bytes``, ``max_prompts_per_request``,
             ``protect_docs_metrics``, ``files_dir``, ``max_file_bytes`` and
             ``batch_max_in_flight`` (as the plain server's flags).
-        engine_kwargs: ``EngineConfig`` fields (``model`` required).
+        engine_kwargs: flat ``EngineConfig`` keywords (``model`` required).
+        media: the server's ``MediaPolicy`` fields; its fetch fields (``allow_http_images``,
+            ``http_timeout_s``, ``max_image_bytes``, ...) become the engine's
+            ``multimodal_config.media`` too (one policy), ``allowed_local_media_path`` stays
+            the ingress's.
         num_cpus_per_replica: Ray CPUs per replica (default: this machine's cores / N, >= 1).
         num_gpus_per_replica: GPUs per replica (1 on a GPU cluster; 0 here).
 
@@ -155,17 +159,25 @@ def build_app(engine_kwargs: dict, num_replicas: int, *, served_model_names: lis
 
     ReplicaRouter(num_replicas, routing, imbalance_threshold)  # validates the three
     config = EngineConfig(**{"limit_request_pixels": True, **engine_kwargs})  # served: requests cannot raise bounds
+    media = dict(media or {})
+    local = media.pop("allowed_local_media_path", None)
+    if media:  # fetch fields given here are the engine's policy too: one policy for engine and server
+        mm = config.multimodal_config
+        config = dataclasses.replace(config, multimodal_config=dataclasses.replace(
+            mm, media=dataclasses.replace(mm.media, **media)))
+    media = {**dataclasses.asdict(config.multimodal_config.media), "allowed_local_media_path": local}
     cpus = num_cpus_per_replica if num_cpus_per_replica is not None else max(1, (os.cpu_count() or 1) // num_replicas)
-    model = str(config.model)
-    path = resolve_model_path(model, config.revision, config_only=True)  # a folder, a .gguf or a hub snapshot
+    model_config = config.model_config
+    model = str(model_config.model)
+    path = resolve_model_path(model, model_config.revision, config_only=True)  # a folder, a .gguf or a hub snapshot
     is_vlm = path.is_dir() and hasattr(AutoConfig.from_pretrained(path), "vision_config")
     replicas = [EngineReplica.options(name=f"engine-{i}", ray_actor_options={"num_cpus": cpus,
                                                                              "num_gpus": num_gpus_per_replica})
-                .bind(dataclasses.asdict(config), max_waiting_requests, int(cpus)) for i in range(num_replicas)]
+                .bind(config.flat_kwargs(), max_waiting_requests, int(cpus)) for i in range(num_replicas)]
     settings = dict(model=model, served_model_names=served_model_names or [model], is_vlm=is_vlm,
-                    max_model_len=config.max_model_len or 4096, routing=routing,
-                    imbalance_threshold=imbalance_threshold, api_key=api_key, media=media or {},
-                    tool_call_parser=config.tool_call_parser,
+                    max_model_len=model_config.max_model_len or 4096, routing=routing,
+                    imbalance_threshold=imbalance_threshold, api_key=api_key, media=media,
+                    tool_call_parser=model_config.tool_call_parser,
                     **(server_limits or {}))
     return OpenAIIngress.options(name="ingress", ray_actor_options={"num_cpus": 0}).bind(settings, *replicas)
 
@@ -196,11 +208,9 @@ def run_ray_server(engine_config, args) -> int:
 
     import ray
 
-    media = dict(allowed_local_media_path=args.allowed_local_media_path, allow_http_images=args.allow_http_images,
-                 http_timeout_s=args.image_fetch_timeout, max_image_bytes=args.max_image_bytes,
-                 max_video_bytes=getattr(args, "max_video_bytes", 64 * 2**20),
-                 allowed_media_domains=getattr(args, "allowed_media_domains", None))
-    app = build_app(dataclasses.asdict(engine_config), args.replicas,
+    # the http(s) media flags are in engine_config already (its multimodal_config.media, one policy)
+    media = dict(allowed_local_media_path=args.allowed_local_media_path)
+    app = build_app(engine_config.flat_kwargs(), args.replicas,
                     served_model_names=args.served_model_name or [args.model or "SmolLM2-135M-Instruct"],
                     routing=args.routing, imbalance_threshold=args.imbalance_threshold,
                     num_cpus_per_replica=args.num_cpus_per_replica, num_gpus_per_replica=args.num_gpus_per_replica,
@@ -221,7 +231,7 @@ def run_ray_server(engine_config, args) -> int:
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name="atlas", route_prefix="/")
-        print(f"serving {args.replicas} replicas of {engine_config.model} on http://{args.host}:{args.port} "
+        print(f"serving {args.replicas} replicas of {engine_config.model_config.model} on http://{args.host}:{args.port} "
               f"(routing: {args.routing})", flush=True)
         stop.wait()
     finally:

@@ -155,12 +155,13 @@ def enable_batch_invariance(model: nn.Module, config, device: torch.device, dtyp
     from atlas_vlm.kernels import decode_kernel
     from atlas_vlm.layers.quant_linear import quantized_modules
 
-    why = deterministic_unsupported_reason(device, bool(quantized_modules(model)), config.attention_backend,
-                                           config.compile_decode)
+    device_config = config.device_config
+    why = deterministic_unsupported_reason(device, bool(quantized_modules(model)), device_config.attention_backend,
+                                           device_config.compile_decode)
     arch = model.arch
     if why is None:
         why = decode_kernel.unsupported_reason(device, dtype, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                                               config.kv_cache_dtype)
+                                               config.cache_config.kv_cache_dtype)
     if why is not None:
         raise ValueError(f"deterministic=True cannot run here: {why}")
     tile_linears(model)

@@ -188,5 +188,6 @@ def build_drafter(model, config, kv_layer: int, model_name: str,
     from atlas_vlm.models.qwen3_5.mtp import build_mtp
 
     mtp = build_mtp(model, kv_layer, model_name)
-    proposer = MTPProposer(placeholder_token_ids, capacity=4 * config.max_num_seqs + 16)
-    return MTPDrafter(model, mtp, config.speculative_tokens, proposer, config.speculative_disable_by_batch_size)
+    proposer = MTPProposer(placeholder_token_ids, capacity=4 * config.scheduler_config.max_num_seqs + 16)
+    return MTPDrafter(model, mtp, config.speculative_config.speculative_tokens, proposer,
+                       config.speculative_config.disable_by_batch_size)

@@ -67,11 +67,12 @@ def engine_fingerprint(model_dir: Path, hf_config, runner, quantization: str | N
 
 
 def build_kv_tier(config, model_dir: Path, hf_config, runner) -> KVBlockTier | None:
-    """The engine's ``KVBlockTier`` over ``config.kv_cache_dir`` (None when it is unset).
-    An unusable folder does not fail: ``DiskKVTier`` warns once and stops writing."""
-    if config.kv_cache_dir is None:
+    """The engine's ``KVBlockTier`` over ``config.cache_config.kv_cache_dir`` (None when it is
+    unset). An unusable folder does not fail: ``DiskKVTier`` warns once and stops writing."""
+    cache = config.cache_config
+    if cache.kv_cache_dir is None:
         return None
-    fingerprint = engine_fingerprint(model_dir, hf_config, runner, config.quantization)
-    disk = DiskKVTier(config.kv_cache_dir, fingerprint, config.kv_cache_dir_max_bytes)
+    fingerprint = engine_fingerprint(model_dir, hf_config, runner, config.model_config.quantization)
+    disk = DiskKVTier(cache.kv_cache_dir, fingerprint, cache.kv_cache_dir_max_bytes)
     log.info("disk KV tier: %s (cap %d bytes)", disk.dir, disk.max_bytes)
     return KVBlockTier(runner.kv_cache, disk)

@@ -41,7 +41,7 @@ def kv_cache_budget_bytes(config: EngineConfig, device: torch.device, hf_config=
     activation reserve (``ACTIVATION_RESERVE_BYTES`` + the vision tower's peak at the engine's
     ``max_pixels``, ``memory_plan.vision_activation_peak``)."""
     if device.type != "cuda":
-        return config.kv_cache_memory
+        return config.cache_config.kv_cache_memory
     from atlas_vlm import memory_plan
 
     free, total = torch.cuda.mem_get_info(device)
@@ -49,7 +49,7 @@ def kv_cache_budget_bytes(config: EngineConfig, device: torch.device, hf_config=
     reserve = memory_plan.ACTIVATION_RESERVE_BYTES
     if hf_config is not None and max_pixels is not None:
         reserve += memory_plan.vision_activation_peak(hf_config, max_pixels, dtype_bytes)
-    return memory_plan.kv_cache_budget(total, config.gpu_memory_utilization, total - free, reserve)
+    return memory_plan.kv_cache_budget(total, config.cache_config.gpu_memory_utilization, total - free, reserve)
 
 
 def hybrid_state_spec(model) -> StateSpec | None:
@@ -73,8 +73,9 @@ def num_state_snapshots(config: EngineConfig, model) -> int:
     when prefix caching can serve it (asked for, paged cache, no ``kv_cache_dir``: snapshots do
     not spill to disk, and a model class with ``supports_state_snapshots``), else 0 (no pool:
     prefix caching off for it)."""
-    on = config.enable_prefix_caching and config.kv_cache == "paged" and config.kv_cache_dir is None
-    return config.max_state_snapshots if on and getattr(model, "supports_state_snapshots", False) else 0
+    cache = config.cache_config
+    on = cache.prefix_caching and cache.kv_cache_dir is None
+    return cache.max_state_snapshots if on and getattr(model, "supports_state_snapshots", False) else 0
 
 
 class ModelRunner:
@@ -112,11 +113,13 @@ class ModelRunner:
         self.num_packed_linears = pack_linears(self.model) if pack else 0
         self.mrope = self.model.arch.mrope_section is not None
         arch = self.model.arch
-        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device, self.dtype,
+        cache, device_config = config.cache_config, config.device_config
+        max_num_seqs = config.scheduler_config.max_num_seqs
+        self.attention_backend = resolve_attention_backend(device_config.attention_backend, self.device, self.dtype,
                                                            arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                                                           config.kv_cache_dtype)
+                                                           cache.kv_cache_dtype)
         state_spec = hybrid_state_spec(self.model)  # None: no recurrent-state layers
-        self.deterministic = config.deterministic
+        self.deterministic = device_config.deterministic
         if self.deterministic and state_spec is not None:
             raise ValueError(f"deterministic=True does not serve hybrid models ({type(self.model).__name__}: "
                              "recurrent-state layers); run it with deterministic=False")
@@ -135,18 +138,18 @@ class ModelRunner:
                 tile_linears(self.vision)
         num_kv_layers = arch.num_layers if state_spec is None else self.model.num_kv_layers  # full attention only
         self.drafter = None  # speculative="mtp": the MTP head, its K/V one more cache layer
-        if config.speculative == "mtp":
+        if config.speculative_config.method == "mtp":
             from atlas_vlm.spec_decode.mtp import build_drafter
 
             pads = {getattr(loaded.hf_config, name, None) for name in ("image_token_id", "video_token_id")}
-            self.drafter = build_drafter(self.model, config, num_kv_layers, str(config.model),
+            self.drafter = build_drafter(self.model, config, num_kv_layers, str(config.model_config.model),
                                          {t for t in pads if isinstance(t, int)})
             if pack:
                 self.num_packed_linears += pack_linears(self.drafter.mtp)
             num_kv_layers += 1
-        spec = kv_cache_spec(num_kv_layers, arch.num_kv_heads, arch.head_dim, self.dtype, config.kv_cache_dtype)
-        contiguous = config.kv_cache == "contiguous"
-        self.block_size = max_model_len if contiguous else config.kvcache_block_size
+        spec = kv_cache_spec(num_kv_layers, arch.num_kv_heads, arch.head_dim, self.dtype, cache.kv_cache_dtype)
+        contiguous = cache.kv_cache == "contiguous"
+        self.block_size = max_model_len if contiguous else cache.block_size
         from atlas_vlm.memory_plan import engine_max_pixels
 
         max_pixels = engine_max_pixels(config, loaded.image_settings)  # the checkpoint's, engine options over it
@@ -155,20 +158,20 @@ class ModelRunner:
         self.state_snapshots = None  # hybrid + prefix caching: the state at block boundaries
         if state_spec is not None:
             snaps = num_state_snapshots(config, self.model)
-            state_bytes = state_spec.bytes_per_seq * (config.max_num_seqs + snaps)
-            if state_bytes > budget and config.num_kvcache_blocks == -1:  # explicit blocks: no budget to share
+            state_bytes = state_spec.bytes_per_seq * (max_num_seqs + snaps)
+            if state_bytes > budget and cache.num_kvcache_blocks == -1:  # explicit blocks: no budget to share
                 pool = f" + max_state_snapshots={snaps}" if snaps else ""
                 raise KVBudgetError(
                     f"KV budget of {budget} bytes cannot hold the state slots of this hybrid model: "
-                    f"max_num_seqs={config.max_num_seqs}{pool} x {state_spec.bytes_per_seq} bytes = {state_bytes} "
+                    f"max_num_seqs={max_num_seqs}{pool} x {state_spec.bytes_per_seq} bytes = {state_bytes} "
                     "bytes; raise kv_cache_memory / gpu_memory_utilization or lower max_num_seqs"
                     + (" / max_state_snapshots" if snaps else ""))
-            self.state_cache = StateCache(state_spec, config.max_num_seqs, device=self.device)
+            self.state_cache = StateCache(state_spec, max_num_seqs, device=self.device)
             if snaps:
-                self.state_snapshots = StateSnapshotPool(state_spec, snaps, config.hybrid_snapshot_interval,
+                self.state_snapshots = StateSnapshotPool(state_spec, snaps, cache.hybrid_snapshot_interval,
                                                          self.block_size, device=self.device)
             budget -= state_bytes
-        num_blocks = config.num_kvcache_blocks
+        num_blocks = cache.num_kvcache_blocks
         if num_blocks == -1:
             num_blocks = num_kv_blocks(budget, spec, self.block_size)
         if num_blocks < 1:
@@ -186,14 +189,14 @@ class ModelRunner:
         self.num_blocks = num_blocks
         from atlas_vlm.worker.compiled_decode import CompiledDecode, resolve_compile_decode
 
-        on, self.compile_decode_reason = resolve_compile_decode(config.compile_decode, self.device,
-                                                                config.kv_cache_dtype)
+        on, self.compile_decode_reason = resolve_compile_decode(device_config.compile_decode, self.device,
+                                                                cache.kv_cache_dtype)
         if state_spec is not None:  # the fast decode paths carry no state slots: eager runs hybrids
             on, self.compile_decode_reason = False, "hybrid model (recurrent-state layers): decode runs eager"
         if self.drafter is not None:  # the drafter reads every step's hidden states: eager keeps them
             on, self.compile_decode_reason = False, "speculative='mtp': every step runs eager"
         compiled = CompiledDecode(
-            self.model, self.kv_cache, self.block_size, max_model_len, config.max_num_seqs, self.mrope,
+            self.model, self.kv_cache, self.block_size, max_model_len, max_num_seqs, self.mrope,
             use_kernel=self.attention_backend == "decode_kernel") if on else None  # None: eager decode
         from atlas_vlm.kernels.decode_step import DecodeStep
 

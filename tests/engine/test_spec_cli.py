@@ -46,6 +46,6 @@ def test_serve_flags_reach_the_engine_config():
 
     args = cli.build_parser().parse_args(["serve", "m", "--speculative", "ngram", "--num-speculative-tokens", "5"])
     config = engine_config_from_args(args)
-    assert (config.speculative, config.num_speculative_tokens, config.speculative_tokens) == ("ngram", 5, 5)
+    assert (config.speculative, config.num_speculative_tokens, config.speculative_config.speculative_tokens) == ("ngram", 5, 5)
     off = engine_config_from_args(cli.build_parser().parse_args(["serve", "m"]))
-    assert (off.speculative, off.speculative_tokens) == (None, 0)
+    assert (off.speculative, off.speculative_config.speculative_tokens) == (None, 0)

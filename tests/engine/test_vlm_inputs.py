@@ -24,7 +24,8 @@ def server():
 @pytest.fixture(scope="module")
 def llm(tiny_models):
     return LLM(str(tiny_models["qwen2_5_vl"][0]), max_model_len=1024, num_kvcache_blocks=128,
-               allow_http_images=True, http_image_timeout_s=1.0, http_image_max_bytes=50_000, **CPU_FP32)
+               allow_http_images=True, http_image_timeout_s=1.0, http_image_max_bytes=50_000,
+               allowed_media_domains=["127.0.0.1"], **CPU_FP32)  # the test server is on loopback
 
 
 def user(*items):

@@ -54,7 +54,7 @@ def setup(tmp_path_factory):
     tower = import_named(family.vision_tower).from_hf_config(loaded.hf_config, loaded.vision_state_dict)
     engine = EngineConfig(model=str(folder))
     media = import_named(family.mm_inputs)(loaded.tokenizer, engine, loaded.hf_config, loaded.image_settings,
-                                           engine.image_bounds(loaded.image_settings))
+                                           engine.multimodal_config.image_bounds(loaded.image_settings))
     return hf, loaded.model, tower, media
 
 

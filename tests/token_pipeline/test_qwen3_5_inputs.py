@@ -75,7 +75,8 @@ def inputs(folder):
     path, config = folder
     settings = mtp.image_processor_settings(path, config)
     engine = EngineConfig(model=str(path))
-    return Qwen3VLInputs(AutoTokenizer.from_pretrained(path), engine, config, settings, engine.image_bounds(settings))
+    return Qwen3VLInputs(AutoTokenizer.from_pretrained(path), engine, config, settings,
+                         engine.multimodal_config.image_bounds(settings))
 
 
 @pytest.fixture(scope="module")

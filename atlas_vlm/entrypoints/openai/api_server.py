@@ -20,6 +20,7 @@ stop admitting, end every stream at once with ``finish_reason: "abort"`` and ``[
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -220,15 +221,31 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
 def server_context(engine, front, engine_config, served_model_names=None, media=None,
                    max_prompts_per_request: int = 64) -> ServerContext:
     """The routes' ``ServerContext`` over a built ``LLMEngine`` and its ``AsyncLLM`` front
-    (``served_model_names`` default: the model path; ``media`` default: ``MediaPolicy()``)."""
+    (``served_model_names`` default: the model path; ``media`` default: the engine's
+    ``MediaFetchPolicy`` with no local files)."""
     from atlas_vlm.entrypoints.openai.media import MediaPolicy
     from atlas_vlm.tool_parsers import resolve_tool_parser
 
-    return ServerContext(front, served_model_names or [engine_config.model], hasattr(engine.hf_config, "vision_config"),
-                         media or MediaPolicy(), engine.max_model_len, max_prompts_per_request=max_prompts_per_request,
-                         model_root=str(engine_config.model), reasoning_parser=engine.reasoning_parser,
-                         tool_parser=resolve_tool_parser(engine_config.tool_call_parser,
+    model_config = engine_config.model_config
+    media = media or MediaPolicy.over(engine_config.multimodal_config.media)
+    return ServerContext(front, served_model_names or [model_config.model], hasattr(engine.hf_config, "vision_config"),
+                         media, engine.max_model_len, max_prompts_per_request=max_prompts_per_request,
+                         model_root=str(model_config.model), reasoning_parser=engine.reasoning_parser,
+                         tool_parser=resolve_tool_parser(model_config.tool_call_parser,
                                                          getattr(engine.tokenizer, "chat_template", None)))
+
+
+def one_media_policy(engine_config, media=None):
+    """``(engine_config, media)`` sharing one ``MediaFetchPolicy``: without ``media`` the
+    server's ``MediaPolicy`` is the engine's ``multimodal_config.media`` (no local files);
+    with it, a copy of ``engine_config`` takes ``media``'s fetch fields, so the engine's own
+    downloads obey what the server's do."""
+    from atlas_vlm.entrypoints.openai.media import MediaPolicy
+
+    if media is None:
+        return engine_config, MediaPolicy.over(engine_config.multimodal_config.media)
+    mm = dataclasses.replace(engine_config.multimodal_config, media=media.fetch_policy())
+    return dataclasses.replace(engine_config, multimodal_config=mm), media
 
 
 def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, served_model_names=None,
@@ -242,6 +259,8 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
     ``/v1/files`` keeps files (None: a temporary directory), each upload at most
     ``max_file_bytes``; ``batch_max_in_flight``: lines of one batch running at once;
     ``responses_dir`` / ``max_stored_responses``: the ``/v1/responses`` store (None: memory).
+    ``media``: the server's ``MediaPolicy`` (None: the engine's ``multimodal_config.media``, no
+    local files); its fetch fields become the engine's too (``one_media_policy``).
 
     Returns:
         0 after a signal; 1 if the engine was declared dead (repeated step failures), so a
@@ -254,10 +273,9 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
 
     from atlas_vlm.engine import LLMEngine
     from atlas_vlm.engine.async_llm import AsyncLLM
-    from atlas_vlm.entrypoints.openai.media import MediaPolicy
     from atlas_vlm.entrypoints.openai.metrics import PrometheusStatLogger
 
-    media = media or MediaPolicy()
+    engine_config, media = one_media_policy(engine_config, media)
     if max_request_body_bytes is None:
         max_request_body_bytes = default_max_request_body_bytes(media.max_image_bytes)
     engine = LLMEngine(engine_config)
@@ -292,7 +310,7 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
     # process exits 0 after a graceful stop instead of dying by the signal
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    logger.info("serving %s as %s on http://%s:%d", engine_config.model, ctx.model_names, host, port)
+    logger.info("serving %s as %s on http://%s:%d", engine_config.model_config.model, ctx.model_names, host, port)
     server.run()
     front.shutdown()
     if not front.join(timeout=shutdown_timeout_s):

@@ -1,5 +1,7 @@
 """``atlas-vlm serve [MODEL]``: the flags of the OpenAI-compatible server and how they become
-an ``EngineConfig`` and a ``MediaPolicy`` (flag names follow ``vllm serve``)."""
+an ``EngineConfig`` (flat keywords routed to its sub-configs; the http(s) media flags
+become its ``multimodal_config.media``, the one ``MediaFetchPolicy``) and the server's
+``MediaPolicy`` over that same policy (flag names follow ``vllm serve``)."""
 
 from __future__ import annotations
 
@@ -132,7 +134,19 @@ def add_engine_args(p) -> None:
                         "(CPU, dense weights; slower; docs/deterministic.md)")
 
 
+#: ``atlas-vlm serve`` media flags (argparse dest) -> flat ``EngineConfig`` keyword (the fetch policy's).
+MEDIA_FLAGS = {"allow_http_images": "allow_http_images", "image_fetch_timeout": "http_image_timeout_s",
+               "max_image_bytes": "http_image_max_bytes", "max_video_bytes": "max_video_bytes",
+               "allowed_media_domains": "allowed_media_domains"}
+
+
 def engine_config_from_args(args):
+    """The ``EngineConfig`` of parsed engine flags (``add_engine_args``) and, where the parser
+    has them (``serve``), the media fetch flags (``MEDIA_FLAGS``).
+
+    Raises:
+        ValueError: a flag out of range (named by its ``EngineConfig`` keyword).
+    """
     from atlas_vlm.config import EngineConfig, kv_cache_dir_kwargs
     from atlas_vlm.default_models import default_text_model
 
@@ -154,6 +168,7 @@ def engine_config_from_args(args):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     kwargs.update(kv_cache_dir_kwargs(getattr(args, "kv_cache_dir", None), getattr(args, "kv_cache_dir_max_gb", None)))
+    kwargs.update({name: getattr(args, dest) for dest, name in MEDIA_FLAGS.items() if hasattr(args, dest)})
     return EngineConfig(**kwargs)
 
 
@@ -183,8 +198,7 @@ def run_serve(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.shutdown_timeout <= 0:
         raise ValueError(f"--shutdown-timeout must be > 0 seconds, got {args.shutdown_timeout}")
-    media = MediaPolicy(args.allowed_local_media_path, args.allow_http_images, args.image_fetch_timeout,
-                        args.max_image_bytes, args.max_video_bytes, allowed_media_domains=args.allowed_media_domains)
+    media = MediaPolicy.over(config.multimodal_config.media, allowed_local_media_path=args.allowed_local_media_path)
     return run_server(config, host=args.host, port=args.port,
                       served_model_names=args.served_model_name or [args.model or "SmolLM2-135M-Instruct"],
                       api_key=args.api_key, max_waiting_requests=args.max_waiting_requests, media=media,

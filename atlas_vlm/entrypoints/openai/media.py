@@ -10,9 +10,11 @@ slow host never stalls the engine thread. Decoding the image itself (bombs, trun
 data) stays with ``mm_token_pipeline.load_image``, in the engine's input workers. Policy as
 vLLM's ``--allowed-local-media-path``, ``--allowed-media-domains`` and ``MediaConnector``.
 
-Fetches cannot reach inside (SSRF): every hop's host is resolved first and refused if any of
-its addresses is loopback, private, link-local, multicast, unspecified or otherwise not
-global (``address_rule``), unless the host is named in ``--allowed-media-domains``; the
+The http(s) rules are the engine's (one ``MediaFetchPolicy``, ``mm_token_pipeline.fetch_policy``:
+the same timeout, byte caps, allowed hosts and address rule; the engine reads its bytes with
+``fetch_url``, the server here with ``httpx``). Fetches cannot reach inside (SSRF): every hop's
+host is resolved first and refused if any of its addresses is loopback, private, link-local,
+multicast, unspecified or otherwise not global (``address_rule``), unless the host is named in ``--allowed-media-domains``; the
 connection then goes to the address that was checked (no second lookup to rebind), with
 the original ``Host`` and TLS server name. Redirects are followed by hand, at most
 ``max_redirects``, each hop checked the same way. With ``--allowed-media-domains`` only
@@ -21,22 +23,28 @@ the hosts named there are fetched.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import httpx
 
 from atlas_vlm.entrypoints.openai.protocol import APIError, ChatMessage, printable
+from mm_token_pipeline.fetch_policy import (REFUSED_ADDRESS_CLASSES, MediaFetchPolicy, MediaRefused, address_rule,
+                                            check_addresses, check_url, literal_address)
+
+__all__ = ["MediaPolicy", "REFUSED_ADDRESS_CLASSES", "address_rule", "check_fetch_target", "resolve_image",
+           "resolve_media", "to_engine_messages"]
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]  # (host, port) -> IP address strings
 
 
 @dataclass
-class MediaPolicy:
-    """Where images may come from (server flags).
+class MediaPolicy(MediaFetchPolicy):
+    """Where images may come from (server flags): the engine's ``MediaFetchPolicy`` (http(s)
+    fetches: timeout, byte caps, allowed hosts, redirects; ``EngineConfig.multimodal_config.media``)
+    plus the server's own local-file rule.
 
     ``resolver`` (``(host, port) -> [ip, ...]``, default the system's ``getaddrinfo``) and
     ``transport`` (an ``httpx`` transport, default a real connection) exist so that tests
@@ -44,37 +52,18 @@ class MediaPolicy:
     """
 
     allowed_local_media_path: str | None = None  # folder; None: no local files
-    allow_http_images: bool = False
-    http_timeout_s: float = 10.0  # connect and read timeout of one image download (seconds)
-    max_image_bytes: int = 20 * 2**20  # encoded size cap of one image (bytes), any source
-    max_video_bytes: int = 64 * 2**20  # encoded size cap of one video (bytes), any source
-    allowed_media_domains: list[str] | None = None  # http(s) hosts allowed; None: any public host
-    max_redirects: int = 3  # redirect hops followed (each checked) per download
     resolver: Resolver | None = None
     transport: httpx.AsyncBaseTransport | None = None
 
+    @classmethod
+    def over(cls, fetch: MediaFetchPolicy, **server) -> MediaPolicy:
+        """The server's policy with ``fetch``'s fields (the engine's) and ``server``'s own
+        (``allowed_local_media_path``, ``resolver``, ``transport``)."""
+        return cls(**{f.name: getattr(fetch, f.name) for f in fields(MediaFetchPolicy)}, **server)
 
-#: The address classes a media fetch may never reach (unless its host is allow-listed).
-REFUSED_ADDRESS_CLASSES = ("unspecified", "loopback", "link-local", "multicast", "private", "reserved", "non-global")
-
-
-def address_rule(address: str) -> str | None:
-    """Why a media fetch may not connect to ``address`` (an IPv4 / IPv6 string): one of
-    ``REFUSED_ADDRESS_CLASSES``, or None for a global (public) address. An IPv4-mapped IPv6
-    address is judged as its IPv4 address.
-
-    Raises:
-        ValueError: ``address`` is not an IP address.
-    """
-    ip = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 zone id
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    for name, hit in (("unspecified", ip.is_unspecified), ("loopback", ip.is_loopback),
-                      ("link-local", ip.is_link_local), ("multicast", ip.is_multicast),
-                      ("private", ip.is_private), ("reserved", ip.is_reserved), ("non-global", not ip.is_global)):
-        if hit:
-            return name
-    return None
+    def fetch_policy(self) -> MediaFetchPolicy:
+        """The ``MediaFetchPolicy`` part (what the engine's own fetches obey)."""
+        return MediaFetchPolicy(**{f.name: getattr(self, f.name) for f in fields(MediaFetchPolicy)})
 
 
 async def system_resolver(host: str, port: int) -> list[str]:
@@ -85,13 +74,9 @@ async def system_resolver(host: str, port: int) -> list[str]:
     return list(dict.fromkeys(info[4][0] for info in infos))
 
 
-def _host_allowed(host: str, policy: MediaPolicy) -> bool:
-    names = {d.lower().rstrip(".") for d in policy.allowed_media_domains or ()}
-    return host.lower().rstrip(".") in names
-
-
 async def check_fetch_target(url: str, policy: MediaPolicy, param: str) -> tuple[httpx.URL, str]:
-    """Vet one hop of an image download.
+    """Vet one hop of an image download (the rules of ``mm_token_pipeline.fetch_policy``, as
+    the engine's fetch applies them).
 
     Returns:
         ``(URL to connect to, with the host replaced by the checked address; the original
@@ -106,39 +91,25 @@ async def check_fetch_target(url: str, policy: MediaPolicy, param: str) -> tuple
         parsed = httpx.URL(url)
     except (httpx.InvalidURL, TypeError, ValueError) as e:
         raise APIError(400, f"{param}: invalid image URL {url[:80]!r} ({e})", param, "invalid_image") from e
-    if parsed.scheme not in ("http", "https"):
-        raise APIError(400, f"{param}: image URL {url[:80]!r}: only http(s) may be fetched", param, "invalid_image")
-    host = parsed.host
-    if not host:
-        raise APIError(400, f"{param}: image URL {url[:80]!r} has no host", param, "invalid_image")
-    listed = _host_allowed(host, policy)
-    if policy.allowed_media_domains is not None and not listed:
-        raise APIError(400, f"{param}: image host {host!r} is not in --allowed-media-domains "
-                       f"{policy.allowed_media_domains}", param, "media_domain_not_allowed")
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
     try:
-        ipaddress.ip_address(host.split("%", 1)[0])
-        addresses = [host]
-    except ValueError:
-        try:
-            addresses = await (policy.resolver or system_resolver)(host, port)
-        except OSError as e:
-            raise APIError(400, f"{param}: image host {host!r} does not resolve ({e})", param, "invalid_image") from e
-    if not addresses:
-        raise APIError(400, f"{param}: image host {host!r} does not resolve", param, "invalid_image")
-    if not listed:
-        for address in addresses:
-            rule = address_rule(address)
-            if rule is not None:
-                raise APIError(400, f"{param}: image host {host!r} resolves to {address}, {'an' if rule[0] in 'aeiou' else 'a'} "
-                               f"{rule} address; media "
-                               f"fetches may only reach public addresses (name the host in "
-                               f"--allowed-media-domains to allow it)", param, "media_address_refused")
-    return parsed.copy_with(host=addresses[0]), host
+        listed = check_url(url, parsed.scheme, parsed.host, policy)
+        host = parsed.host
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        if literal_address(host):
+            addresses = [host]
+        else:
+            try:
+                addresses = await (policy.resolver or system_resolver)(host, port)
+            except OSError as e:
+                raise MediaRefused(f"image host {host!r} does not resolve ({e})") from e
+        address = check_addresses(host, addresses, listed)
+    except MediaRefused as e:
+        raise APIError(400, f"{param}: {e}", param, e.code) from e
+    return parsed.copy_with(host=address), host
 
 
 def _cap(policy: MediaPolicy, kind: str) -> int:
-    return policy.max_video_bytes if kind == "video" else policy.max_image_bytes
+    return policy.max_bytes(kind)
 
 
 def _local_path(url: str, policy: MediaPolicy, param: str, kind: str = "image") -> str:

@@ -97,7 +97,8 @@ async def _run(engine, engine_config, args, names: list[str], results: ResultFil
     from atlas_vlm.entrypoints.openai.media import MediaPolicy
 
     front = AsyncLLM(engine)
-    ctx = server_context(engine, front, engine_config, names, MediaPolicy(args.allowed_local_media_path),
+    ctx = server_context(engine, front, engine_config, names, MediaPolicy.over(engine_config.multimodal_config.media,
+                                                                 allowed_local_media_path=args.allowed_local_media_path),
                          args.max_prompts_per_request)
     bar = tqdm(total=total, unit="req", desc="run-batch", disable=None)
     try:

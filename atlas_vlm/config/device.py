@@ -1,0 +1,57 @@
+"""``DeviceConfig``: where and how the forward runs (vLLM's ``DeviceConfig``, with the
+attention backend, the compiled decode step, batch invariance and the CPU threads).
+
+Scope: validated on creation; the messages name the flat ``EngineConfig(...)`` keyword.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ATTENTION_BACKENDS = ("auto", "reference", "bucketed", "decode_kernel")  # atlas_vlm.layers.attention's + "auto"
+
+
+@dataclass
+class DeviceConfig:
+    """The device and the forward's execution choices.
+
+    Raises:
+        ValueError: on creation, for any out-of-range field (the message names it).
+    """
+
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
+    # CPU threads for torch; None: $OMP_NUM_THREADS if set, else the usable cores less those
+    # busy with other work, chosen once per process (hardware.default_num_threads)
+    num_threads: int | None = None
+    # "auto" (default): "decode_kernel" on CPU where the C decode kernel builds, else "bucketed";
+    # "decode_kernel" (bucketed prefill + kernels/csrc/paged_decode.c for decode rows, from the blocks),
+    # "bucketed" (layers/attention_bucketed: SDPA per context-length bucket), or "reference"
+    # (padded SDPA with a dense mask, the exactness reference for the other two)
+    attention_backend: str = "auto"
+    # pure-decode steps through a torch.compile'd forward, one graph per batch-size bucket
+    # (worker/compiled_decode.py): True, False, or "auto" (on where it pays and inductor works:
+    # CUDA; off on CPU, where it was measured not to pay). The eager path is the fallback.
+    compile_decode: bool | str = "auto"
+    # batch-invariant mode (docs/deterministic.md): a request's logits (so its greedy tokens and
+    # logprobs) do not depend on what else runs in its step, on chunked prefill or on the step's
+    # row count; CPU, dense weights, C decode kernel only (else ValueError at load); slower
+    deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be True or False, got {self.deterministic!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if not (isinstance(self.compile_decode, bool) or self.compile_decode == "auto"):
+            raise ValueError(f"compile_decode must be True, False or 'auto', got {self.compile_decode!r}")
+        if self.num_threads is not None and (isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int)
+                                             or self.num_threads < 1):
+            raise ValueError(f"num_threads must be an int >= 1 or None (auto), got {self.num_threads!r}")
+
+    def torch_device(self) -> torch.device:
+        """``device`` as a ``torch.device`` ("auto": CUDA when available, else CPU)."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

@@ -1,0 +1,75 @@
+"""``ModelConfig``: which model is loaded and how (vLLM's ``ModelConfig``).
+
+Scope: the checkpoint (``model``, ``mmproj``, ``revision``), its dtype, length and weight
+quantization, the default sampling seed and the output parsers. Validated on creation; the
+messages name the flat ``EngineConfig(...)`` / ``LLM(...)`` keyword.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from atlas_vlm import hardware
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelConfig:
+    """The model and how it is loaded.
+
+    Raises:
+        ValueError: on creation, for any out-of-range field (the message names it).
+    """
+
+    model: str  # HF model folder, .gguf file or Hugging Face Hub id ORG/NAME
+    # llama.cpp's mmproj GGUF (the vision tower) of the VLM whose language model GGUF `model` is
+    # (atlas_vlm.quantization.gguf_mmproj); None: no mmproj
+    mmproj: str | None = None
+    revision: str | None = None  # Hub branch / tag / commit when model is a Hub id (None: main)
+    dtype: str = "auto"  # "auto": bf16 on CUDA (fp16 without bf16) and on a CPU with AMX/AVX512-BF16, else fp32
+    max_model_len: int | None = None  # tokens per request (prompt + output); None: min(model max, 4096)
+    # weight-only quantization (atlas_vlm.quantization): None (dense), "int8" / "int4" (quantized
+    # at load, round to nearest), "gguf" (a .gguf's tensors as stored), "awq" / "gptq" (read from
+    # the checkpoint's quantization_config, which is honoured when this is None)
+    quantization: str | None = None
+    seed: int = 0  # default sampling seed of requests that set none
+    reasoning_parser: str | None = None  # "qwen3": <think>..</think> reasoning; grammars apply after it
+    # tool-call format (atlas_vlm.tool_parsers: hermes, qwen3_coder, llama3_json, mistral);
+    # None: detected from the chat template's text
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None:
+            from atlas_vlm.tool_parsers import ToolParserManager
+
+            ToolParserManager.get_tool_parser(self.tool_call_parser)  # ValueError listing the known names
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        from atlas_vlm.quantization import check_quantization
+
+        check_quantization(self.quantization)  # ValueError naming the known methods, before any load
+        if self.mmproj is not None and not str(self.model).endswith(".gguf"):
+            raise ValueError(f"mmproj={self.mmproj!r} needs model to be its language model's .gguf file, "
+                             f"got model={self.model!r}")
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        """The compute / weight / KV dtype on ``device``.
+
+        ``"auto"``: on CUDA bf16 (fp16 where the GPU lacks bf16); on CPU bf16 where it has
+        native bf16 dot products (``hardware.cpu_features().fast_bf16``: AMX-BF16 or
+        AVX512-BF16), else fp32 (emulated bf16 is slower than fp32). fp32 is the exactness
+        reference: parity tests pass ``dtype="float32"``.
+
+        Raises:
+            ValueError: ``dtype`` is not "auto", "float32", "bfloat16" or "float16".
+        """
+        if self.dtype == "auto":
+            if device.type != "cuda":
+                return torch.bfloat16 if hardware.cpu_features().fast_bf16 else torch.float32
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        return DTYPES[self.dtype]
