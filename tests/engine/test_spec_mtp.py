@@ -252,7 +252,7 @@ def test_cli_flags_take_mtp():
     from atlas_vlm.entrypoints.openai.cli_args import engine_config_from_args
 
     config = engine_config_from_args(cli.build_parser().parse_args(["serve", "m", "--speculative", "mtp"]))
-    assert (config.speculative, config.speculative_tokens) == ("mtp", 4)
+    assert (config.speculative_config.method, config.speculative_config.speculative_tokens) == ("mtp", 4)
     spec = importlib.util.spec_from_file_location("generate_cli_mtp", REPO / "scripts" / "generate.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
