@@ -280,7 +280,8 @@ class LLMEngine:
                                    structured_output_manager=sched.structured_output_manager,
                                    max_num_encoder_tokens=sched.max_num_encoder_tokens,
                                    encoder_cache=EncoderCacheManager(sched.encoder_cache.capacity_tokens),
-                                   proposer=sched.proposer, num_speculative_tokens=sched.num_speculative_tokens)
+                                   proposer=sched.proposer, num_speculative_tokens=sched.num_speculative_tokens,
+                                   speculative_disable_by_batch_size=sched.speculative_disable_by_batch_size)
         self.scheduler.num_preemptions = sched.num_preemptions  # running totals (metrics)
         self.scheduler.spec_decode_stats = sched.spec_decode_stats
         self.input_processor.block_manager = self.block_manager

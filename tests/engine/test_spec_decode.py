@@ -320,6 +320,7 @@ def test_no_drafts_while_more_requests_than_the_limit_run(folder, plain):
     params = [greedy(n) for n in (24, 17, 30, 9)]
     ref = plain.generate(PROMPTS, params, use_tqdm=False)
     same_length = spec_llm(folder, 3, speculative_disable_by_batch_size=3)  # 4 run together to the end
+    same_length.engine.reset()  # the rebuilt scheduler keeps the limit
     out = same_length.generate(PROMPTS, [greedy(20)] * 4, use_tqdm=False)
     assert same_length.engine.scheduler.spec_decode_stats["proposed"] == 0
     assert [o.token_ids for o in out] == [o.token_ids for o in plain.generate(PROMPTS, [greedy(20)] * 4,
