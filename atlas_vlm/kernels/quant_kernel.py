@@ -109,6 +109,8 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
         raise RuntimeError("the quantized matmul kernel is not available (see the log)")
     m, k = x.shape
     out = torch.empty(m, out_features, dtype=x.dtype)
+    if m == 0:  # no rows (e.g. the LM head of a prefill chunk that samples nothing)
+        return out
     xb, f16, ob = int(x.dtype == torch.bfloat16), int(scales.dtype == torch.float16), int(x.dtype == torch.bfloat16)
     threads = torch.get_num_threads()
     if qweight.dtype == torch.uint8:  # int4

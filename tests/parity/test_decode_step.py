@@ -187,3 +187,15 @@ def test_a_slot_outside_the_cache_is_refused_before_any_write(tiny_models):
     with pytest.raises(RuntimeError, match="refused"):
         runner.decode_step(x, cos, sin, meta)
     assert torch.equal(runner.kv_cache.k_cache, before[0]) and torch.equal(runner.kv_cache.v_cache, before[1])
+
+
+def test_a_step_that_samples_no_row_runs_on_the_quantized_lm_head():
+    """With a budget of 2 tokens, the first steps of a 6-token prompt are mid-prompt chunks
+    alone: no row is sampled, so the quantized LM head gets 0 rows (it raised before). The
+    tokens equal those of an unchunked prefill."""
+    require_quant_kernel("the quantized LM head on the real GGUF")
+    prompt, params = [1, 504, 3575, 282, 33, 44], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = [LLM(default_text_model(), quantization="gguf", dtype="float32", max_model_len=256, num_kvcache_blocks=32,
+                max_num_batched_tokens=budget).generate([prompt], params, use_tqdm=False)[0].token_ids
+            for budget in (2, 256)]
+    assert outs[0] == outs[1] and len(outs[0]) == 6
