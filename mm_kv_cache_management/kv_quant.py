@@ -72,28 +72,26 @@ def _hadamard(n: int, device: torch.device) -> torch.Tensor:
 
 
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
-    """``x @ H`` along the last dimension, in fp32: ``[..., head_dim]`` -> ``[..., head_dim]``
-    float32, ``H`` block-diagonal with blocks of ``hadamard_block(head_dim)``. Its own inverse:
+    """``x @ H`` along the last dimension, in fp32: ``[..., head_dim]`` -> a new ``[..., head_dim]``
+    float32 tensor, ``H`` block-diagonal with blocks of ``hadamard_block(head_dim)``. Its own inverse:
     ``hadamard_rotate(hadamard_rotate(x)) == x`` up to fp32 rounding."""
-    head_dim = x.shape[-1]
-    n = hadamard_block(head_dim)
-    xf = x.float()
+    n = hadamard_block(x.shape[-1])
     if n == 1:
-        return xf
-    blocks = xf.reshape(*x.shape[:-1], head_dim // n, n)  # [..., head_dim / n, n]
-    return (blocks @ _hadamard(n, x.device)).reshape(x.shape)  # [..., head_dim]
+        return x.to(torch.float32, copy=True)  # a new tensor, as below (quantize divides it in place)
+    rows = x.reshape(-1, n).float()  # [rows * head_dim / n, n]: one 2-D GEMM
+    return torch.mm(rows, _hadamard(n, x.device)).view(x.shape)  # [..., head_dim]
 
 
 def quantize_per_token_head(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` ``[num_tokens, kv_heads, head_dim]`` -> (codes of ``hadamard_rotate(x)``
-    ``[num_tokens, kv_heads, head_dim]`` in ``STORAGE_DTYPES[kv_dtype]``, scales
-    ``[num_tokens, kv_heads]`` float16)."""
-    xf = hadamard_rotate(x)  # [T, kvh, hd] in the rotated basis
-    scale = (xf.abs().amax(dim=-1) / QMAX[kv_dtype]).clamp(_SCALE_MIN, _SCALE_MAX).to(SCALE_DTYPE)  # [T, kvh]
-    y = xf / scale.float().unsqueeze(-1)
+    """``x`` ``[..., kv_heads, head_dim]`` (e.g. ``[num_tokens, kv_heads, head_dim]``) -> (codes
+    of ``hadamard_rotate(x)``, ``x``'s shape, in ``STORAGE_DTYPES[kv_dtype]``; scales
+    ``[..., kv_heads]`` float16)."""
+    xf = hadamard_rotate(x)  # [..., kvh, hd] in the rotated basis (a new fp32 tensor: divided in place)
+    scale = (xf.abs().amax(dim=-1) / QMAX[kv_dtype]).clamp_(_SCALE_MIN, _SCALE_MAX).to(SCALE_DTYPE)  # [T, kvh]
+    y = xf.div_(scale.float().unsqueeze(-1))
     if kv_dtype == "int8":
-        return y.round().clamp(-127, 127).to(torch.int8), scale
-    codes = y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+        return y.round_().clamp_(-127, 127).to(torch.int8), scale
+    codes = y.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
     return codes, scale
 
 

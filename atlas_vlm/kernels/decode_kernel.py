@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from atlas_vlm.kernels import cbuild
+from mm_kv_cache_management.kv_quant import hadamard_rotate
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 SOURCE_Q8 = SOURCE.with_name("paged_decode_q8.c")
@@ -60,6 +61,8 @@ def _library_q8() -> ctypes.CDLL | None:
     for name in ("paged_decode_i8_f32", "paged_decode_i8_bf16", "paged_decode_fp8_f32", "paged_decode_fp8_bf16"):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
+    lib.quantize_store_i8.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 4
+    lib.quantize_store_i8.restype = ctypes.c_int
     return lib
 
 
@@ -179,3 +182,29 @@ def _paged_decode_q8(q, k_cache, v_cache, k_scale, v_scale, kv_cache_dtype, bloc
                 torch.get_num_threads())
     _check(status, q, num_kv_heads, tables, lens)
     return out
+
+
+def store_int8(kv_cache, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``kv_cache.write(layer, slot_mapping, k, v)`` for an int8 CPU cache in one C call after
+    the rotation: bit-identical codes and scales (``csrc/paged_decode_q8.c`` quantize_store_i8;
+    finite K/V), without PyTorch's dozen small ops per layer.
+
+    Args:
+        kv_cache: a ``PagedKVCache`` (or contiguous) with ``kv_cache_dtype`` "int8" on CPU.
+        slot_mapping: ``[num_tokens]`` flat slots; k, v: ``[num_tokens, num_kv_heads, head_dim]``.
+
+    Raises:
+        RuntimeError: the kernel is not available, or a slot is outside the cache.
+    """
+    lib = _library_q8()
+    if lib is None:
+        raise RuntimeError("the 8-bit KV kernel is not available (see the log)")
+    rows = hadamard_rotate(torch.stack([k, v.to(k.dtype)]))  # [2, T, kv_heads, head_dim] fp32, as write's
+    slots = slot_mapping.to(torch.int64).contiguous()
+    k_codes, v_codes, k_scale, v_scale = kv_cache.layer_kv(layer)  # [blocks, block_size, kv_heads, (head_dim)]
+    num_slots = k_scale.shape[0] * k_scale.shape[1]
+    status = lib.quantize_store_i8(rows.data_ptr(), slots.data_ptr(), rows.shape[1], rows.shape[2], rows.shape[3],
+                                   num_slots, k_codes.data_ptr(), v_codes.data_ptr(), k_scale.data_ptr(),
+                                   v_scale.data_ptr())
+    if status != 0:
+        raise RuntimeError(f"int8 KV store: a slot of {slots.tolist()} is outside the cache's {num_slots}")

@@ -77,6 +77,29 @@ def test_8bit_kernel_rotation_equals_the_gather_path_at_every_head_dim(kv_dtype,
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, magnitude", [(64, 1.0), (64, 1e-4), (24, 300.0), (128, 5.0)])
+def test_int8_store_in_c_is_bit_identical_to_write(dtype, head_dim, magnitude):
+    """The fused RoPE path stores int8 K/V through ``decode_kernel.store_int8`` (one C call):
+    the same codes and scales, bit for bit, as ``PagedKVCache.write`` (and zero rows, tiny rows
+    at the smallest scale, slots in any order); a slot outside the cache is refused."""
+    g = torch.Generator().manual_seed(head_dim)
+    spec = KVCacheSpec(2, 3, head_dim, dtype, "int8")
+    ours, ref = PagedKVCache(spec, 10, 16), PagedKVCache(spec, 10, 16)
+    slots = torch.randperm(160, generator=g)[:70]
+    k, v = (torch.randn(2, 70, 3, head_dim, generator=g) * magnitude).to(dtype)
+    k[5] = 0.0  # a zero row
+    decode_kernel.store_int8(ours, 1, slots, k, v)
+    ref.write(1, slots, k, v)
+    for a, b in zip(ours.layer_kv(1), ref.layer_kv(1)):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.int8 else a.view(torch.int16),
+                           b.view(torch.uint8) if b.dtype == torch.int8 else b.view(torch.int16))
+    assert ours.k_cache[1].abs().sum() > 0 and torch.equal(ours.k_cache[0], ref.k_cache[0])  # layer 0 untouched
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        decode_kernel.store_int8(ours, 1, torch.tensor([160]), k[:1], v[:1])
+
+
+@needs_kernel
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
 def test_8bit_kernel_in_bf16_within_bf16_rounding(kv_dtype):
     q_lens, c_lens, slots, tables = random_step(random.Random(7), 16, 1.0)

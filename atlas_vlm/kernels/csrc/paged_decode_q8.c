@@ -171,3 +171,48 @@ static void hadamard_rotate(float *x, int64_t head_dim) {
 #define PD_ROW_SCALE Q8_SCALE
 #define PD_ROTATE(x) hadamard_rotate(x, head_dim)
 #include "paged_decode_pair.h"
+
+/* float -> IEEE half, round to nearest even, for a scale already clamped to half's normal range
+ * [2^-14, 65504] (NaN -> 0x7e00, as torch's conversion). */
+static inline uint16_t scale_to_f16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7e00u;
+  const uint32_t man = u & 0x7fffffu, rest = man & 0x1fffu;
+  uint32_t h = ((((u >> 23) & 0xffu) - 112u) << 10) | (man >> 13); /* exponent rebiased 127 -> 15 */
+  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h++;       /* a carry moves into the exponent */
+  return (uint16_t)h;
+}
+
+/* Store new tokens' K and V in an int8 cache, the same codes and scales as
+ * kv_quant.quantize_per_token_head (whose rotation the caller has applied):
+ *   rows       [2, num_tokens, num_kv_heads, head_dim] fp32: K then V, already rotated
+ *   slots      [num_tokens] int64 flat slots, each < num_slots
+ *   k/v_codes  [num_slots, num_kv_heads, head_dim] int8; k/v_scale [num_slots, num_kv_heads] float16 bits
+ * Per row: s = half(clamp(amax|x| / 127, 2^-14, 65504)), codes = clamp(rint(x / s), -127, 127),
+ * all in fp32 (IEEE: bit-identical to the PyTorch ops). Returns 0, or -1 for a slot out of range
+ * (nothing written). */
+int quantize_store_i8(const float *rows, const int64_t *slots, int64_t num_tokens, int64_t num_kv_heads,
+                      int64_t head_dim, int64_t num_slots, int8_t *k_codes, int8_t *v_codes, uint16_t *k_scale,
+                      uint16_t *v_scale) {
+  for (int64_t t = 0; t < num_tokens; t++)
+    if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+  for (int64_t r = 0; r < 2 * num_tokens * num_kv_heads; r++) { /* r = (which, token, head) */
+    const int64_t which = r / (num_tokens * num_kv_heads), t = (r / num_kv_heads) % num_tokens, h = r % num_kv_heads;
+    const float *x = rows + r * head_dim;
+    float amax = 0.0f;
+    for (int64_t d = 0; d < head_dim; d++) amax = fmaxf(amax, fabsf(x[d]));
+    float s = amax / 127.0f;
+    s = s < 0x1p-14f ? 0x1p-14f : (s > 65504.0f ? 65504.0f : s);
+    const uint16_t half = scale_to_f16(s);
+    const float sf = f16_to_f32(half);
+    const int64_t at = slots[t] * num_kv_heads + h;
+    int8_t *out = (which ? v_codes : k_codes) + at * head_dim;
+    for (int64_t d = 0; d < head_dim; d++) {
+      const float y = nearbyintf(x[d] / sf);
+      out[d] = (int8_t)(y < -127.0f ? -127.0f : (y > 127.0f ? 127.0f : y));
+    }
+    (which ? v_scale : k_scale)[at] = half;
+  }
+  return 0;
+}
