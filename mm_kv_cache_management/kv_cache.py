@@ -105,11 +105,11 @@ class PagedKVCache:
             k, v: ``[num_tokens, num_kv_heads, head_dim]``.
         """
         kvh, hd = self.spec.num_kv_heads, self.spec.head_dim
-        if self.spec.quantized:
-            for codes, scales, x in ((self.k_cache, self.k_scale, k), (self.v_cache, self.v_scale, v)):
-                q, s = quantize_per_token_head(x, self.spec.kv_cache_dtype)  # [T, kvh, hd], [T, kvh]
-                codes[layer].view(-1, kvh, hd).index_copy_(0, slot_mapping, q)
-                scales[layer].view(-1, kvh).index_copy_(0, slot_mapping, s)
+        if self.spec.quantized:  # K and V in one call: [2, T, kvh, hd] codes, [2, T, kvh] scales
+            q, s = quantize_per_token_head(torch.stack([k, v.to(k.dtype)]), self.spec.kv_cache_dtype)
+            for i, (codes, scales) in enumerate(((self.k_cache, self.k_scale), (self.v_cache, self.v_scale))):
+                codes[layer].view(-1, kvh, hd).index_copy_(0, slot_mapping, q[i])
+                scales[layer].view(-1, kvh).index_copy_(0, slot_mapping, s[i])
             return
         self.k_cache[layer].view(-1, kvh, hd).index_copy_(0, slot_mapping, k.to(self.spec.dtype))
         self.v_cache[layer].view(-1, kvh, hd).index_copy_(0, slot_mapping, v.to(self.spec.dtype))

@@ -11,7 +11,8 @@ The source is compiled on first use (``kernels/cbuild.py``): ``-O3 -fno-math-err
 ``-march`` from ``hardware.cpu_features().kernel_march`` (``x86-64-v4`` where the CPU has
 AVX-512 F/BW/CD/DQ/VL, ``x86-64-v3`` where it has AVX2 + FMA + F16C, else the compiler's default target: plain C, it builds for any CPU), and glibc's vector
 ``expf`` (libmvec) when it links. An 8-bit cache (``kv_cache_dtype`` "int8" / "fp8_e4m3")
-is read by ``csrc/paged_decode_q8.c``: the same loop over codes and per-token-head scales. Without a compiler (or if the build fails) ``available()`` is
+is read by ``csrc/paged_decode_q8.c``: the same loop over codes of Hadamard-rotated K/V (q and
+the output rotated once each), each token's scale applied once to its dot product and weight. Without a compiler (or if the build fails) ``available()`` is
 False, the reason is logged once, and the engine uses SDPA.
 """
 
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from atlas_vlm.kernels import cbuild
+from mm_kv_cache_management.kv_quant import hadamard_rotate
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 SOURCE_Q8 = SOURCE.with_name("paged_decode_q8.c")
@@ -56,15 +58,18 @@ def _library_q8() -> ctypes.CDLL | None:
         return None
     args = [ctypes.c_void_p] * 7 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + \
         [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-    for name in ("paged_decode_q8_f32", "paged_decode_q8_bf16"):
+    for name in ("paged_decode_i8_f32", "paged_decode_i8_bf16", "paged_decode_fp8_f32", "paged_decode_fp8_bf16"):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
+    lib.quantize_store_i8.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 4
+    lib.quantize_store_i8.restype = ctypes.c_int
     return lib
 
 
 @functools.cache
 def _code_table(kv_cache_dtype: str) -> torch.Tensor:
-    """``[256]`` fp32: the value of each 8-bit code (int8: the signed byte; fp8_e4m3: its float)."""
+    """``[256]`` fp32: the value of each 8-bit code (int8: the signed byte; fp8_e4m3: its float).
+    The fp8 kernels read codes through it; the int8 ones convert the byte directly."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     values = codes.view(torch.float8_e4m3fn) if kv_cache_dtype == "fp8_e4m3" else codes.view(torch.int8)
     return values.float().contiguous()
@@ -169,10 +174,37 @@ def _paged_decode_q8(q, k_cache, v_cache, k_scale, v_scale, kv_cache_dtype, bloc
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    fn = lib.paged_decode_q8_bf16 if q.dtype == torch.bfloat16 else lib.paged_decode_q8_f32
+    fmt = "i8" if kv_cache_dtype == "int8" else "fp8"
+    fn = getattr(lib, f"paged_decode_{fmt}_{'bf16' if q.dtype == torch.bfloat16 else 'f32'}")
     status = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
                 _code_table(kv_cache_dtype).data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
                 num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(),
                 torch.get_num_threads())
     _check(status, q, num_kv_heads, tables, lens)
     return out
+
+
+def store_int8(kv_cache, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``kv_cache.write(layer, slot_mapping, k, v)`` for an int8 CPU cache in one C call after
+    the rotation: bit-identical codes and scales (``csrc/paged_decode_q8.c`` quantize_store_i8;
+    finite K/V), without PyTorch's dozen small ops per layer.
+
+    Args:
+        kv_cache: a ``PagedKVCache`` (or contiguous) with ``kv_cache_dtype`` "int8" on CPU.
+        slot_mapping: ``[num_tokens]`` flat slots; k, v: ``[num_tokens, num_kv_heads, head_dim]``.
+
+    Raises:
+        RuntimeError: the kernel is not available, or a slot is outside the cache.
+    """
+    lib = _library_q8()
+    if lib is None:
+        raise RuntimeError("the 8-bit KV kernel is not available (see the log)")
+    rows = hadamard_rotate(torch.stack([k, v.to(k.dtype)]))  # [2, T, kv_heads, head_dim] fp32, as write's
+    slots = slot_mapping.to(torch.int64).contiguous()
+    k_codes, v_codes, k_scale, v_scale = kv_cache.layer_kv(layer)  # [blocks, block_size, kv_heads, (head_dim)]
+    num_slots = k_scale.shape[0] * k_scale.shape[1]
+    status = lib.quantize_store_i8(rows.data_ptr(), slots.data_ptr(), rows.shape[1], rows.shape[2], rows.shape[3],
+                                   num_slots, k_codes.data_ptr(), v_codes.data_ptr(), k_scale.data_ptr(),
+                                   v_scale.data_ptr())
+    if status != 0:
+        raise RuntimeError(f"int8 KV store: a slot of {slots.tolist()} is outside the cache's {num_slots}")

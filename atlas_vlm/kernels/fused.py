@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from atlas_vlm.kernels import cbuild
+from atlas_vlm.kernels import cbuild, decode_kernel
 from atlas_vlm.layers.rotary import apply_rotary
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_ops.c"
@@ -166,15 +166,19 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_h
                   k_norm=None) -> torch.Tensor:
     """:func:`rope_write_kv_reference` in one C call where it serves (the cache in ``qkv``'s
     dtype, ``head_dim`` even and <= 1024). An 8-bit cache (``kv_cache_dtype``): the C call
-    writes K/V into scratch rows in ``qkv``'s dtype, which ``kv_cache.write`` then quantizes,
-    so RoPE's arithmetic is the same whatever the cache stores."""
+    writes K/V into scratch rows in ``qkv``'s dtype, which ``kv_cache.write`` then quantizes
+    (int8 on CPU: ``decode_kernel.store_int8``, the same codes in one C call), so RoPE's
+    arithmetic is the same whatever the cache stores."""
     if getattr(kv_cache.spec, "quantized", False):
         t = qkv.shape[0]
         scratch = _ScratchKV(kv_cache.spec.num_kv_heads, head_dim, t, qkv)
         q = rope_write_kv(qkv, cos, sin, num_heads, num_kv_heads, head_dim, scratch, 0,
                           torch.arange(t, device=qkv.device), q_norm, k_norm)
-        kv_cache.write(layer, slot_mapping, scratch.k_cache[0].view(t, num_kv_heads, head_dim),
-                       scratch.v_cache[0].view(t, num_kv_heads, head_dim))
+        k, v = scratch.k_cache[0].view(t, num_kv_heads, head_dim), scratch.v_cache[0].view(t, num_kv_heads, head_dim)
+        if kv_cache.spec.kv_cache_dtype == "int8" and qkv.device.type == "cpu" and decode_kernel.available("int8"):
+            decode_kernel.store_int8(kv_cache, layer, slot_mapping, k, v)  # write's codes, in one C call
+        else:
+            kv_cache.write(layer, slot_mapping, k, v)
         return q
     k_cache, v_cache = kv_cache.k_cache[layer], kv_cache.v_cache[layer]
     norms = [] if q_norm is None else [q_norm.weight, k_norm.weight]

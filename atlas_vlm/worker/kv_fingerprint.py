@@ -6,8 +6,10 @@ changes K/V: the weights' identity (the loaded folder's resolved path and every 
 size and mtime, so a re-converted or edited checkpoint gets a new folder), the model and KV
 dtypes, the quantization, block size, layers / KV heads / head_dim, the RoPE settings
 (``rope_theta``, ``rope_scaling``, M-RoPE sections), the device type and attention backend
-(float results differ across them) and ``ENGINE_FORMAT_VERSION`` (bump it when the K/V an
-engine computes for given weights changes).
+(float results differ across them), ``ENGINE_FORMAT_VERSION`` (bump it when the K/V an
+engine computes for given weights changes) and, with an 8-bit ``kv_cache_dtype`` only,
+``kv_quant.KV_FORMAT`` (how codes and scales encode K/V), so a file of an older 8-bit format is
+never read as the new one while ``auto`` caches keep their folder.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 from pathlib import Path
 
 from mm_kv_cache_management import DiskKVTier, KVBlockTier
+from mm_kv_cache_management.kv_quant import KV_FORMAT
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,8 @@ def engine_fingerprint(model_dir: Path, hf_config, runner, quantization: str | N
         "mrope_section": list(arch.mrope_section) if arch.mrope_section is not None else None,
         "device": runner.device.type, "attention_backend": runner.attention_backend,
     }
+    if spec.quantized:  # auto KV: the key is absent, so its fingerprint is what it was
+        facts["kv_format"] = KV_FORMAT
     blob = json.dumps(facts, sort_keys=True, default=str).encode()
     return hashlib.blake2b(blob, digest_size=16).hexdigest()
 

@@ -238,3 +238,17 @@ def test_an_8bit_cache_round_trips_codes_and_scales_and_has_its_own_fingerprint(
     dense = engine(qwen2, tmp_path)  # another KV format: another fingerprint folder, no hit
     assert dense.engine.kv_tier.disk.dir != llm.engine.kv_tier.disk.dir
     assert gen(dense, LONG)[1] == 0
+
+
+@pytest.mark.text
+def test_files_of_an_older_8bit_format_are_misses_and_auto_keeps_its_folder(qwen2, tmp_path, monkeypatch):
+    from atlas_vlm.worker import kv_fingerprint
+
+    written = engine(qwen2, tmp_path, kv_cache_dtype="int8")
+    cold = gen(written, LONG)[0]
+    dense_dir = engine(qwen2, tmp_path).engine.kv_tier.disk.dir
+    monkeypatch.setattr(kv_fingerprint, "KV_FORMAT", "another 8-bit format")  # as a format change would
+    reader = engine(qwen2, tmp_path, kv_cache_dtype="int8")
+    assert reader.engine.kv_tier.disk.dir != written.engine.kv_tier.disk.dir
+    assert gen(reader, LONG) == (cold, 0)  # the old files are not read
+    assert engine(qwen2, tmp_path).engine.kv_tier.disk.dir == dense_dir  # auto KV: no format key

@@ -1,7 +1,9 @@
 """8-bit K/V storage (``mm_kv_cache_management.kv_quant``, ``kv_cache_dtype`` "int8" /
-"fp8_e4m3"): the per-token-head round trip within its rounding bound, zeros exact, the paged
-and contiguous caches storing and returning the same values, the bytes a token takes, and bad
-names refused."""
+"fp8_e4m3"): the Hadamard rotation orthonormal and its own inverse in fp32 (attention in the
+rotated basis equals attention in the model's), the per-token-head round trip within its
+rounding bound (per element in the rotated basis, in L2 after rotating back), zeros exact, the
+paged and contiguous caches storing and returning the same values, the bytes a token takes,
+and bad names refused."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from hypothesis import strategies as st
 
 from atlas_vlm.config import EngineConfig
 from mm_kv_cache_management import ContiguousKVCache, KVCacheSpec, PagedKVCache
-from mm_kv_cache_management.kv_quant import dequantize_per_token_head, quantize_per_token_head
+from mm_kv_cache_management.kv_quant import (dequantize_per_token_head, hadamard_block, hadamard_rotate,
+                                             quantize_per_token_head)
 
 pytestmark = pytest.mark.text
 FORMATS = ("int8", "fp8_e4m3")
@@ -36,12 +39,39 @@ def test_round_trip_within_the_rounding_bound(kv_dtype, tokens, heads, magnitude
     x = torch.randn(tokens, heads, 64, generator=torch.Generator().manual_seed(seed)) * magnitude
     codes, scale = quantize_per_token_head(x, kv_dtype)
     assert codes.shape == x.shape and scale.shape == (tokens, heads) and scale.dtype == torch.float16
-    back = dequantize_per_token_head(codes, scale, kv_dtype, torch.float32)
-    assert (back - x).abs().le(_bound(x, scale, kv_dtype)).all()
+    rotated = hadamard_rotate(x)  # what the codes encode
+    values = codes.view(torch.float8_e4m3fn).float() if kv_dtype == "fp8_e4m3" else codes.float()
+    bound = _bound(rotated, scale, kv_dtype).expand_as(rotated)  # [tokens, heads, 64]
+    assert (values * scale.float().unsqueeze(-1) - rotated).abs().le(bound).all()
+    back = dequantize_per_token_head(codes, scale, kv_dtype, torch.float32)  # rotated back: L2 error kept
+    assert (back - x).norm(dim=-1).le(bound.norm(dim=-1) * (1 + 1e-5)).all()
     if kv_dtype == "int8":  # the largest value of each row takes the full code range, unless the
         # row is so small that amax / 127 is below float16's smallest normal scale (2^-14)
-        full = x.abs().amax(dim=-1) / 127 >= 2.0 ** -14
+        full = rotated.abs().amax(dim=-1) / 127 >= 2.0 ** -14
         assert codes.abs().amax(dim=-1)[full].ge(126).all()
+
+
+@pytest.mark.parametrize("head_dim, block", [(64, 64), (128, 128), (24, 8), (80, 16), (7, 1)])
+def test_the_rotation_is_orthonormal_and_its_own_inverse_in_fp32(head_dim, block):
+    assert hadamard_block(head_dim) == block
+    x = torch.randn(5, 3, head_dim, generator=torch.Generator().manual_seed(head_dim))  # [tokens, heads, head_dim]
+    rotated = hadamard_rotate(x)
+    torch.testing.assert_close(hadamard_rotate(rotated), x, atol=1e-5, rtol=0)  # rotate + unrotate == x
+    torch.testing.assert_close(rotated.norm(dim=-1), x.norm(dim=-1), atol=1e-4, rtol=1e-6)
+    h = hadamard_rotate(torch.eye(head_dim))  # the matrix: block-diagonal, entries +-1/sqrt(block)
+    assert torch.allclose(h, h.T) and torch.allclose(h @ h, torch.eye(head_dim), atol=1e-6)
+    assert torch.allclose(h.abs().sum(dim=-1), torch.full((head_dim,), block ** 0.5))
+
+
+def test_attention_in_the_rotated_basis_equals_attention_in_the_models():
+    """What the decode kernel computes (rotated q against rotated K/V, the output rotated back)
+    is the model's attention, exactly up to fp32 rounding, without quantization."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(4, 37, 64, generator=g) for _ in range(3))  # [heads, tokens, head_dim]
+    ref = torch.softmax(q @ k.transpose(1, 2) / 8, dim=-1) @ v
+    rot = hadamard_rotate(torch.softmax(hadamard_rotate(q) @ hadamard_rotate(k).transpose(1, 2) / 8, dim=-1)
+                          @ hadamard_rotate(v))
+    torch.testing.assert_close(rot, ref, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("kv_dtype", FORMATS)

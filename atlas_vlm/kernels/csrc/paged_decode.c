@@ -69,6 +69,8 @@ static inline void store_bf16(uint16_t *p, int64_t i, float x) {
 #define PD_CACHE_PARAMS const float *k_cache, const float *v_cache
 #define PD_CACHE_ARGS k_cache, v_cache
 #define PD_READ_ROW(which, b, i) PLAIN_ROW(which, b, i, load_f32)
+#define PD_ROW_SCALE(which, b, i) 1.0f /* x * 1.0f == x exactly: the results are unchanged */
+#define PD_ROTATE(x)
 #include "paged_decode_pair.h"
 
 #define PD_NAME paged_decode_bf16
@@ -78,4 +80,6 @@ static inline void store_bf16(uint16_t *p, int64_t i, float x) {
 #define PD_CACHE_PARAMS const uint16_t *k_cache, const uint16_t *v_cache
 #define PD_CACHE_ARGS k_cache, v_cache
 #define PD_READ_ROW(which, b, i) PLAIN_ROW(which, b, i, load_bf16)
+#define PD_ROW_SCALE(which, b, i) 1.0f
+#define PD_ROTATE(x)
 #include "paged_decode_pair.h"

@@ -8,7 +8,14 @@
  *   PD_CACHE_PARAMS        the cache parameters that follow q in both signatures
  *   PD_CACHE_ARGS          the same names, to pass them on
  *   PD_READ_ROW(which, b, i)  fill row[0..head_dim) with the values of token i of block b's
- *                          KV head h; which is k or v (names k_cache / k_scale ... in scope)
+ *                          KV head h, up to one factor; which is k or v (names k_cache /
+ *                          k_scale ... in scope)
+ *   PD_ROW_SCALE(which, b, i) that factor (a float expression; 1.0f for a plain cache): it
+ *                          multiplies the q.k dot product once (K) and the softmax weight of
+ *                          the token once (V), not every element
+ *   PD_ROTATE(x)           rotate x[0..head_dim) in place (an orthonormal, symmetric map: the
+ *                          cache holds K and V rotated; q is rotated once after scaling and
+ *                          the output once before storing); nothing for a plain cache
  * Every PD_ macro is undefined at the end, ready for the next inclusion.
  */
 /* The includer defines PD_MAX_GROUP / PD_MAX_DIM (the bounds of the scratch arrays) and
@@ -32,6 +39,7 @@ static int PD_PAIR(PD_NAME)(const PD_T *q, PD_CACHE_PARAMS, const int64_t *block
     const int64_t qoff = (s * num_heads + h * group + g) * head_dim;
     for (int64_t d = 0; d < head_dim; d++) qf[g][d] = PD_LOAD(q, qoff + d) * scale;
     for (int64_t d = 0; d < head_dim; d++) acc[g][d] = 0.0f;
+    PD_ROTATE(qf[g]);
     mx[g] = -INFINITY;
   }
   /* scores = q . k for every context token, read block by block */
@@ -40,10 +48,12 @@ static int PD_PAIR(PD_NAME)(const PD_T *q, PD_CACHE_PARAMS, const int64_t *block
     const int64_t n = len - t0 < block_size ? len - t0 : block_size;
     for (int64_t i = 0; i < n; i++) {
       PD_READ_ROW(k, b, i);
+      const float row_scale = PD_ROW_SCALE(k, b, i);
       for (int64_t g = 0; g < group; g++) {
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < head_dim; d++) dot += qf[g][d] * row[d];
+        dot *= row_scale;
         scores[g * len + t0 + i] = dot;
         if (dot > mx[g]) mx[g] = dot;
       }
@@ -68,8 +78,9 @@ static int PD_PAIR(PD_NAME)(const PD_T *q, PD_CACHE_PARAMS, const int64_t *block
     const int64_t n = len - t0 < block_size ? len - t0 : block_size;
     for (int64_t i = 0; i < n; i++) {
       PD_READ_ROW(v, b, i);
+      const float row_scale = PD_ROW_SCALE(v, b, i);
       for (int64_t g = 0; g < group; g++) {
-        const float w = scores[g * len + t0 + i];
+        const float w = scores[g * len + t0 + i] * row_scale;
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; d++) acc[g][d] += w * row[d];
       }
@@ -77,6 +88,7 @@ static int PD_PAIR(PD_NAME)(const PD_T *q, PD_CACHE_PARAMS, const int64_t *block
   }
   for (int64_t g = 0; g < group; g++) {
     const int64_t ooff = (s * num_heads + h * group + g) * head_dim;
+    PD_ROTATE(acc[g]);
     for (int64_t d = 0; d < head_dim; d++) PD_STORE(out, ooff + d, acc[g][d] * inv[g]);
   }
   free(scores);
@@ -110,3 +122,5 @@ int PD_NAME(const PD_T *q, PD_CACHE_PARAMS, const int64_t *block_tables, int64_t
 #undef PD_CACHE_PARAMS
 #undef PD_CACHE_ARGS
 #undef PD_READ_ROW
+#undef PD_ROW_SCALE
+#undef PD_ROTATE
