@@ -104,6 +104,7 @@ def test_greedy_reasoning_then_json_equals_decoding_without_drafts(folder, k):
     stats = llm.engine.structured_output_manager.stats
     assert inside > 0 and stats.reasoning_drafts > 0  # drafts proposed and accepted while thinking
     assert stats.end_crossings > 0  # drafts crossed </think>: the grammar checked those after it
+    assert crossed > 0  # and a step took </think> and the answer's first tokens from drafts
     assert llm.engine.scheduler.spec_decode_stats["accepted"] > 0
     assert not llm.engine.structured_output_manager._requests
 
