@@ -19,10 +19,11 @@ No request drafts while more than ``speculative_disable_by_batch_size`` requests
 batched step is bound by compute, not by reading the weights: measured, drafts lost there).
 Which requests get drafts: every decoding request but pooling ones (those decode one token
 per step as without speculation). A request with structured output keeps only the drafts
-before the first one its grammar refuses (``StructuredOutputManager.draft_prefix``; none
-while its reasoning runs), and its verified rows get one mask each, row ``j`` the mask after
-``j`` drafts; the matcher is then fed the taken tokens only, as vLLM does. How many: ``k``, unless the
-request's recent acceptance (a moving average over its verified steps,
+before the first one its grammar refuses (``StructuredOutputManager.draft_prefix``; free
+while its reasoning runs, the grammar checks those after a drafted end marker), and its
+verified rows get one mask each, row ``j`` the mask after ``j`` drafts (no constraint on
+rows inside the reasoning); the matcher is then fed the taken tokens only, as vLLM does.
+How many: ``k``, unless the request's recent acceptance (a moving average over its verified steps,
 ``Request.spec_acceptance``) fell below ``ACCEPTANCE_FLOOR``: drafts then cost a verification
 row each and rarely pay (free writing: ~2% accepted, measured), so the request decodes
 without them and probes with one draft every ``PROBE_EVERY`` tokens, which lifts the average

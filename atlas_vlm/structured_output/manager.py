@@ -15,7 +15,9 @@ the next mask is the one it would have had.
 With a reasoning parser, a request's grammar applies only once its reasoning has ended:
 while thinking its row is unconstrained and the matcher untouched; the end marker switches
 it on. Where the prompt leaves open whether the model thinks (no marker in the prompt), the
-first token may be the start marker or anything the grammar allows.
+first token may be the start marker or anything the grammar allows. Speculative drafts are
+free while the reasoning runs; the ones after a drafted end marker are checked by the
+grammar (``drafts.row_plan``); the state advances only with the tokens the sampler took.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 from atlas_vlm.reasoning.qwen3 import ENDED, MAYBE, REASONING
 from atlas_vlm.structured_output.backend import (GuidanceBackend, StructuredOutputBackend, StructuredOutputGrammar,
                                                  allocate_token_bitmask)
-from atlas_vlm.structured_output.drafts import allowed_prefix, fill_step_masks
+from atlas_vlm.structured_output.drafts import draft_prefix_with_reasoning, fill_step_masks, row_plan
 
 
 @dataclass
@@ -44,6 +46,8 @@ class StructuredOutputStats:
     num_masks: int = 0  # bitmask rows filled
     drafts_checked: int = 0  # speculative draft tokens checked against a grammar
     drafts_cut: int = 0  # of those, cut (the grammar refused them or a token before them)
+    reasoning_drafts: int = 0  # kept drafts the reasoning takes, free of the grammar (its end marker included)
+    end_crossings: int = 0  # steps whose kept drafts end the reasoning (the grammar checks the ones after)
 
 
 @dataclass
@@ -193,16 +197,27 @@ class StructuredOutputManager:
     def draft_prefix(self, req, drafts: list[int]) -> int:
         """How many of ``req``'s proposed speculative ``drafts`` to keep: those before the
         first one its grammar would refuse from its current state (nothing is consumed;
-        vLLM cuts drafts the same way). All of them for a request without a grammar; none
-        while its reasoning has not ended (the grammar's start is not known yet)."""
+        vLLM cuts drafts the same way). All of them for a request without a grammar. While
+        its reasoning runs the drafts are free up to the end marker; the ones after it are
+        checked by the grammar from its start (``drafts.draft_prefix_with_reasoning``)."""
         state = self._requests.get(req.request_id)
         if state is None:
             return len(drafts)
         self._settle()
-        n = allowed_prefix(state.grammar, drafts) if state.reasoning == ENDED else 0
+        start, end = self._markers()
+        n = draft_prefix_with_reasoning(state.grammar, state.reasoning, drafts, start, end)
         self.stats.drafts_checked += len(drafts)
         self.stats.drafts_cut += len(drafts) - n
+        if state.reasoning != ENDED:
+            plan = row_plan(state.reasoning, drafts[:n], start, end)
+            self.stats.reasoning_drafts += n - sum(len(d) for _, d in plan)
+            self.stats.end_crossings += any(first > 0 for first, _ in plan)
         return n
+
+    def _markers(self) -> tuple[int | None, int | None]:
+        """The reasoning's start and end token ids (None, None without a parser)."""
+        p = self.reasoning_parser
+        return (p.start_token_id, p.end_token_id) if p is not None else (None, None)
 
     def _settle(self) -> None:
         """Wait for the latest step's masks (normally long done: the sampler read them), so
@@ -216,25 +231,35 @@ class StructuredOutputManager:
         """Masks for the scheduled chunks that will sample a token (those reaching their
         request's end) and whose grammar applies now; None if there are none. A chunk with
         speculative drafts (``req.spec_token_ids``, cut by ``draft_prefix``) gets one row
-        per verified row: row ``j`` is the mask after its first ``j`` drafts (``drafts``).
+        per verified row: row ``j`` is the mask after its first ``j`` drafts (``drafts``);
+        with a reasoning parser the rows while the reasoning runs have all bits set and the
+        ones after a drafted end marker the grammar's masks from its start (``row_plan``).
 
         Args:
             chunks: ``[(request, num_new_tokens)]`` as ``SchedulerOutput.chunks``, before the
                 forward (``num_computed_tokens`` not yet advanced).
         """
-        rows = [req for req, n in chunks
-                if req.request_id in self._requests and req.num_computed_tokens + n == req.num_tokens
-                and self._requests[req.request_id].reasoning != REASONING]
-        if not rows:
+        start, end = self._markers()
+        request_ids, segments, maybe = [], [], []
+        for req, n in chunks:
+            state = self._requests.get(req.request_id)
+            if state is None or req.num_computed_tokens + n != req.num_tokens:
+                continue
+            drafts = list(req.spec_token_ids or ())
+            plan = row_plan(state.reasoning, drafts, start, end)
+            if not plan:  # every row inside the reasoning: no mask, as without drafts
+                continue
+            if state.reasoning == MAYBE:  # its first row may open the reasoning instead
+                maybe.append(len(request_ids))
+            segments += [(state.grammar, len(request_ids) + first, d) for first, d in plan]
+            request_ids += [req.request_id] * (len(drafts) + 1)
+        if not request_ids:
             return None
-        entries = [(self._requests[r.request_id].grammar, list(r.spec_token_ids or ())) for r in rows]
-        request_ids = [r.request_id for r, (_, d) in zip(rows, entries) for _ in range(len(d) + 1)]
-        maybe = [k for k, rid in enumerate(request_ids) if self._requests[rid].reasoning == MAYBE]
         bitmask = allocate_token_bitmask(len(request_ids), self.backend.mask_vocab_size)
 
         def fill() -> torch.Tensor:
             t0 = time.perf_counter()
-            fill_step_masks(self.backend, entries, bitmask)
+            fill_step_masks(self.backend, segments, bitmask)
             for k in maybe:  # the model may open its reasoning instead
                 t = self.reasoning_parser.start_token_id
                 bit = 1 << (t % 32)
