@@ -59,8 +59,8 @@ def _check_hybrid(config: EngineConfig, model, snapshots) -> bool:
     Raises:
         ValueError: speculative decoding with a model whose layers do not keep a state per
             verified row (no ``supports_state_rollback``: rejected drafts could not be rolled
-            back) or a drafter not in ``_HYBRID_SPECULATIVE``, or ``kv_cache_dir`` (state
-            snapshots do not spill to disk) asked for.
+            back) or a drafter not in ``_HYBRID_SPECULATIVE``. (``kv_cache_dir`` serves hybrid
+            models: their state snapshots are written beside their blocks.)
     """
     model_name = type(model).__name__
     method = config.speculative_config.method
@@ -70,9 +70,6 @@ def _check_hybrid(config: EngineConfig, model, snapshots) -> bool:
     if method is not None and method not in _HYBRID_SPECULATIVE:
         raise ValueError(f"speculative={method!r} is not tested on hybrid models such as {model_name} "
                          f"yet; pass one of {_HYBRID_SPECULATIVE} or None")
-    if config.cache_config.kv_cache_dir is not None:
-        raise ValueError(f"kv_cache_dir cannot serve {model_name}, a hybrid model: its recurrent-state "
-                         "snapshots are not kept on disk, so a disk hit could not resume; unset kv_cache_dir")
     if snapshots is not None:
         return True
     if config.cache_config.prefix_caching:

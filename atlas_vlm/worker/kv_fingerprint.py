@@ -7,7 +7,10 @@ size and mtime, so a re-converted or edited checkpoint gets a new folder), the m
 dtypes, the quantization, block size, layers / KV heads / head_dim, the RoPE settings
 (``rope_theta``, ``rope_scaling``, M-RoPE sections), the device type and attention backend
 (float results differ across them) and ``ENGINE_FORMAT_VERSION`` (bump it when the K/V an
-engine computes for given weights changes).
+engine computes for given weights changes). For a hybrid model (a ``StateCache``) it also
+covers the state snapshots written beside the blocks: the state's layout (linear-attention
+layers, conv / recurrent shapes) and dtype; the Gated DeltaNet weights that make the state are
+in the weights' identity with every other tensor.
 """
 
 from __future__ import annotations
@@ -62,6 +65,11 @@ def engine_fingerprint(model_dir: Path, hf_config, runner, quantization: str | N
         "mrope_section": list(arch.mrope_section) if arch.mrope_section is not None else None,
         "device": runner.device.type, "attention_backend": runner.attention_backend,
     }
+    state = getattr(runner, "state_cache", None)
+    if state is not None:  # hybrid: the snapshots' layout (only then, so other folders keep their names)
+        spec = state.spec
+        facts["state"] = {"num_layers": spec.num_layers, "conv": list(spec.conv_shape),
+                          "recurrent": list(spec.recurrent_shape), "dtype": str(state.conv.dtype)}
     blob = json.dumps(facts, sort_keys=True, default=str).encode()
     return hashlib.blake2b(blob, digest_size=16).hexdigest()
 
@@ -75,4 +83,4 @@ def build_kv_tier(config, model_dir: Path, hf_config, runner) -> KVBlockTier | N
     fingerprint = engine_fingerprint(model_dir, hf_config, runner, config.model_config.quantization)
     disk = DiskKVTier(cache.kv_cache_dir, fingerprint, cache.kv_cache_dir_max_bytes)
     log.info("disk KV tier: %s (cap %d bytes)", disk.dir, disk.max_bytes)
-    return KVBlockTier(runner.kv_cache, disk)
+    return KVBlockTier(runner.kv_cache, disk, getattr(runner, "state_snapshots", None))
