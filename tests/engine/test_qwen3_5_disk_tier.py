@@ -171,3 +171,51 @@ def test_mtp_with_kv_cache_dir_is_still_refused_on_a_hybrid(tmp_path):
                        mtp=random_mtp_weights(config.text_config, seed=5))
     with pytest.raises(ValueError, match="kv_cache_dir cannot serve speculative='mtp'"):
         make_llm(tmp_path / "m", tmp_path / "kv", speculative="mtp", num_speculative_tokens=2)
+
+
+@pytest.mark.text
+def test_edited_gated_deltanet_weights_get_another_folder(folder, tmp_path):
+    """The Gated DeltaNet weights are part of the model identity: after one linear-attention
+    tensor of the checkpoint is edited in place (same path, same size), the engine writes and
+    reads another folder, so the old blocks and snapshots are not served."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(folder, model)
+    writer = make_llm(model, tmp_path / "kv")
+    run(writer, A)
+    old_dir = writer.engine.kv_tier.disk.dir
+    path = model / "model.safetensors"
+    tensors = load_file(str(path))
+    (name,) = [n for n in tensors if "layers.0.linear_attn.A_log" in n]
+    tensors[name] = tensors[name] + 0.5
+    size = path.stat().st_size
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    assert path.stat().st_size == size
+    llm = make_llm(model, tmp_path / "kv")
+    assert llm.engine.kv_tier.disk.dir != old_dir
+    result = run(llm, B)
+    assert result[3] == 0
+    assert_same(result, run(make_llm(model, enable_prefix_caching=False), B))
+
+
+@pytest.mark.text
+def test_the_fingerprint_covers_the_state_layout(folder):
+    from types import SimpleNamespace
+
+    from atlas_vlm.worker.kv_fingerprint import engine_fingerprint
+
+    llm = make_llm(folder, enable_prefix_caching=False)
+    runner, cfg = llm.engine.runner, llm.engine.hf_config
+    base = engine_fingerprint(folder, cfg, runner, None)
+    state = runner.state_cache
+    other_spec = SimpleNamespace(spec=state.spec.__class__(**{**{f: getattr(state.spec, f) for f in (
+        "num_layers", "conv_dim", "conv_kernel", "num_v_heads", "k_head_dim")}, "v_head_dim": state.spec.v_head_dim * 2}),
+        conv=state.conv)
+    fake = SimpleNamespace(**{k: getattr(runner, k) for k in ("kv_cache", "model", "dtype", "block_size", "device",
+                                                              "attention_backend")})
+    assert engine_fingerprint(folder, cfg, SimpleNamespace(**vars(fake), state_cache=state), None) == base
+    assert engine_fingerprint(folder, cfg, SimpleNamespace(**vars(fake), state_cache=other_spec), None) != base
+    assert engine_fingerprint(folder, cfg, SimpleNamespace(**vars(fake), state_cache=None), None) != base
