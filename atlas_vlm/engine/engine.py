@@ -59,8 +59,9 @@ def _check_hybrid(config: EngineConfig, model, snapshots) -> bool:
     Raises:
         ValueError: speculative decoding with a model whose layers do not keep a state per
             verified row (no ``supports_state_rollback``: rejected drafts could not be rolled
-            back) or a drafter not in ``_HYBRID_SPECULATIVE``. (``kv_cache_dir`` serves hybrid
-            models: their state snapshots are written beside their blocks.)
+            back) or a drafter not in ``_HYBRID_SPECULATIVE``; ``kv_cache_dir`` without a
+            snapshot pool (``max_state_snapshots=0``: no prefix caching). With one, the disk
+            tier serves hybrid models: their snapshots are written beside their blocks.
     """
     model_name = type(model).__name__
     method = config.speculative_config.method
@@ -72,6 +73,9 @@ def _check_hybrid(config: EngineConfig, model, snapshots) -> bool:
                          f"yet; pass one of {_HYBRID_SPECULATIVE} or None")
     if snapshots is not None:
         return True
+    if config.cache_config.kv_cache_dir is not None:
+        raise ValueError(f"kv_cache_dir needs prefix caching, which {model_name}, a hybrid model, only has with "
+                         "state snapshots: set max_state_snapshots >= 1, or unset kv_cache_dir")
     if config.cache_config.prefix_caching:
         log.info("prefix caching off for %s: a hybrid model's prefix hit would skip tokens whose recurrent "
                  "state is not stored", model_name)

@@ -219,3 +219,9 @@ def test_the_fingerprint_covers_the_state_layout(folder):
     assert engine_fingerprint(folder, cfg, SimpleNamespace(**vars(fake), state_cache=state), None) == base
     assert engine_fingerprint(folder, cfg, SimpleNamespace(**vars(fake), state_cache=other_spec), None) != base
     assert engine_fingerprint(folder, cfg, SimpleNamespace(**vars(fake), state_cache=None), None) != base
+
+
+@pytest.mark.text
+def test_kv_cache_dir_without_a_snapshot_pool_is_refused(folder, tmp_path):
+    with pytest.raises(ValueError, match="kv_cache_dir needs prefix caching.*max_state_snapshots >= 1"):
+        make_llm(folder, tmp_path, max_state_snapshots=0)
