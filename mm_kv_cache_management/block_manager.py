@@ -190,9 +190,9 @@ class BlockManager:
         num_hits = len(hits) + self._load_from_tier(req, len(hits), fresh)
         if self.state_snapshots is not None:  # a hybrid's hit ends at a snapshot: its state, restored
             self.state_snapshots.queries += 1
-            if hits:
+            if num_hits:
                 self.state_snapshots.hits += 1
-                self.state_snapshots.restore(req.block_hashes(self.block_size)[len(hits) - 1], self.state_cache,
+                self.state_snapshots.restore(req.block_hashes(self.block_size)[num_hits - 1], self.state_cache,
                                              req.state_slot)
         num_cached = num_hits * self.block_size
         req.block_table = BlockTable(self.block_size, hits + fresh, num_tokens=num_cached)
@@ -202,19 +202,29 @@ class BlockManager:
     def _load_from_tier(self, req: RequestState, first: int, fresh: list[int]) -> int:
         """Load the request's blocks ``first, first + 1, ..`` from the KV tier into ``fresh``
         (its newly taken blocks, in order) while found; returns how many were loaded. Like a
-        memory hit, never the block holding the last prompt token (C11)."""
+        memory hit, never the block holding the last prompt token (C11). With state snapshots
+        (a hybrid model) the loaded run ends at the last block whose snapshot is in the pool or
+        loads from disk into it (blocks past it are left unregistered, to be recomputed)."""
         if self.kv_tier is None:
             return 0
         hashes = req.block_hashes(self.block_size, req.num_tokens - 1)[first:]
-        loaded = 0
+        pool = self.state_snapshots
+        if pool is not None:  # read no block past the last boundary that may have a snapshot
+            while hashes and not (hashes[-1] in pool or self.kv_tier.contains_snapshot(hashes[-1])):
+                hashes = hashes[:-1]
+        loaded = []
         for h, block_id in zip(hashes, fresh):
             if not self.kv_tier.load(h, block_id):  # missing or invalid: a miss
                 break
+            loaded.append((h, block_id))
+        if pool is not None:  # a hybrid hit ends at a snapshot (damaged snapshot files are misses)
+            while loaded and not (loaded[-1][0] in pool or self.kv_tier.load_snapshot(loaded[-1][0])):
+                loaded.pop()
+        for h, block_id in loaded:
             if h not in self._cached:  # (a later block may still be cached in memory elsewhere)
                 self.blocks[block_id].block_hash = h
                 self._cached[h] = block_id
-            loaded += 1
-        return loaded
+        return len(loaded)
 
     def decode_append(self, req: RequestState) -> int:
         """Reserve the slot of the newest token ``req.token_ids[-1]`` and return it.
@@ -266,6 +276,8 @@ class BlockManager:
         if self.state_snapshots is not None:  # the chunk's snapshots are written: valid once registered
             for _, _, h in req.snapshot_points:
                 (self.state_snapshots.validate if h in self._cached else self.state_snapshots.discard)(h)
+                if self.kv_tier is not None and h in self.state_snapshots:
+                    self.kv_tier.save_snapshot(h)  # write-through, beside its block's file
             req.snapshot_points = []
 
     def reserve_snapshots(self, chunks) -> None:

@@ -1,7 +1,10 @@
 """A disk tier under the in-memory prefix cache: full KV blocks as files, found again by hash.
 
 Layout: ``<root>/<fingerprint>/<block hash hex>.kvb``, one file per block, holding that
-block's K and V for every layer. ``fingerprint`` (``atlas_vlm.worker.kv_fingerprint``) hashes
+block's K and V for every layer; a hybrid model's state snapshot at that block's end (conv +
+recurrent state of every linear-attention layer, ``state_snapshots.py``) goes beside it as
+``<block hash hex>.kvs`` (``save_snapshot`` / ``load_snapshot``: same header, checksum,
+atomic write, byte cap and LRU as a block). ``fingerprint`` (``atlas_vlm.worker.kv_fingerprint``) hashes
 everything that changes K/V (weights identity, dtypes, shapes, RoPE, ...), so a directory
 shared by several models or settings never serves one model's K/V to another.
 
@@ -37,6 +40,8 @@ log = logging.getLogger(__name__)
 MAGIC = b"ATLASKV1"
 FORMAT_VERSION = 1
 SUFFIX = ".kvb"
+SNAPSHOT_SUFFIX = ".kvs"  # a hybrid model's state snapshot at the end of the block of that hash
+SUFFIXES = (SUFFIX, SNAPSHOT_SUFFIX)
 EVICT_TO = 0.9  # eviction goes down to this fraction of max_bytes
 TMP_PREFIX = ".tmp-"  # files being written (then renamed to <hash>.kvb)
 STALE_TMP_S = 3600  # a temporary file this old (seconds) was left by a writer that died
@@ -48,7 +53,7 @@ class DiskKVTier:
     Args:
         root: the ``kv_cache_dir`` (created if missing).
         fingerprint: hex string naming this engine's K/V (its subfolder of ``root``).
-        max_bytes: size cap of all ``*.kvb`` files under ``root`` (bytes, >= 1).
+        max_bytes: size cap of all ``*.kvb`` and ``*.kvs`` files under ``root`` (bytes, >= 1).
 
     Raises:
         ValueError: ``max_bytes`` < 1 or an empty ``fingerprint``.
@@ -71,7 +76,7 @@ class DiskKVTier:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             self._disable_writes(e)
-        self._index: dict[Path, tuple[int, int]] = {}  # every *.kvb under root -> (bytes, mtime ns)
+        self._index: dict[Path, tuple[int, int]] = {}  # every *.kvb / *.kvs under root -> (bytes, mtime ns)
         self._total = 0  # bytes in _index
         self._rescan()
         self._remove_stale_temporaries()
@@ -85,7 +90,9 @@ class DiskKVTier:
     def _rescan(self) -> None:
         """Refresh the index from disk (other processes may have added or deleted files)."""
         index = {}
-        for path in self.root.glob(f"*/*{SUFFIX}") if self.root.is_dir() else ():
+        for path in self.root.glob("*/*.kv?") if self.root.is_dir() else ():
+            if path.suffix not in SUFFIXES or path.name.startswith(TMP_PREFIX):
+                continue
             try:
                 st = path.stat()
             except OSError:  # deleted meanwhile
@@ -114,13 +121,14 @@ class DiskKVTier:
         """Bytes of block files under ``root`` as last seen by this process."""
         return self._total
 
-    def path(self, block_hash: bytes) -> Path:
-        """The file of ``block_hash`` in this fingerprint's folder."""
-        return self.dir / (block_hash.hex() + SUFFIX)
+    def path(self, block_hash: bytes, suffix: str = SUFFIX) -> Path:
+        """The file of ``block_hash`` in this fingerprint's folder (``suffix``: ``SUFFIX`` for its
+        K/V, ``SNAPSHOT_SUFFIX`` for its state snapshot)."""
+        return self.dir / (block_hash.hex() + suffix)
 
-    def contains(self, block_hash: bytes) -> bool:
+    def contains(self, block_hash: bytes, suffix: str = SUFFIX) -> bool:
         """Whether a file exists for ``block_hash`` (not yet checked: ``load`` verifies)."""
-        return self.path(block_hash).is_file()
+        return self.path(block_hash, suffix).is_file()
 
     def _evict(self) -> None:
         """Past ``max_bytes``: delete least recently used files down to ``EVICT_TO`` of the cap
@@ -145,18 +153,28 @@ class DiskKVTier:
         """Store one block's K and V (each ``[num_layers, block_size, num_kv_heads, head_dim]``)
         atomically; a no-op if its file exists. Returns whether a file was written; never
         raises ``OSError`` (writing turns off instead)."""
-        target = self.path(block_hash)
+        return self._write(block_hash, SUFFIX, (k, v), list(k.shape))
+
+    def save_snapshot(self, block_hash: bytes, conv: torch.Tensor, recurrent: torch.Tensor) -> bool:
+        """Store the state snapshot at the end of ``block_hash``'s block (``conv`` ``[num_layers,
+        conv_dim, kernel - 1]``, ``recurrent`` ``[num_layers, v_heads, k_head_dim, v_head_dim]``,
+        one dtype) as ``<hash>.kvs``; as ``save`` otherwise."""
+        return self._write(block_hash, SNAPSHOT_SUFFIX, (conv, recurrent), [list(conv.shape), list(recurrent.shape)])
+
+    def _write(self, block_hash: bytes, suffix: str, tensors, shape_meta) -> bool:
+        """Write ``tensors`` (one dtype) back to back as ``<hash><suffix>``, atomically."""
+        target = self.path(block_hash, suffix)
         if not self.writable or target.exists():
             return False
-        payload = _tensor_bytes(k) + _tensor_bytes(v)
+        payload = b"".join(_tensor_bytes(t) for t in tensors)
         header = json.dumps({
             "version": FORMAT_VERSION, "fingerprint": self.fingerprint, "block_hash": block_hash.hex(),
-            "shape": list(k.shape), "dtype": str(k.dtype).removeprefix("torch."),
+            "shape": shape_meta, "dtype": str(tensors[0].dtype).removeprefix("torch."),
             "blake2b": hashlib.blake2b(payload).hexdigest(),
         }).encode()
         tmp = None
         try:
-            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=TMP_PREFIX, suffix=SUFFIX + ".part")
+            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=TMP_PREFIX, suffix=suffix + ".part")
             with os.fdopen(fd, "wb") as f:
                 f.write(MAGIC + struct.pack("<I", len(header)) + header + payload)
                 f.flush()
@@ -182,14 +200,26 @@ class DiskKVTier:
         """K and V of ``block_hash`` (CPU tensors of ``shape`` / ``dtype``), or None on a miss.
         A file that does not match (corrupt, truncated, other fingerprint, shape or dtype) is
         deleted and counts as a miss."""
-        path = self.path(block_hash)
+        shape = tuple(shape)
+        return self._read(block_hash, SUFFIX, (shape, shape), list(shape), dtype)
+
+    def load_snapshot(self, block_hash: bytes, conv_shape: tuple[int, ...], recurrent_shape: tuple[int, ...],
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(conv, recurrent)`` of ``block_hash``'s state snapshot (CPU tensors of these shapes),
+        or None on a miss; a file that does not match is deleted, as in ``load``."""
+        shapes = (tuple(conv_shape), tuple(recurrent_shape))
+        return self._read(block_hash, SNAPSHOT_SUFFIX, shapes, [list(s) for s in shapes], dtype)
+
+    def _read(self, block_hash: bytes, suffix: str, shapes, shape_meta, dtype: torch.dtype):
+        """The tensors of ``<hash><suffix>`` (``shapes``), or None on a miss (see ``load``)."""
+        path = self.path(block_hash, suffix)
         try:
             data = path.read_bytes()
         except OSError:
             self.misses += 1
             return None
-        kv = self._parse(data, block_hash, tuple(shape), dtype)
-        if kv is None:
+        tensors = self._parse(data, block_hash, shapes, shape_meta, dtype)
+        if tensors is None:
             self.misses += 1
             if not self._warned_corrupt:
                 log.warning("disk KV tier: %s is corrupt or does not match this engine; deleted it "
@@ -206,9 +236,9 @@ class DiskKVTier:
             os.utime(path)  # LRU: a hit makes the file young
         except OSError:
             pass
-        return kv
+        return tensors
 
-    def _parse(self, data: bytes, block_hash: bytes, shape: tuple[int, ...], dtype: torch.dtype):
+    def _parse(self, data: bytes, block_hash: bytes, shapes, shape_meta, dtype: torch.dtype):
         head = len(MAGIC) + 4
         if len(data) < head or not data.startswith(MAGIC):
             return None
@@ -219,18 +249,25 @@ class DiskKVTier:
             return None
         payload = data[head + n:]
         elem = torch.empty((), dtype=dtype).element_size()
-        numel = 1
-        for s in shape:
-            numel *= s
+        sizes = []
+        for shape in shapes:
+            numel = 1
+            for s in shape:
+                numel *= s
+            sizes.append(numel)
         if not isinstance(meta, dict) or (
                 meta.get("version"), meta.get("fingerprint"), meta.get("block_hash"), meta.get("shape"),
-                meta.get("dtype")) != (FORMAT_VERSION, self.fingerprint, block_hash.hex(), list(shape),
+                meta.get("dtype")) != (FORMAT_VERSION, self.fingerprint, block_hash.hex(), shape_meta,
                                        str(dtype).removeprefix("torch.")):
             return None
-        if len(payload) != 2 * numel * elem or hashlib.blake2b(payload).hexdigest() != meta.get("blake2b"):
+        if len(payload) != sum(sizes) * elem or hashlib.blake2b(payload).hexdigest() != meta.get("blake2b"):
             return None
         flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype)
-        return flat[:numel].view(shape), flat[numel:].view(shape)
+        out, start = [], 0
+        for shape, numel in zip(shapes, sizes):
+            out.append(flat[start:start + numel].view(shape))
+            start += numel
+        return tuple(out)
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:

@@ -4,6 +4,12 @@ The ``BlockManager`` stays free of torch and files: it is handed an object with
 ``save(block_hash, block_id)``, ``load(block_hash, block_id) -> bool`` and
 ``contains(block_hash)``, and this is that object.
 
+A hybrid model's state snapshots (``StateSnapshotPool``) travel with their blocks: a snapshot
+the block manager validates is written beside its block (``save_snapshot``), and a disk hit
+may only end at a block whose snapshot is in the pool or loads from disk into it
+(``load_snapshot``), from where it is restored into the request's state slot exactly as a
+memory hit's.
+
 Policy: write-through. A full block is written to disk when the block manager first
 registers it in the prefix cache (its K/V are computed: after the forward, in
 ``commit_computed``), skipped when its file exists. Chosen over write-on-eviction because
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from mm_kv_cache_management.disk_tier import DiskKVTier
+from mm_kv_cache_management.disk_tier import SNAPSHOT_SUFFIX, DiskKVTier
 from mm_kv_cache_management.kv_cache import PagedKVCache
 
 
@@ -33,12 +39,14 @@ class KVBlockTier:
     Args:
         kv_cache: the paged cache (``k_cache`` / ``v_cache``:
             ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``).
-        disk: the disk tier (its fingerprint must describe ``kv_cache``'s K/V).
+        disk: the disk tier (its fingerprint must describe ``kv_cache``'s K/V, and the state).
+        state_snapshots: a hybrid model's ``StateSnapshotPool`` (None otherwise).
     """
 
-    def __init__(self, kv_cache: PagedKVCache, disk: DiskKVTier):
+    def __init__(self, kv_cache: PagedKVCache, disk: DiskKVTier, state_snapshots=None):
         self.kv_cache = kv_cache
         self.disk = disk
+        self.state_snapshots = state_snapshots
         spec = kv_cache.spec
         scale_bytes = 2 if spec.quantized else 0  # a float16 scale per (token, KV head)
         self.block_shape = (spec.num_layers, kv_cache.block_size, spec.num_kv_heads, spec.head_dim + scale_bytes)
@@ -83,3 +91,27 @@ class KVBlockTier:
         self._restore(k, c.k_cache[:, block_id], None if c.k_scale is None else c.k_scale[:, block_id])
         self._restore(v, c.v_cache[:, block_id], None if c.v_scale is None else c.v_scale[:, block_id])
         return True
+
+    # ---- state snapshots (hybrid models) ------------------------------------------------
+    def contains_snapshot(self, block_hash: bytes) -> bool:
+        """Whether the disk tier has a snapshot file for ``block_hash`` (``load_snapshot`` verifies)."""
+        return self.state_snapshots is not None and self.disk.contains(block_hash, SNAPSHOT_SUFFIX)
+
+    def save_snapshot(self, block_hash: bytes) -> bool:
+        """Write the pool's valid snapshot of ``block_hash`` beside its block (no-op if on disk
+        already, or without a pool / snapshot)."""
+        pool = self.state_snapshots
+        if pool is None or block_hash not in pool:
+            return False
+        return self.disk.save_snapshot(block_hash, *pool.snapshot(block_hash))
+
+    def load_snapshot(self, block_hash: bytes) -> bool:
+        """Read ``block_hash``'s snapshot from disk into the pool (valid, ready for ``restore``);
+        False on a miss (no file, a damaged one: deleted, or no pool slot free)."""
+        pool = self.state_snapshots
+        if pool is None:
+            return False
+        spec = pool.storage.spec
+        state = self.disk.load_snapshot(block_hash, (spec.num_layers, *spec.conv_shape),
+                                        (spec.num_layers, *spec.recurrent_shape), pool.storage.conv.dtype)
+        return state is not None and pool.put(block_hash, *state)

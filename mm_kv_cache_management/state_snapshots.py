@@ -12,7 +12,8 @@ cached prefix reaches such a block starts from a copy of that state.
 Bounded: ``num_slots`` snapshots, preallocated (``num_slots * bytes_per_seq`` fp32 bytes, off
 the KV budget). A snapshot goes when the block its hash names leaves the prefix cache
 (``BlockManager`` calls ``drop``), or, when the pool is full, least recently used first; so a
-snapshot never outlives its block hash. Snapshots stay in memory (no disk tier).
+snapshot never outlives its block hash. With a disk KV tier (``kv_tier.py``) each snapshot is
+also written beside its block's file and read back into this pool on a disk hit.
 
 Life of a snapshot: ``reserve`` (at schedule time: a slot the step's forward writes into,
 pending) -> ``validate`` (after the forward, once the block is registered) or ``discard``.
@@ -118,3 +119,24 @@ class StateSnapshotPool:
         self._valid.move_to_end(block_hash)
         cache.conv[:, slot].copy_(self.storage.conv[:, src])
         cache.recurrent[:, slot].copy_(self.storage.recurrent[:, src])
+
+    def snapshot(self, block_hash: bytes) -> tuple:
+        """``(conv, recurrent)`` views of the valid snapshot of ``block_hash`` (``[num_layers,
+        conv_dim, kernel - 1]``, ``[num_layers, v_heads, k_head_dim, v_head_dim]``).
+
+        Raises:
+            KeyError: no valid snapshot of ``block_hash``.
+        """
+        slot = self._valid[block_hash]
+        return self.storage.conv[:, slot], self.storage.recurrent[:, slot]
+
+    def put(self, block_hash: bytes, conv, recurrent) -> bool:
+        """Hold ``(conv, recurrent)`` (shapes as ``snapshot``'s; a snapshot read from disk) as the
+        valid snapshot of ``block_hash``; False (nothing held) when no slot can be reserved."""
+        slot = self.reserve(block_hash)
+        if slot is None:
+            return block_hash in self._valid
+        self.storage.conv[:, slot].copy_(conv)
+        self.storage.recurrent[:, slot].copy_(recurrent)
+        self.validate(block_hash)
+        return True

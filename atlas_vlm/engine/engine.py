@@ -59,8 +59,9 @@ def _check_hybrid(config: EngineConfig, model, snapshots) -> bool:
     Raises:
         ValueError: speculative decoding with a model whose layers do not keep a state per
             verified row (no ``supports_state_rollback``: rejected drafts could not be rolled
-            back) or a drafter not in ``_HYBRID_SPECULATIVE``, or ``kv_cache_dir`` (state
-            snapshots do not spill to disk) asked for.
+            back) or a drafter not in ``_HYBRID_SPECULATIVE``; ``kv_cache_dir`` without a
+            snapshot pool (``max_state_snapshots=0``: no prefix caching). With one, the disk
+            tier serves hybrid models: their snapshots are written beside their blocks.
     """
     model_name = type(model).__name__
     method = config.speculative_config.method
@@ -70,11 +71,11 @@ def _check_hybrid(config: EngineConfig, model, snapshots) -> bool:
     if method is not None and method not in _HYBRID_SPECULATIVE:
         raise ValueError(f"speculative={method!r} is not tested on hybrid models such as {model_name} "
                          f"yet; pass one of {_HYBRID_SPECULATIVE} or None")
-    if config.cache_config.kv_cache_dir is not None:
-        raise ValueError(f"kv_cache_dir cannot serve {model_name}, a hybrid model: its recurrent-state "
-                         "snapshots are not kept on disk, so a disk hit could not resume; unset kv_cache_dir")
     if snapshots is not None:
         return True
+    if config.cache_config.kv_cache_dir is not None:
+        raise ValueError(f"kv_cache_dir needs prefix caching, which {model_name}, a hybrid model, only has with "
+                         "state snapshots: set max_state_snapshots >= 1, or unset kv_cache_dir")
     if config.cache_config.prefix_caching:
         log.info("prefix caching off for %s: a hybrid model's prefix hit would skip tokens whose recurrent "
                  "state is not stored", model_name)

@@ -9,7 +9,10 @@ dtypes, the quantization, block size, layers / KV heads / head_dim, the RoPE set
 (float results differ across them), ``ENGINE_FORMAT_VERSION`` (bump it when the K/V an
 engine computes for given weights changes) and, with an 8-bit ``kv_cache_dtype`` only,
 ``kv_quant.KV_FORMAT`` (how codes and scales encode K/V), so a file of an older 8-bit format is
-never read as the new one while ``auto`` caches keep their folder.
+never read as the new one while ``auto`` caches keep their folder. For a hybrid model (a
+``StateCache``) it also covers the state snapshots written beside the blocks: the state's
+layout (linear-attention layers, conv / recurrent shapes) and dtype; the Gated DeltaNet
+weights that make the state are in the weights' identity with every other tensor.
 """
 
 from __future__ import annotations
@@ -67,6 +70,11 @@ def engine_fingerprint(model_dir: Path, hf_config, runner, quantization: str | N
     }
     if spec.quantized:  # auto KV: the key is absent, so its fingerprint is what it was
         facts["kv_format"] = KV_FORMAT
+    state = getattr(runner, "state_cache", None)
+    if state is not None:  # hybrid: the snapshots' layout (only then, so other folders keep their names)
+        state_spec = state.spec
+        facts["state"] = {"num_layers": state_spec.num_layers, "conv": list(state_spec.conv_shape),
+                          "recurrent": list(state_spec.recurrent_shape), "dtype": str(state.conv.dtype)}
     blob = json.dumps(facts, sort_keys=True, default=str).encode()
     return hashlib.blake2b(blob, digest_size=16).hexdigest()
 
@@ -80,4 +88,4 @@ def build_kv_tier(config, model_dir: Path, hf_config, runner) -> KVBlockTier | N
     fingerprint = engine_fingerprint(model_dir, hf_config, runner, config.model_config.quantization)
     disk = DiskKVTier(cache.kv_cache_dir, fingerprint, cache.kv_cache_dir_max_bytes)
     log.info("disk KV tier: %s (cap %d bytes)", disk.dir, disk.max_bytes)
-    return KVBlockTier(runner.kv_cache, disk)
+    return KVBlockTier(runner.kv_cache, disk, getattr(runner, "state_snapshots", None))

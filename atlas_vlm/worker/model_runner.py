@@ -70,11 +70,11 @@ def hybrid_state_spec(model) -> StateSpec | None:
 
 def num_state_snapshots(config: EngineConfig, model) -> int:
     """Snapshots the state-snapshot pool of a hybrid ``model`` holds: ``max_state_snapshots``
-    when prefix caching can serve it (asked for, paged cache, no ``kv_cache_dir``: snapshots do
-    not spill to disk, and a model class with ``supports_state_snapshots``), else 0 (no pool:
-    prefix caching off for it)."""
+    when prefix caching can serve it (asked for, and a model class with
+    ``supports_state_snapshots``; with ``kv_cache_dir`` the snapshots also go to disk beside
+    their blocks), else 0 (no pool: prefix caching off for it)."""
     cache = config.cache_config
-    on = cache.prefix_caching and cache.kv_cache_dir is None
+    on = cache.prefix_caching
     return cache.max_state_snapshots if on and getattr(model, "supports_state_snapshots", False) else 0
 
 

@@ -155,10 +155,7 @@ def test_budget_too_small_for_the_state_names_the_numbers(folder):
 @pytest.mark.parametrize("option, pattern", [
     (dict(speculative="ngram"), "cannot roll back"),
     (dict(deterministic=True), "deterministic=True does not serve hybrid"),
-    (dict(kv_cache_dir="unused"), "kv_cache_dir cannot serve"),
 ])
-def test_options_a_hybrid_cannot_run_are_refused(folder, tmp_path, option, pattern):
-    if "kv_cache_dir" in option:
-        option = dict(kv_cache_dir=str(tmp_path / "kv"))
+def test_options_a_hybrid_cannot_run_are_refused(folder, option, pattern):
     with pytest.raises(ValueError, match=pattern):
         make_llm(folder, **option)

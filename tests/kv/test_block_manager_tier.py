@@ -1,7 +1,8 @@
 """BlockManager with a lower KV tier (the disk tier's interface, faked here without files):
 write-through at registration, admission walking past the in-memory hits into the tier
 (chained: stops at the first miss; never the block of the last prompt token), loaded blocks
-counted as cached and registered in memory."""
+counted as cached and registered in memory; for a hybrid model, snapshots written beside their
+blocks and a disk hit ending at the last block with a loadable snapshot."""
 
 from __future__ import annotations
 
@@ -103,3 +104,87 @@ def test_the_walk_stops_at_the_first_miss_and_spares_the_last_token():
 def test_a_tier_needs_prefix_caching():
     with pytest.raises(ValueError, match="prefix caching"):
         BlockManager(4, 4, enable_prefix_caching=False, kv_tier=FakeTier(4))
+
+
+# ---- a hybrid model: state snapshots travel with their blocks ------------------------------------
+class FakeSnapshotTier(FakeTier):
+    """``FakeTier`` plus the snapshot half of ``KVBlockTier`` over a real ``StateSnapshotPool``."""
+
+    def __init__(self, pool):
+        super().__init__(0)
+        self.pool = pool
+        self.snaps: dict[bytes, tuple] = {}  # hash -> (conv, recurrent) "on disk"
+        self.damaged: set[bytes] = set()
+
+    def contains_snapshot(self, block_hash: bytes) -> bool:
+        return block_hash in self.snaps
+
+    def save_snapshot(self, block_hash: bytes) -> bool:
+        if block_hash in self.snaps:
+            return False
+        self.snaps[block_hash] = tuple(t.clone() for t in self.pool.snapshot(block_hash))
+        return True
+
+    def load_snapshot(self, block_hash: bytes) -> bool:
+        if block_hash in self.damaged:  # a file is there, but fails its checks: deleted, a miss
+            del self.snaps[block_hash]
+            return False
+        return block_hash in self.snaps and self.pool.put(block_hash, *self.snaps[block_hash])
+
+
+def hybrid_bm(tier=None):
+    from mm_kv_cache_management import StateCache, StateSpec
+    from mm_kv_cache_management.state_snapshots import StateSnapshotPool
+
+    spec = StateSpec(num_layers=2, conv_dim=8, conv_kernel=4, num_v_heads=2, k_head_dim=4, v_head_dim=4)
+    pool = StateSnapshotPool(spec, num_slots=4, interval=8, block_size=4)
+    tier = tier or FakeSnapshotTier(pool)
+    tier.pool = pool  # a restart: a new, empty pool over the same "disk"
+    return BlockManager(8, 4, enable_prefix_caching=True, kv_tier=tier, state_cache=StateCache(spec, 2),
+                        state_snapshots=pool), tier
+
+
+def run_hybrid(bm, req) -> None:
+    """Admission, a forward that writes state ``end`` at each snapshot point, commit, free."""
+    bm.prefill_allocate(req)
+    bm.reserve_snapshots([(req, req.num_tokens - req.num_computed_tokens)])
+    for k, slot, _ in req.snapshot_points:
+        bm.state_snapshots.storage.conv[:, slot].fill_(req.num_computed_tokens + k)
+    compute_all(bm, req)
+    bm.free_request(req)
+
+
+def test_a_snapshot_is_written_beside_its_block_and_a_restart_resumes_from_it():
+    bm, tier = hybrid_bm()
+    a = make_req("a", 21)  # 5 full blocks before the last token; snapshots at 8 and 16
+    run_hybrid(bm, a)
+    hashes = a.block_hashes(4)
+    assert set(tier.snaps) == {hashes[1], hashes[3]} and set(tier.store) == set(hashes)
+    bm, tier = hybrid_bm(tier)  # restart
+    b = make_req("b", 21)
+    bm.prefill_allocate(b)
+    assert b.num_cached_tokens == 16  # block 4 is on disk too, but has no snapshot
+    assert [h for h, _ in tier.loads] == hashes[:4]  # no block past the last snapshot file is read
+    assert bm.state_cache.conv[:, b.state_slot].eq(16).all()  # the state at token 16, restored
+    assert (bm.state_snapshots.hits, bm.state_snapshots.queries) == (1, 1)
+
+
+def test_a_missing_or_damaged_snapshot_limits_the_hit():
+    bm, tier = hybrid_bm()
+    a = make_req("a", 21)
+    run_hybrid(bm, a)
+    hashes = a.block_hashes(4)
+    tier.damaged.add(hashes[3])
+    bm, tier = hybrid_bm(tier)
+    b = make_req("b", 21)
+    bm.prefill_allocate(b)
+    assert b.num_cached_tokens == 8 and bm.state_cache.conv[:, b.state_slot].eq(8).all()
+    assert [h for h, _ in tier.loads] == hashes[:4]  # read up to the damaged snapshot's block ...
+    assert hashes[1] in bm._cached and hashes[2] not in bm._cached and hashes[3] not in bm._cached  # ... not kept
+    bm, tier = hybrid_bm(tier)
+    tier.snaps.clear()  # every block file is there, no snapshot
+    tier.loads = []
+    c = make_req("c", 21)
+    bm.prefill_allocate(c)
+    assert c.num_cached_tokens == 0 and not bm._cached and tier.loads == []
+    assert bm.state_cache.conv[:, c.state_slot].eq(0).all()

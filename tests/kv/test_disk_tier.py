@@ -229,3 +229,45 @@ def test_two_processes_share_a_folder_without_partial_reads(tmp_path):
     assert got["read"][1] == n  # the reader read every block, polling while they were written
     assert len(list((tmp_path / FP).glob(f"*{SUFFIX}"))) == n
     assert not [p for p in (tmp_path / FP).iterdir() if p.suffix != SUFFIX]
+
+
+# ---- state snapshots (hybrid models): <hash>.kvs beside <hash>.kvb ----------------------------
+CONV, REC = (3, 12, 3), (3, 2, 4, 4)  # [layers, conv_dim, kernel - 1], [layers, v_heads, k_dim, v_dim]
+
+
+def state(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(CONV, generator=g), torch.randn(REC, generator=g)
+
+
+def test_a_snapshot_round_trips_beside_its_block_and_counts_in_the_cap(tmp_path):
+    from mm_kv_cache_management.disk_tier import SNAPSHOT_SUFFIX
+
+    tier = DiskKVTier(tmp_path, FP, 1 << 20)
+    tier.save(h(1), *kv(0))
+    conv, rec = state(0)
+    assert tier.save_snapshot(h(1), conv, rec) is True and tier.save_snapshot(h(1), *state(1)) is False
+    assert tier.contains(h(1), SNAPSHOT_SUFFIX) and not tier.contains(h(2), SNAPSHOT_SUFFIX)
+    got = tier.load_snapshot(h(1), CONV, REC, torch.float32)
+    assert got is not None and torch.equal(got[0], conv) and torch.equal(got[1], rec)
+    assert torch.equal(tier.load(h(1), SHAPE, torch.float32)[0], kv(0)[0])  # the block file is untouched
+    files = sorted(p.name for p in (tmp_path / FP).iterdir())
+    assert files == [h(1).hex() + SUFFIX, h(1).hex() + SNAPSHOT_SUFFIX]
+    total = sum(p.stat().st_size for p in (tmp_path / FP).iterdir())
+    assert tier.bytes_stored == total and DiskKVTier(tmp_path, FP, 1 << 20).bytes_stored == total  # after a restart
+    # a snapshot read with another layout is a miss, and its file is deleted
+    assert tier.load_snapshot(h(1), CONV, (3, 2, 4, 5), torch.float32) is None
+    assert not tier.contains(h(1), SNAPSHOT_SUFFIX) and tier.contains(h(1))
+
+
+def test_the_cap_evicts_snapshot_files_too(tmp_path):
+    from mm_kv_cache_management.disk_tier import SNAPSHOT_SUFFIX
+
+    probe = DiskKVTier(tmp_path / "probe", FP, 1 << 20)
+    probe.save_snapshot(h(0), *state(0))
+    one = probe.bytes_stored
+    tier = DiskKVTier(tmp_path / "kv", FP, 3 * one)
+    for i in range(6):
+        tier.save_snapshot(h(i), *state(i))
+        assert sum(p.stat().st_size for p in (tmp_path / "kv").rglob("*" + SNAPSHOT_SUFFIX)) <= 3 * one
+    assert tier.contains(h(5), SNAPSHOT_SUFFIX) and not tier.contains(h(0), SNAPSHOT_SUFFIX)  # oldest went first
