@@ -29,7 +29,7 @@ def build(folder: Path) -> None:
     from transformers import AutoTokenizer, Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     from mm_token_pipeline import qwen_tokenizer_dir
-    from mm_token_pipeline.qwen3_vl import QWEN3_VL_CHAT_TEMPLATE
+    from atlas_vlm.models.qwen3_vl.vision import QWEN3_VL_CHAT_TEMPLATE
 
     text = dict(vocab_size=151936, hidden_size=256, intermediate_size=896, num_hidden_layers=8,
                 num_attention_heads=4, num_key_value_heads=1, head_dim=64, linear_num_key_heads=4,
