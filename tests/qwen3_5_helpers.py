@@ -172,3 +172,16 @@ def random_mtp_weights(text_config, seed: int = 0) -> dict[str, torch.Tensor]:
              "mlp.down_proj.weight": w(h, inter)}
     out.update({f"layers.0.{k}": v for k, v in layer.items()})
     return out
+
+
+def record_cached_and_logits(llm):
+    """Give ``llm`` a ``seen`` dict, request id -> (num_cached_tokens at its first sampled row,
+    [its sampled logits rows]), filled by a runner observer; returns ``llm``."""
+    llm.seen = {}
+
+    def observe(chunks, inp, logits, sampled):
+        for row, i in enumerate(sampled):
+            req = chunks[i][0]
+            llm.seen.setdefault(req.request_id, (req.num_cached_tokens, []))[1].append(logits[row].clone())
+    llm.engine.runner.observers.append(observe)
+    return llm

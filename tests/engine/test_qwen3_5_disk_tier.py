@@ -17,7 +17,7 @@ from atlas_vlm import LLM, SamplingParams
 from helpers import CPU_FP32, IMAGES, conv
 from mm_kv_cache_management import RequestState
 from mm_kv_cache_management.disk_tier import SNAPSHOT_SUFFIX, SUFFIX
-from qwen3_5_helpers import VOCAB, build_tiny_qwen3_5, tiny_vl_config
+from qwen3_5_helpers import VOCAB, build_tiny_qwen3_5, record_cached_and_logits, tiny_vl_config
 
 INTERVAL, MAX_TOKENS, ATOL = 16, 6, 1e-5
 rng = random.Random(5)
@@ -33,15 +33,7 @@ def make_llm(folder, kv_dir=None, **kwargs) -> LLM:
                 hybrid_snapshot_interval=INTERVAL, max_state_snapshots=8, **CPU_FP32)
     if kv_dir is not None:
         base["kv_cache_dir"] = str(kv_dir)
-    llm = LLM(str(folder), **{**base, **kwargs})
-    llm.seen = {}  # request id -> (num_cached_tokens at its first row, [logits rows])
-
-    def observe(chunks, inp, logits, sampled):
-        for row, i in enumerate(sampled):
-            req = chunks[i][0]
-            llm.seen.setdefault(req.request_id, (req.num_cached_tokens, []))[1].append(logits[row].clone())
-    llm.engine.runner.observers.append(observe)
-    return llm
+    return record_cached_and_logits(LLM(str(folder), **{**base, **kwargs}))
 
 
 def run(llm, prompt):

@@ -18,7 +18,7 @@ from atlas_vlm.engine.async_llm import AsyncLLM
 from atlas_vlm.entrypoints.openai.metrics import _EngineCollector
 from atlas_vlm.worker.model_runner import KVBudgetError
 from mm_kv_cache_management import RequestState
-from qwen3_5_helpers import VOCAB, build_tiny_qwen3_5
+from qwen3_5_helpers import VOCAB, build_tiny_qwen3_5, record_cached_and_logits
 
 pytestmark = pytest.mark.text
 INTERVAL, MAX_TOKENS, LOGIT_ATOL = 16, 6, 1e-5
@@ -41,15 +41,7 @@ def make_llm(folder, **kwargs):
     base = dict(device="cpu", dtype="float32", max_model_len=256, kvcache_block_size=4, max_num_seqs=4,
                 kv_cache_memory=1 << 21, max_num_batched_tokens=24, hybrid_snapshot_interval=INTERVAL,
                 max_state_snapshots=8)
-    llm = LLM(str(folder), **{**base, **kwargs})
-    llm.seen = {}  # request id -> (num_cached_tokens at its first row, [logits rows])
-
-    def observe(chunks, inp, logits, sampled):
-        for row, i in enumerate(sampled):
-            req = chunks[i][0]
-            llm.seen.setdefault(req.request_id, (req.num_cached_tokens, []))[1].append(logits[row].clone())
-    llm.engine.runner.observers.append(observe)
-    return llm
+    return record_cached_and_logits(LLM(str(folder), **{**base, **kwargs}))
 
 
 def generate(llm, prompts):
