@@ -166,11 +166,9 @@ class LLMEngine:
             return None
         if spec.method == "mtp":  # drafts made by the runner's MTP head after each step
             return self.runner.drafter.proposer
-        from atlas_vlm.spec_decode import NgramProposer
+        from atlas_vlm.spec_decode import NgramProposer, placeholder_token_ids
 
-        pads = {getattr(self.hf_config, name, None) for name in ("image_token_id", "video_token_id")}
-        return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min,
-                             {t for t in pads if isinstance(t, int)})
+        return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min, placeholder_token_ids(self.hf_config))
 
     @property
     def eos_token_ids(self) -> set[int]:

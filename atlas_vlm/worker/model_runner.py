@@ -139,11 +139,11 @@ class ModelRunner:
         num_kv_layers = arch.num_layers if state_spec is None else self.model.num_kv_layers  # full attention only
         self.drafter = None  # speculative="mtp": the MTP head, its K/V one more cache layer
         if config.speculative_config.method == "mtp":
+            from atlas_vlm.spec_decode import placeholder_token_ids
             from atlas_vlm.spec_decode.mtp import build_drafter
 
-            pads = {getattr(loaded.hf_config, name, None) for name in ("image_token_id", "video_token_id")}
             self.drafter = build_drafter(self.model, config, num_kv_layers, str(config.model_config.model),
-                                         {t for t in pads if isinstance(t, int)})
+                                         placeholder_token_ids(loaded.hf_config))
             if pack:
                 self.num_packed_linears += pack_linears(self.drafter.mtp)
             num_kv_layers += 1
