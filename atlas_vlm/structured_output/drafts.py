@@ -96,13 +96,14 @@ def fill_step_masks(backend: StructuredOutputBackend,
 def draft_prefix_with_reasoning(grammar: StructuredOutputGrammar, reasoning: str, drafts: list[int],
                                 start_token_id: int | None, end_token_id: int | None) -> int:
     """How many of ``drafts`` to keep for a request in state ``reasoning``: drafts while the
-    reasoning runs are free (the end marker included); the drafts after it are cut at the
-    first one the grammar refuses from its current state (nothing is consumed)."""
-    if reasoning == MAYBE and drafts and drafts[0] == start_token_id:
-        return 1 + draft_prefix_with_reasoning(grammar, REASONING, drafts[1:], start_token_id, end_token_id)
-    if reasoning != REASONING:
-        return allowed_prefix(grammar, drafts)
-    if end_token_id not in drafts:
-        return len(drafts)
-    end = drafts.index(end_token_id)
-    return end + 1 + allowed_prefix(grammar, drafts[end + 1:])
+    reasoning runs are free (the end marker included); the drafts ``row_plan`` hands the
+    grammar are cut at the first one it refuses from its current state (nothing is consumed).
+
+    Raises:
+        ValueError: ``reasoning`` is not one of the three states (``row_plan``).
+    """
+    for first_row, grammar_drafts in row_plan(reasoning, drafts, start_token_id, end_token_id):
+        kept = allowed_prefix(grammar, grammar_drafts)
+        if kept < len(grammar_drafts):
+            return first_row + kept
+    return len(drafts)
