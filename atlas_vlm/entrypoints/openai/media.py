@@ -14,9 +14,9 @@ The http(s) rules are the engine's (one ``MediaFetchPolicy``, ``mm_token_pipelin
 the same timeout, byte caps, allowed hosts and address rule; the engine reads its bytes with
 ``fetch_url``, the server here with ``httpx``). Fetches cannot reach inside (SSRF): every hop's
 host is resolved first and refused if any of its addresses is loopback, private, link-local,
-multicast, unspecified or otherwise not global (``address_rule``), unless the host is named in ``--allowed-media-domains``; the
-connection then goes to the address that was checked (no second lookup to rebind), with
-the original ``Host`` and TLS server name. Redirects are followed by hand, at most
+multicast, unspecified or otherwise not global (``address_rule``), unless the host is named
+in ``--allowed-media-domains``; the connection then goes to the address that was checked (no
+second lookup to rebind), with the original ``Host`` and TLS server name. Redirects are followed by hand, at most
 ``max_redirects``, each hop checked the same way. With ``--allowed-media-domains`` only
 the hosts named there are fetched.
 """
@@ -108,10 +108,6 @@ async def check_fetch_target(url: str, policy: MediaPolicy, param: str) -> tuple
     return parsed.copy_with(host=address), host
 
 
-def _cap(policy: MediaPolicy, kind: str) -> int:
-    return policy.max_bytes(kind)
-
-
 def _local_path(url: str, policy: MediaPolicy, param: str, kind: str = "image") -> str:
     path = url[len("file://"):] if url.startswith("file://") else url
     code = f"invalid_{kind}"
@@ -125,13 +121,13 @@ def _local_path(url: str, policy: MediaPolicy, param: str, kind: str = "image") 
                        param, code)
     if not os.path.isfile(real):
         raise APIError(400, f"{param}: local {kind} {path!r} not found", param, code)
-    if os.path.getsize(real) > _cap(policy, kind):
-        raise APIError(400, f"{param}: {kind} file is over the {_cap(policy, kind)}-byte cap", param, code)
+    if os.path.getsize(real) > policy.max_bytes(kind):
+        raise APIError(400, f"{param}: {kind} file is over the {policy.max_bytes(kind)}-byte cap", param, code)
     return real
 
 
 async def _download(url: str, policy: MediaPolicy, param: str, kind: str = "image") -> bytes:
-    code, cap = f"invalid_{kind}", _cap(policy, kind)
+    code, cap = f"invalid_{kind}", policy.max_bytes(kind)
     if not policy.allow_http_images:
         raise APIError(400, f"{param}: http(s) {kind} URLs are refused; start the server with "
                        "--allow-http-images to fetch them", param, code)
@@ -176,7 +172,7 @@ async def resolve_media(url: str, policy: MediaPolicy, param: str, kind: str = "
     Raises:
         APIError(400): a refused or unreachable source, or one over the kind's byte cap.
     """
-    code, cap = f"invalid_{kind}", _cap(policy, kind)
+    code, cap = f"invalid_{kind}", policy.max_bytes(kind)
     if url.startswith("data:"):
         payload = url.split(",", 1)[1] if "," in url else ""
         if len(payload) * 3 // 4 > cap:
