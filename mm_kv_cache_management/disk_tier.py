@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import struct
 import tempfile
@@ -249,12 +250,7 @@ class DiskKVTier:
             return None
         payload = data[head + n:]
         elem = torch.empty((), dtype=dtype).element_size()
-        sizes = []
-        for shape in shapes:
-            numel = 1
-            for s in shape:
-                numel *= s
-            sizes.append(numel)
+        sizes = [math.prod(shape) for shape in shapes]  # elements of each tensor
         if not isinstance(meta, dict) or (
                 meta.get("version"), meta.get("fingerprint"), meta.get("block_hash"), meta.get("shape"),
                 meta.get("dtype")) != (FORMAT_VERSION, self.fingerprint, block_hash.hex(), shape_meta,

@@ -1,7 +1,8 @@
 """mm_token_pipeline: images and chat messages to the tokens, embeddings and positions of a prompt.
 
 Scope: image loading and normalisation (``load_image``; URLs through ``fetch_url`` with an
-overall deadline and a byte cap, under the engine's and the server's one ``MediaFetchPolicy``), per-request options (``MultiModalOptions``), qwen-vl-utils ``smart_resize``
+overall deadline and a byte cap, under the engine's and the server's one
+``MediaFetchPolicy``), per-request options (``MultiModalOptions``), qwen-vl-utils ``smart_resize``
 with ``min_pixels``/``max_pixels``, patchify with HF ``Qwen2VLImageProcessor``
 (``preprocess_image``), placeholder expansion and prompt ids (``build_prompt_ids``), M-RoPE
 positions (``get_rope_index``): the stages every family shares. Imports only torch, Pillow,

@@ -12,8 +12,9 @@ The source is compiled on first use (``kernels/cbuild.py``): ``-O3 -fno-math-err
 AVX-512 F/BW/CD/DQ/VL, ``x86-64-v3`` where it has AVX2 + FMA + F16C, else the compiler's default target: plain C, it builds for any CPU), and glibc's vector
 ``expf`` (libmvec) when it links. An 8-bit cache (``kv_cache_dtype`` "int8" / "fp8_e4m3")
 is read by ``csrc/paged_decode_q8.c``: the same loop over codes of Hadamard-rotated K/V (q and
-the output rotated once each), each token's scale applied once to its dot product and weight. Without a compiler (or if the build fails) ``available()`` is
-False, the reason is logged once, and the engine uses SDPA.
+the output rotated once each), each token's scale applied once to its dot product and weight.
+Without a compiler (or if the build fails) ``available()`` is False, the reason is logged
+once, and the engine uses SDPA.
 """
 
 from __future__ import annotations
