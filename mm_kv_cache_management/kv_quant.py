@@ -12,7 +12,8 @@ SmolLM2-135M the rotation halves K's int8 error (outlier channels) and lifts tea
 top-1 agreement with ``auto`` KV from 97.3% to 100% (docs/kv-cache-dtype.md).
 
 ``int8`` rounds to nearest (codes in [-127, 127]); ``fp8_e4m3`` casts ``row / scale`` to
-float8 e4m3 (round to nearest even, codes in [-448, 448]) and is kept as raw bytes (``uint8``: CPU ``index_copy_`` has no float8 kernel).
+float8 e4m3 (round to nearest even, codes in [-448, 448]) and is kept as raw bytes
+(``uint8``: CPU ``index_copy_`` has no float8 kernel).
 Scales are float16: 2 bytes per (token, head) instead of 4, so an int8 cache with head_dim 64
 holds 128 / 66 = 1.94x the tokens of a bf16 one in the same bytes. A row of zeros gets the
 smallest normal float16 scale (codes 0, dequantized exactly); a row whose amax / QMAX exceeds
