@@ -6,7 +6,8 @@ Measured (same ids for both systems, greedy, EOS ignored): one stream of ``N`` n
 2), time to first token of one 512- and one 2,048-token prompt (best of 2), ``R`` mixed
 requests (16 and 64: prompts of 32-512 ids, 16-128 new tokens; ours batched in one
 ``generate``, llama.cpp's binding one after another), and the process's peak RSS (bytes).
-``--quick``: 32 new tokens, 512-token prefill only, 8 mixed requests.
+``--quick``: 32 new tokens, 512-token prefill only, 8 mixed requests. Ours also reports its KV
+cache's bytes (``kv_bytes``), the part of its peak RSS the memory target adds to the file size.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def measure(system: str, path: str, quick: bool) -> dict:
         llm = LLM(path, quantization="gguf", max_model_len=2560, max_num_batched_tokens=2048,
                   num_kvcache_blocks=2048, enable_prefix_caching=False)
         out["kernel"] = llm.engine.runner.decode_step is not None
+        out["kv_bytes"] = llm.engine.runner.kv_cache.nbytes
         stream = lambda: _ours(llm, ids, n)  # noqa: E731
 
         def first_token(p):
