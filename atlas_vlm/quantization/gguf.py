@@ -20,6 +20,7 @@ folder without weights (``gguf_meta_folder``).
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 from pathlib import Path
 
@@ -132,6 +133,20 @@ def _module_for(parts: list, linear: nn.Linear) -> nn.Module:
     return Int8Linear(*args, group_size=min(group_of(k) for k in kinds), has_min=bool(kinds & set(HAS_MIN)))
 
 
+def drop_pages(reader, t) -> None:
+    """Drop the resident pages of tensor ``t``'s bytes from ``reader``'s memory map once the
+    tensor is converted, so a load's peak RSS does not hold the file beside what was made
+    from it (``MADV_DONTNEED`` on a read-only file mapping: a later read faults them back in).
+    A no-op where the reader exposes no ``mmap`` (numpy's ``memmap._mmap``) or the OS lacks it."""
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(int(t.data_offset) + int(t.n_bytes), len(mm))
+    if end > start:
+        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
 def _load_rows(module: nn.Module, row: int, t, perm: torch.Tensor | None) -> int:
     kind = t.tensor_type.name
     if kind in DENSE_TYPES:
@@ -205,6 +220,7 @@ def load_gguf_quantized(gguf_path: str | os.PathLike, *, dtype: torch.dtype = to
                     heads = arch.num_heads if part == "attn_q" else arch.num_kv_heads
                     perm = _row_permutation(int(tensors[name].shape[-1]), heads)
                 row += _load_rows(module, row, tensors[name], perm)
+                drop_pages(reader, tensors[name])
                 used.add(name)
                 bias = name.replace(".weight", ".bias")
                 if bias in tensors:
@@ -223,6 +239,7 @@ def load_gguf_quantized(gguf_path: str | os.PathLike, *, dtype: torch.dtype = to
     if kind not in DENSE_TYPES:  # one Int8Linear (int8 form) for the embedding's rows, and the LM head if tied
         table = Int8Linear(hidden, vocab, group_size=group_of(kind), has_min=kind in HAS_MIN)
         table.load_rows(0, *int8_form(kind, _rows_of(emb), table.group_size, table.has_min))
+        drop_pages(reader, emb)
         model.model.embed_tokens = QuantEmbedding(table, dtype)
         if head is None:
             model.lm_head = table
@@ -247,6 +264,7 @@ def load_gguf_quantized(gguf_path: str | os.PathLike, *, dtype: torch.dtype = to
         used.add("output.weight")
         lin = _module_for([head], model.lm_head)
         _load_rows(lin, 0, head, None)
+        drop_pages(reader, head)
         model.lm_head = lin
     unexpected = sorted(set(tensors) - used - {n for n in tensors if n.startswith("rope_")})
     if unexpected:

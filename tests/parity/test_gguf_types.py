@@ -290,3 +290,23 @@ def test_unsupported_type_is_refused_by_name_before_any_work(tmp_path, monkeypat
     with pytest.raises(UnsupportedQuantizationError, match=r"blk\.1\.ffn_up\.weight has type IQ2_XXS; supported: "
                                                            r"F32, F16, BF16, Q8_0, Q5_0.*Q4_K"):
         gguf_loader.load_gguf_quantized(path)
+
+
+def test_dropped_pages_read_back_the_same_bytes(mixed_gguf):
+    """The loader drops each converted tensor's pages from the GGUF's memory map (a load's peak
+    RSS then holds the file only once): the bytes read after that are the file's, for a tensor
+    that shares its first and last page with its neighbours too; a reader without an mmap is
+    left alone."""
+    path = mixed_gguf[0]
+    reader = GGUFReader(str(path))
+    before = {t.name: np.array(t.data, copy=True) for t in reader.tensors}
+    for t in reader.tensors:
+        gguf_loader.drop_pages(reader, t)
+    for t in reader.tensors:
+        np.testing.assert_array_equal(np.asarray(t.data), before[t.name], err_msg=t.name)
+    assert any(int(t.data_offset) % 4096 for t in reader.tensors)  # some start inside a page
+
+    class NoMap:
+        data = np.zeros(8, np.uint8)
+
+    gguf_loader.drop_pages(NoMap(), reader.tensors[0])  # no mmap: nothing to drop, no error
