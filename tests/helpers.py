@@ -394,6 +394,27 @@ def require_quant_kernel(what: str = "this check") -> None:
 
 
 
+def compiled_json_request(mgr, schema: dict, token_ids: list[int]):
+    """A stand-in request (id "r") whose prompt is ``token_ids``, constrained to the JSON
+    ``schema``, added to the StructuredOutputManager ``mgr`` and waited on (at most 50 s)
+    until its grammar is compiled without error; returns it."""
+    from types import SimpleNamespace
+
+    from atlas_vlm.structured_output import StructuredOutputsParams
+
+    req = SimpleNamespace(request_id="r", sampling_params=SimpleNamespace(structured_outputs=StructuredOutputsParams(
+        json=schema)), token_ids=list(token_ids), num_prompt_tokens=len(token_ids), num_computed_tokens=0,
+        spec_token_ids=[])
+    assert mgr.add_request(req)
+    for _ in range(500):
+        ready, error = mgr.poll_compiled(req)
+        if ready:
+            break
+        mgr.wait_for_compiles(0.1)
+    assert ready and error is None
+    return req
+
+
 def run_async(coro, limit_s: float = 120):
     """Run ``coro`` to completion in a fresh event loop on its own thread, bounded by
     ``limit_s`` seconds (a hang, not slowness, fails): the coroutine's value."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -18,6 +17,7 @@ import torch
 from atlas_vlm import LLM, SamplingParams
 from atlas_vlm.structured_output import StructuredOutputsParams
 from atlas_vlm.structured_output.backend import allocate_token_bitmask
+from helpers import compiled_json_request
 
 pytestmark = pytest.mark.text
 
@@ -166,15 +166,7 @@ def test_matcher_after_a_drafted_step_is_fed_only_the_accepted_tokens(folder):
     mgr = StructuredOutputManager(tok, len(tok), {tok.eos_token_id})
     text = '["red", "green", "blue", "red", "green", "blue"]'
     ids = tok.encode(text, add_special_tokens=False)
-    req = SimpleNamespace(request_id="r", sampling_params=SimpleNamespace(structured_outputs=StructuredOutputsParams(
-        json=SCHEMA)), token_ids=[1, 2], num_prompt_tokens=2, num_computed_tokens=0, spec_token_ids=[])
-    assert mgr.add_request(req)
-    for _ in range(500):
-        ready, error = mgr.poll_compiled(req)
-        if ready:
-            break
-        mgr.wait_for_compiles(0.1)
-    assert ready and error is None
+    req = compiled_json_request(mgr, SCHEMA, [1, 2])
     fed = 2
     for t in ids[:fed]:
         assert mgr.accept_token(req, t) == (False, None)

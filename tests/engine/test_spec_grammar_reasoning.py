@@ -11,7 +11,6 @@ where it wrote that token."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -21,6 +20,7 @@ from atlas_vlm import LLM, SamplingParams
 from atlas_vlm.reasoning.qwen3 import ENDED, MAYBE, REASONING
 from atlas_vlm.structured_output import StructuredOutputsParams
 from atlas_vlm.structured_output.backend import allocate_token_bitmask
+from helpers import compiled_json_request
 from atlas_vlm.structured_output.drafts import row_plan
 from conftest import build_tiny_model
 
@@ -149,16 +149,7 @@ def _ready_manager(folder, prompt_tail):
 
     tok = AutoTokenizer.from_pretrained(str(folder))
     mgr = StructuredOutputManager(tok, len(tok), {tok.eos_token_id}, get_reasoning_parser("qwen3", tok))
-    req = SimpleNamespace(request_id="r", sampling_params=SimpleNamespace(structured_outputs=StructuredOutputsParams(
-        json=SCHEMA)), token_ids=[1, 2] + prompt_tail, num_prompt_tokens=2 + len(prompt_tail), num_computed_tokens=0,
-        spec_token_ids=[])
-    assert mgr.add_request(req)
-    for _ in range(500):
-        ready, error = mgr.poll_compiled(req)
-        if ready:
-            break
-        mgr.wait_for_compiles(0.1)
-    assert ready and error is None
+    req = compiled_json_request(mgr, SCHEMA, [1, 2] + prompt_tail)
     return tok, mgr, req
 
 
