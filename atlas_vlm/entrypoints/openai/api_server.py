@@ -5,7 +5,8 @@ Routes only translate HTTP to the serving functions and back; engine work happen
 whatever the input's bytes: a malformed body is 400 (never FastAPI's 422), an unknown route
 404, a wrong method 405 with ``Allow``, a body over ``--max-request-body-bytes`` (a
 ``/v1/files`` upload: ``--max-file-bytes``) 413, a failed engine step 500, busy or
-unavailable 503 with ``Retry-After``, anything unexpected 500. ``--api-key`` guards ``/v1/*`` (401; compared in constant time); with
+unavailable 503 with ``Retry-After``, anything unexpected 500. ``--api-key`` guards ``/v1/*``, ``/tokenize`` and
+``/detokenize`` (401; compared in constant time); with
 ``protect_docs_metrics`` also ``/docs``, ``/redoc``, ``/openapi.json`` and ``/metrics``;
 ``/health`` and the chat page at ``/`` (``entrypoints/web``) stay open. The OpenAPI schema
 declares what the routes answer (JSON or SSE, the error statuses, ``text/plain`` metrics).
@@ -39,6 +40,7 @@ from atlas_vlm.entrypoints.openai.batch.files import DEFAULT_MAX_FILE_BYTES, Fil
 from atlas_vlm.entrypoints.openai.batch.jobs import DEFAULT_BATCH_IN_FLIGHT, BatchJobs
 from atlas_vlm.entrypoints.openai.batch.routes import FILES_PATH, add_batch_routes
 from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from atlas_vlm.entrypoints.openai.model_card import model_card, model_card_schema, model_info
 from atlas_vlm.entrypoints.openai.middleware import (APIKeyMiddleware, BodyLimitMiddleware, error_response,
                                                      default_max_request_body_bytes)
 from atlas_vlm.entrypoints.openai.responses.routes import add_responses_routes
@@ -47,6 +49,7 @@ from atlas_vlm.entrypoints.openai.serving_chat import create_chat_completion
 from atlas_vlm.entrypoints.openai.serving_common import ServerContext, engine_error, until_disconnected
 from atlas_vlm.entrypoints.openai.serving_completion import create_completion
 from atlas_vlm.entrypoints.openai.serving_embedding import EmbeddingRequest, create_embedding
+from atlas_vlm.entrypoints.openai.serving_tokenize import add_tokenize_routes
 from atlas_vlm.entrypoints.web import add_web_routes
 
 logger = logging.getLogger(__name__)
@@ -141,8 +144,7 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
                            overrides={FILES_PATH: (files.max_file_bytes + UPLOAD_MARGIN_BYTES, "--max-file-bytes")})
 
     def _card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": created, "owned_by": "atlas-vlm",
-                "root": ctx.model_root or name, "parent": None, "max_model_len": ctx.max_model_len}
+        return model_card(name, created, ctx.max_model_len, ctx.model_info, ctx.is_vlm)
 
     health_responses = {200: {"description": "serving", "content": {"application/json": {"schema": {
         "type": "object", "properties": {"status": {"type": "string"}}}}}},
@@ -162,16 +164,20 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
         text = await metrics_text() if metrics_text is not None else generate_latest(registry)
         return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", responses=_responses(401))
+    card_ref = {"$ref": "#/components/schemas/Model"}
+
+    def _ok(schema: dict) -> dict:
+        return {"description": "OK", "content": {"application/json": {"schema": schema}}}
+
+    @app.get("/v1/models", responses={**_responses(401), 200: _ok({
+        "type": "object", "required": ["object", "data"],
+        "properties": {"object": {"type": "string"}, "data": {"type": "array", "items": card_ref}}})})
     async def models():
         return {"object": "list", "data": [_card(name) for name in ctx.model_names]}
 
-    @app.get("/v1/models/{model_id:path}", responses=_responses(401, 404))
+    @app.get("/v1/models/{model_id:path}", responses={**_responses(401, 404), 200: _ok(card_ref)})
     async def model(model_id: str):
-        if model_id not in ctx.model_names:
-            raise APIError(404, f"The model `{model_id}` does not exist; this server serves {ctx.model_names}",
-                           "model", "model_not_found")
-        return _card(model_id)
+        return _card(model_id if model_id in ctx.model_names else ctx.check_model(model_id))
 
     def _respond(result):
         if isinstance(result, dict):
@@ -197,6 +203,8 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
     add_anthropic_routes(app, ctx, _respond, _responses(*errors, stream=True))
 
     add_batch_routes(app, files, jobs, _responses)
+    if getattr(ctx.engine, "engine", None) is not None:  # a local engine: its tokenizer (not the Ray ingress)
+        add_tokenize_routes(app, ctx, _responses)
     add_web_routes(app)  # the chat page at / (its requests go to the guarded /v1 routes)
 
     def openapi() -> dict:
@@ -211,6 +219,7 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
             comps.pop("HTTPValidationError", None)
             comps.pop("ValidationError", None)
             comps["OpenAIError"] = _error_schema()
+            comps["Model"] = model_card_schema()
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -221,18 +230,24 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
 def server_context(engine, front, engine_config, served_model_names=None, media=None,
                    max_prompts_per_request: int = 64) -> ServerContext:
     """The routes' ``ServerContext`` over a built ``LLMEngine`` and its ``AsyncLLM`` front
-    (``served_model_names`` default: the model path; ``media`` default: the engine's
+    (``served_model_names`` default: ``served_name.default_served_model_name`` of the model;
+    ``media`` default: the engine's
     ``MediaFetchPolicy`` with no local files)."""
     from atlas_vlm.entrypoints.openai.media import MediaPolicy
     from atlas_vlm.tool_parsers import resolve_tool_parser
 
+    from atlas_vlm.entrypoints.openai.served_name import default_served_model_name
+
     model_config = engine_config.model_config
     media = media or MediaPolicy.over(engine_config.multimodal_config.media)
-    return ServerContext(front, served_model_names or [model_config.model], hasattr(engine.hf_config, "vision_config"),
+    is_vlm = hasattr(engine.hf_config, "vision_config")
+    tool_parser = resolve_tool_parser(model_config.tool_call_parser, getattr(engine.tokenizer, "chat_template", None))
+    info = model_info(engine, engine_config, is_vlm=is_vlm, reasoning_parser=engine.reasoning_parser,
+                      tool_parser=tool_parser if model_config.tool_call_parser else None)
+    return ServerContext(front, served_model_names or [default_served_model_name(model_config.model)], is_vlm,
                          media, engine.max_model_len, max_prompts_per_request=max_prompts_per_request,
                          model_root=str(model_config.model), reasoning_parser=engine.reasoning_parser,
-                         tool_parser=resolve_tool_parser(model_config.tool_call_parser,
-                                                         getattr(engine.tokenizer, "chat_template", None)))
+                         tool_parser=tool_parser, model_info=info)
 
 
 def one_media_policy(engine_config, media=None):

@@ -28,7 +28,8 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) clients use; default: the MODEL path as given")
+                   help="model name(s) clients use, the first one in responses; default: a file's stem or a folder's "
+                        "name, lower-cased (a Hub id as given); the MODEL path is also accepted in requests")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (else 401)")
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="answer 503 while this many requests wait (default: no limit)")
@@ -184,6 +185,7 @@ def add_kv_cache_dir_args(p) -> None:
 def run_serve(args) -> int:
     from atlas_vlm.entrypoints.openai.api_server import run_server
     from atlas_vlm.entrypoints.openai.media import MediaPolicy
+    from atlas_vlm.entrypoints.openai.served_name import default_served_model_name
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = engine_config_from_args(args)
@@ -200,7 +202,7 @@ def run_serve(args) -> int:
         raise ValueError(f"--shutdown-timeout must be > 0 seconds, got {args.shutdown_timeout}")
     media = MediaPolicy.over(config.multimodal_config.media, allowed_local_media_path=args.allowed_local_media_path)
     return run_server(config, host=args.host, port=args.port,
-                      served_model_names=args.served_model_name or [args.model or "SmolLM2-135M-Instruct"],
+                      served_model_names=args.served_model_name or [default_served_model_name(args.model)],
                       api_key=args.api_key, max_waiting_requests=args.max_waiting_requests, media=media,
                       log_level=args.log_level, max_request_body_bytes=args.max_request_body_bytes,
                       max_prompts_per_request=args.max_prompts_per_request,

@@ -30,10 +30,19 @@ class ServerContext:
     model_root: str | None = None  # the model path or id behind the served names (model card ``root``)
     reasoning_parser: object = None  # atlas_vlm.reasoning.ReasoningParser: split thinking from content
     tool_parser: type | None = None  # an atlas_vlm.tool_parsers.ToolParser class; None: from the chat template
+    model_info: object = None  # model_card.ModelInfo of the /v1/models cards; None: from is_vlm alone
 
     def check_model(self, name: str | None) -> str:
-        """Raises APIError(404) for a model name we do not serve."""
-        if name is not None and name not in self.model_names:
+        """The served name responses carry (the first one) for a request's ``model``: a
+        served name, the model path the server was started with (lenient:
+        ``served_name.same_model_path``), or None.
+
+        Raises:
+            APIError(404): a model name we do not serve.
+        """
+        from atlas_vlm.entrypoints.openai.served_name import same_model_path
+
+        if name is not None and name not in self.model_names and not same_model_path(name, self.model_root):
             raise APIError(404, f"The model `{name}` does not exist; this server serves {self.model_names}",
                            "model", "model_not_found")
         return self.model_names[0]
