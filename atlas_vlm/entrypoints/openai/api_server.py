@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException
 
 from atlas_vlm.engine.request_stream import EngineDeadError, EngineStepError
 from atlas_vlm.entrypoints.anthropic.routes import add_anthropic_routes
+from atlas_vlm.entrypoints.openai.access_log import AccessLogMiddleware
 from atlas_vlm.entrypoints.openai.batch.files import DEFAULT_MAX_FILE_BYTES, FileStore
 from atlas_vlm.entrypoints.openai.batch.jobs import DEFAULT_BATCH_IN_FLIGHT, BatchJobs
 from atlas_vlm.entrypoints.openai.batch.routes import FILES_PATH, add_batch_routes
@@ -78,7 +79,7 @@ def _responses(*statuses: int, stream: bool = False) -> dict:
 def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics_text=None, *,
                max_request_body_bytes: int | None = None, protect_docs_metrics: bool = False,
                files: FileStore | None = None, batch_max_in_flight: int = DEFAULT_BATCH_IN_FLIGHT,
-               responses_store=None) -> FastAPI:
+               responses_store=None, access_log: bool = True) -> FastAPI:
     """FastAPI app over ``ctx`` (engine front + settings); ``registry`` is the Prometheus
     ``CollectorRegistry`` served at ``/metrics``, unless ``metrics_text`` (an async
     ``() -> str`` in Prometheus text format; the Ray ingress aggregates its replicas) is given.
@@ -91,6 +92,7 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
             an upload is bounded by its ``max_file_bytes`` instead of ``max_request_body_bytes``.
         batch_max_in_flight: lines of one ``/v1/batches`` batch running at once.
         responses_store: ``/v1/responses``' ``ResponseStore`` (default: in memory).
+        access_log: write one ``access_log`` line per request (outermost middleware).
 
     An ``EngineDeadError`` out of a route (the engine or a replica died mid-request) is 503,
     an ``EngineStepError`` (a failed step) 500, any other exception 500; all OpenAI JSON.
@@ -142,6 +144,8 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
     if max_request_body_bytes is not None:
         app.add_middleware(BodyLimitMiddleware, limit=max_request_body_bytes,
                            overrides={FILES_PATH: (files.max_file_bytes + UPLOAD_MARGIN_BYTES, "--max-file-bytes")})
+    if access_log:  # added last: outermost, so the other middlewares' refusals are logged too
+        app.add_middleware(AccessLogMiddleware)
 
     def _card(name: str) -> dict:
         return model_card(name, created, ctx.max_model_len, ctx.model_info, ctx.is_vlm)
@@ -269,13 +273,16 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
                max_prompts_per_request: int = 64, protect_docs_metrics: bool = False,
                input_workers: int = 2, shutdown_timeout_s: float = 30.0, files_dir: str | None = None,
                max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, batch_max_in_flight: int = DEFAULT_BATCH_IN_FLIGHT,
-               responses_dir: str | None = None, max_stored_responses: int = 1024) -> int:
+               responses_dir: str | None = None, max_stored_responses: int = 1024, access_log: bool = True,
+               log_stats_interval_s: float | None = 10.0) -> int:
     """Build the engine, serve until SIGTERM/SIGINT, shut down cleanly. ``files_dir``: where
     ``/v1/files`` keeps files (None: a temporary directory), each upload at most
     ``max_file_bytes``; ``batch_max_in_flight``: lines of one batch running at once;
     ``responses_dir`` / ``max_stored_responses``: the ``/v1/responses`` store (None: memory).
     ``media``: the server's ``MediaPolicy`` (None: the engine's ``multimodal_config.media``, no
     local files); its fetch fields become the engine's too (``one_media_policy``).
+    ``access_log``: one line per request (``access_log``); ``log_stats_interval_s``: seconds
+    between the engine lines while busy (``stat_logging``; None: none).
 
     Returns:
         0 after a signal; 1 if the engine was declared dead (repeated step failures), so a
@@ -289,10 +296,12 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
     from atlas_vlm.engine import LLMEngine
     from atlas_vlm.engine.async_llm import AsyncLLM
     from atlas_vlm.entrypoints.openai.metrics import PrometheusStatLogger
+    from atlas_vlm.entrypoints.openai.stat_logging import LoggingStatLogger, StatLoggers, log_startup
 
     engine_config, media = one_media_policy(engine_config, media)
     if max_request_body_bytes is None:
         max_request_body_bytes = default_max_request_body_bytes(media.max_image_bytes)
+    log_stats = LoggingStatLogger(log_stats_interval_s) if log_stats_interval_s is not None else None
     engine = LLMEngine(engine_config)
     stat_logger = PrometheusStatLogger()
     exit_code = {"code": 0}
@@ -304,14 +313,14 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
         if server is not None:
             server.should_exit = True
 
-    front = AsyncLLM(engine, max_waiting_requests=max_waiting_requests, stat_logger=stat_logger,
+    front = AsyncLLM(engine, max_waiting_requests=max_waiting_requests, stat_logger=StatLoggers(stat_logger, log_stats),
                      input_workers=input_workers, on_dead=on_dead)
     stat_logger.attach(front)
     ctx = server_context(engine, front, engine_config, served_model_names, media, max_prompts_per_request)
     app = create_app(ctx, stat_logger.registry, api_key, max_request_body_bytes=max_request_body_bytes,
                      protect_docs_metrics=protect_docs_metrics, files=FileStore(files_dir, max_file_bytes),
                      batch_max_in_flight=batch_max_in_flight,
-                     responses_store=ResponseStore(max_stored_responses, responses_dir))
+                     responses_store=ResponseStore(max_stored_responses, responses_dir), access_log=access_log)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # first signal: stop admitting, end every stream now
@@ -325,8 +334,13 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
     # process exits 0 after a graceful stop instead of dying by the signal
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    logger.info("serving %s as %s on http://%s:%d", engine_config.model_config.model, ctx.model_names, host, port)
+    log_startup(host, port, str(engine_config.model_config.model), ctx.model_names,
+                ctx.model_info is not None and ctx.model_info.random_weights)
+    if log_stats is not None:
+        log_stats.start(front)
     server.run()
+    if log_stats is not None:
+        log_stats.stop()
     front.shutdown()
     if not front.join(timeout=shutdown_timeout_s):
         # the engine thread is still inside one step: leaving through interpreter shutdown with it running

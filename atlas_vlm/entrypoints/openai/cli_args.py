@@ -86,7 +86,14 @@ def add_parser(sub) -> None:
                    help="Ray GPUs per replica (1 on a GPU cluster; default 0)")
     r.add_argument("--ray-address", default=None,
                    help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray started here)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g = p.add_argument_group("logs")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="least severe log lines written (default info: startup, access and engine lines)")
+    g.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="no access line per request (route, status, tokens, time to first token, total time, id)")
+    g.add_argument("--log-stats-interval", type=float, default=10.0, metavar="S",
+                   help="seconds between the engine lines (tok/s, running / waiting, KV usage, prefix-cache hit "
+                        "rate) while busy (default 10; 0: none)")
     p.set_defaults(func=run_serve)
 
 
@@ -187,7 +194,8 @@ def run_serve(args) -> int:
     from atlas_vlm.entrypoints.openai.media import MediaPolicy
     from atlas_vlm.entrypoints.openai.served_name import default_served_model_name
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%m-%d %H:%M:%S")
     config = engine_config_from_args(args)
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
@@ -198,6 +206,8 @@ def run_serve(args) -> int:
                  "max_stored_responses"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.log_stats_interval < 0:
+        raise ValueError(f"--log-stats-interval must be >= 0 seconds (0: no engine lines), got {args.log_stats_interval}")
     if args.shutdown_timeout <= 0:
         raise ValueError(f"--shutdown-timeout must be > 0 seconds, got {args.shutdown_timeout}")
     media = MediaPolicy.over(config.multimodal_config.media, allowed_local_media_path=args.allowed_local_media_path)
@@ -209,4 +219,5 @@ def run_serve(args) -> int:
                       protect_docs_metrics=args.protect_docs_metrics, input_workers=args.input_workers,
                       shutdown_timeout_s=args.shutdown_timeout, files_dir=args.files_dir,
                       max_file_bytes=args.max_file_bytes, batch_max_in_flight=args.max_batch_concurrency,
-                      responses_dir=args.responses_dir, max_stored_responses=args.max_stored_responses)
+                      responses_dir=args.responses_dir, max_stored_responses=args.max_stored_responses,
+                      access_log=args.access_log, log_stats_interval_s=args.log_stats_interval or None)

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from atlas_vlm.engine.async_llm import AsyncLLM, EngineDeadError, EngineStepError, QueueFullError, RequestStream
+from atlas_vlm.entrypoints.openai.access_log import record_streams
 from atlas_vlm.entrypoints.openai.protocol import APIError, printable
 from atlas_vlm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -126,12 +127,14 @@ async def start_choices(ctx: ServerContext, prompt, params: list[SamplingParams]
     try:
         first = await ctx.engine.add_request(prompt, params[0], f"{base_id}-0", arrival)
         started.append(first)
+        record_streams(base_id, started)
         if len(params) == 1:
             return [first], first
         it = aiter(first)
         head = await anext(it)
         for i, p in enumerate(params[1:], 1):
             started.append(await ctx.engine.add_request(prompt, p, f"{base_id}-{i}", arrival))
+            record_streams(base_id, started[-1:], counts_prompt=False)
         return [_prepend(head, first), *started[1:]], first
     except (ValueError, TypeError, RuntimeError, OSError) as e:
         for s in started:
