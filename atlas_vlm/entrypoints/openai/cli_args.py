@@ -132,8 +132,10 @@ def add_engine_args(p) -> None:
                    help="tool-call format: hermes (<tool_call> JSON), qwen3_coder (XML), llama3_json, mistral "
                         "(default: detected from the chat template)")
     p.add_argument("--speculative", default=None, choices=["ngram", "mtp"],
-                   help="exact speculative decoding: ngram (prompt-lookup drafts) or mtp (a Qwen3.5 checkpoint's "
-                        "multi-token-prediction head); docs/speculative.md")
+                   help="speculative decoding: ngram (prompt-lookup drafts) or mtp (a Qwen3.5 checkpoint's "
+                        "multi-token-prediction head). Distribution-exact always; token-for-token equal to "
+                        "speculation off only in fp32 or with --deterministic (in bf16 a near-tie can part them: "
+                        "verification rows are other GEMM shapes); docs/speculative.md")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per decode step with --speculative (default 4)")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=2,
                    help="no drafts while more requests than this run (default 2: measured, drafts lose in batches)")
