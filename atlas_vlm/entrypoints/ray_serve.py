@@ -175,7 +175,8 @@ def build_app(engine_kwargs: dict, num_replicas: int, *, served_model_names: lis
     replicas = [EngineReplica.options(name=f"engine-{i}", ray_actor_options={"num_cpus": cpus,
                                                                              "num_gpus": num_gpus_per_replica})
                 .bind(config.flat_kwargs(), max_waiting_requests, int(cpus)) for i in range(num_replicas)]
-    settings = dict(model=model, served_model_names=served_model_names or [default_served_model_name(model)], is_vlm=is_vlm,
+    settings = dict(model=model, served_model_names=served_model_names or [default_served_model_name(model)],
+                    is_vlm=is_vlm,
                     max_model_len=model_config.max_model_len or 4096, routing=routing,
                     imbalance_threshold=imbalance_threshold, api_key=api_key, media=media,
                     tool_call_parser=model_config.tool_call_parser,

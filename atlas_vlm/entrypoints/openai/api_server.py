@@ -235,8 +235,8 @@ def server_context(engine, front, engine_config, served_model_names=None, media=
                    max_prompts_per_request: int = 64) -> ServerContext:
     """The routes' ``ServerContext`` over a built ``LLMEngine`` and its ``AsyncLLM`` front
     (``served_model_names`` default: ``served_name.default_served_model_name`` of the model;
-    ``media`` default: the engine's
-    ``MediaFetchPolicy`` with no local files)."""
+    ``media`` default: the engine's ``MediaFetchPolicy`` with no local files); its
+    ``model_info`` feeds the ``/v1/models`` cards (``model_card``)."""
     from atlas_vlm.entrypoints.openai.media import MediaPolicy
     from atlas_vlm.tool_parsers import resolve_tool_parser
 

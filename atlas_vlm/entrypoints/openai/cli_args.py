@@ -209,7 +209,8 @@ def run_serve(args) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.log_stats_interval < 0:
-        raise ValueError(f"--log-stats-interval must be >= 0 seconds (0: no engine lines), got {args.log_stats_interval}")
+        raise ValueError(f"--log-stats-interval must be >= 0 seconds (0: no engine lines), "
+                         f"got {args.log_stats_interval}")
     if args.shutdown_timeout <= 0:
         raise ValueError(f"--shutdown-timeout must be > 0 seconds, got {args.shutdown_timeout}")
     media = MediaPolicy.over(config.multimodal_config.media, allowed_local_media_path=args.allowed_local_media_path)
