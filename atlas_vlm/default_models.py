@@ -40,6 +40,20 @@ RANDOM_VLM_NOTICE = (
 )
 
 
+def has_random_weights(model) -> bool:
+    """Whether ``model`` (a path or Hub id) is a random-weight checkpoint: a folder whose
+    ``README.md`` carries ``RANDOM_VLM_NOTICE``, as ``default_vlm_model`` writes it. Anything
+    else (files, Hub ids, missing paths, unreadable READMEs) is False."""
+    folder = Path(str(model)).expanduser() if model is not None else None
+    if folder is None or not folder.is_dir():
+        return False
+    readme = folder / "README.md"
+    try:
+        return readme.is_file() and RANDOM_VLM_NOTICE in readme.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+
+
 def _random_vlm_config():
     from transformers import Qwen2_5_VLConfig
 

@@ -54,7 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="weight-only quantization: int8 / int4 at load, gguf as stored (a .gguf), awq / gptq "
                         "(read from the checkpoint's quantization_config when not given)")
     p.add_argument("--speculative", default=None, choices=["ngram", "mtp"],
-                   help="exact speculative decoding: ngram (prompt-lookup drafts) or mtp (a Qwen3.5 checkpoint's "
+                   help="speculative decoding (distribution-exact; token-for-token exact in fp32 or with "
+                        "--deterministic): ngram (prompt-lookup drafts) or mtp (a Qwen3.5 checkpoint's "
                         "multi-token-prediction head); docs/speculative.md")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per decode step with --speculative (default 4)")
     p.add_argument("--deterministic", action="store_true",

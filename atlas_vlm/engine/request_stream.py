@@ -60,6 +60,7 @@ class RequestStreamState:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # the request's SamplingParams.output_kind
     request: object = None  # the engine's Request (prefix-cache hits), set in the engine thread
     last_token_time: float | None = None
+    first_token_time: float | None = None  # time.monotonic() of the step that gave its first token (access log)
     num_tokens_seen: int = 0  # generated tokens counted so far (metrics)
     finished: bool = False
     extra: dict = field(default_factory=dict)
@@ -80,6 +81,11 @@ class RequestStream:
 
     def __aiter__(self):
         return self._iterator
+
+    @property
+    def state(self) -> RequestStreamState:
+        """The request's shared state (arrival, first-token time, the engine's ``Request``)."""
+        return self._stream
 
     @property
     def num_cached_tokens(self) -> int:
@@ -143,6 +149,7 @@ def count_tokens(stat_logger, stream: RequestStreamState, out: RequestOutput | N
     if n_new <= 0:
         return
     if stream.last_token_time is None:
+        stream.first_token_time = now
         stat_logger.on_first_token(now - stream.arrival, num_prompt, getattr(req, "num_cached_tokens", 0))
         stat_logger.on_new_tokens(n_new, None)
     else:

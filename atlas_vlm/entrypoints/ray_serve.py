@@ -154,6 +154,7 @@ def build_app(engine_kwargs: dict, num_replicas: int, *, served_model_names: lis
     from transformers import AutoConfig
 
     from atlas_vlm.config import EngineConfig
+    from atlas_vlm.entrypoints.openai.served_name import default_served_model_name
     from atlas_vlm.entrypoints.replica_router import ReplicaRouter
     from atlas_vlm.hub import resolve_model_path
 
@@ -174,7 +175,8 @@ def build_app(engine_kwargs: dict, num_replicas: int, *, served_model_names: lis
     replicas = [EngineReplica.options(name=f"engine-{i}", ray_actor_options={"num_cpus": cpus,
                                                                              "num_gpus": num_gpus_per_replica})
                 .bind(config.flat_kwargs(), max_waiting_requests, int(cpus)) for i in range(num_replicas)]
-    settings = dict(model=model, served_model_names=served_model_names or [model], is_vlm=is_vlm,
+    settings = dict(model=model, served_model_names=served_model_names or [default_served_model_name(model)],
+                    is_vlm=is_vlm,
                     max_model_len=model_config.max_model_len or 4096, routing=routing,
                     imbalance_threshold=imbalance_threshold, api_key=api_key, media=media,
                     tool_call_parser=model_config.tool_call_parser,
@@ -208,10 +210,12 @@ def run_ray_server(engine_config, args) -> int:
 
     import ray
 
+    from atlas_vlm.entrypoints.openai.served_name import default_served_model_name
+
     # the http(s) media flags are in engine_config already (its multimodal_config.media, one policy)
     media = dict(allowed_local_media_path=args.allowed_local_media_path)
     app = build_app(engine_config.flat_kwargs(), args.replicas,
-                    served_model_names=args.served_model_name or [args.model or "SmolLM2-135M-Instruct"],
+                    served_model_names=args.served_model_name or [default_served_model_name(args.model)],
                     routing=args.routing, imbalance_threshold=args.imbalance_threshold,
                     num_cpus_per_replica=args.num_cpus_per_replica, num_gpus_per_replica=args.num_gpus_per_replica,
                     max_waiting_requests=args.max_waiting_requests, api_key=args.api_key, media=media,

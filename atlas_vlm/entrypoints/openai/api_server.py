@@ -5,7 +5,8 @@ Routes only translate HTTP to the serving functions and back; engine work happen
 whatever the input's bytes: a malformed body is 400 (never FastAPI's 422), an unknown route
 404, a wrong method 405 with ``Allow``, a body over ``--max-request-body-bytes`` (a
 ``/v1/files`` upload: ``--max-file-bytes``) 413, a failed engine step 500, busy or
-unavailable 503 with ``Retry-After``, anything unexpected 500. ``--api-key`` guards ``/v1/*`` (401; compared in constant time); with
+unavailable 503 with ``Retry-After``, anything unexpected 500. ``--api-key`` guards ``/v1/*``, ``/tokenize`` and
+``/detokenize`` (401; compared in constant time); with
 ``protect_docs_metrics`` also ``/docs``, ``/redoc``, ``/openapi.json`` and ``/metrics``;
 ``/health`` and the chat page at ``/`` (``entrypoints/web``) stay open. The OpenAPI schema
 declares what the routes answer (JSON or SSE, the error statuses, ``text/plain`` metrics).
@@ -35,10 +36,12 @@ from starlette.exceptions import HTTPException
 
 from atlas_vlm.engine.request_stream import EngineDeadError, EngineStepError
 from atlas_vlm.entrypoints.anthropic.routes import add_anthropic_routes
+from atlas_vlm.entrypoints.openai.access_log import AccessLogMiddleware
 from atlas_vlm.entrypoints.openai.batch.files import DEFAULT_MAX_FILE_BYTES, FileStore
 from atlas_vlm.entrypoints.openai.batch.jobs import DEFAULT_BATCH_IN_FLIGHT, BatchJobs
 from atlas_vlm.entrypoints.openai.batch.routes import FILES_PATH, add_batch_routes
 from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from atlas_vlm.entrypoints.openai.model_card import model_card, model_card_schema, model_info
 from atlas_vlm.entrypoints.openai.middleware import (APIKeyMiddleware, BodyLimitMiddleware, error_response,
                                                      default_max_request_body_bytes)
 from atlas_vlm.entrypoints.openai.responses.routes import add_responses_routes
@@ -47,6 +50,7 @@ from atlas_vlm.entrypoints.openai.serving_chat import create_chat_completion
 from atlas_vlm.entrypoints.openai.serving_common import ServerContext, engine_error, until_disconnected
 from atlas_vlm.entrypoints.openai.serving_completion import create_completion
 from atlas_vlm.entrypoints.openai.serving_embedding import EmbeddingRequest, create_embedding
+from atlas_vlm.entrypoints.openai.serving_tokenize import add_tokenize_routes
 from atlas_vlm.entrypoints.web import add_web_routes
 
 logger = logging.getLogger(__name__)
@@ -75,7 +79,7 @@ def _responses(*statuses: int, stream: bool = False) -> dict:
 def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics_text=None, *,
                max_request_body_bytes: int | None = None, protect_docs_metrics: bool = False,
                files: FileStore | None = None, batch_max_in_flight: int = DEFAULT_BATCH_IN_FLIGHT,
-               responses_store=None) -> FastAPI:
+               responses_store=None, access_log: bool = True) -> FastAPI:
     """FastAPI app over ``ctx`` (engine front + settings); ``registry`` is the Prometheus
     ``CollectorRegistry`` served at ``/metrics``, unless ``metrics_text`` (an async
     ``() -> str`` in Prometheus text format; the Ray ingress aggregates its replicas) is given.
@@ -88,6 +92,7 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
             an upload is bounded by its ``max_file_bytes`` instead of ``max_request_body_bytes``.
         batch_max_in_flight: lines of one ``/v1/batches`` batch running at once.
         responses_store: ``/v1/responses``' ``ResponseStore`` (default: in memory).
+        access_log: write one ``access_log`` line per request (outermost middleware).
 
     An ``EngineDeadError`` out of a route (the engine or a replica died mid-request) is 503,
     an ``EngineStepError`` (a failed step) 500, any other exception 500; all OpenAI JSON.
@@ -139,10 +144,11 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
     if max_request_body_bytes is not None:
         app.add_middleware(BodyLimitMiddleware, limit=max_request_body_bytes,
                            overrides={FILES_PATH: (files.max_file_bytes + UPLOAD_MARGIN_BYTES, "--max-file-bytes")})
+    if access_log:  # added last: outermost, so the other middlewares' refusals are logged too
+        app.add_middleware(AccessLogMiddleware)
 
     def _card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": created, "owned_by": "atlas-vlm",
-                "root": ctx.model_root or name, "parent": None, "max_model_len": ctx.max_model_len}
+        return model_card(name, created, ctx.max_model_len, ctx.model_info, ctx.is_vlm)
 
     health_responses = {200: {"description": "serving", "content": {"application/json": {"schema": {
         "type": "object", "properties": {"status": {"type": "string"}}}}}},
@@ -162,16 +168,20 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
         text = await metrics_text() if metrics_text is not None else generate_latest(registry)
         return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", responses=_responses(401))
+    card_ref = {"$ref": "#/components/schemas/Model"}
+
+    def _ok(schema: dict) -> dict:
+        return {"description": "OK", "content": {"application/json": {"schema": schema}}}
+
+    @app.get("/v1/models", responses={**_responses(401), 200: _ok({
+        "type": "object", "required": ["object", "data"],
+        "properties": {"object": {"type": "string"}, "data": {"type": "array", "items": card_ref}}})})
     async def models():
         return {"object": "list", "data": [_card(name) for name in ctx.model_names]}
 
-    @app.get("/v1/models/{model_id:path}", responses=_responses(401, 404))
+    @app.get("/v1/models/{model_id:path}", responses={**_responses(401, 404), 200: _ok(card_ref)})
     async def model(model_id: str):
-        if model_id not in ctx.model_names:
-            raise APIError(404, f"The model `{model_id}` does not exist; this server serves {ctx.model_names}",
-                           "model", "model_not_found")
-        return _card(model_id)
+        return _card(model_id if model_id in ctx.model_names else ctx.check_model(model_id))
 
     def _respond(result):
         if isinstance(result, dict):
@@ -197,6 +207,8 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
     add_anthropic_routes(app, ctx, _respond, _responses(*errors, stream=True))
 
     add_batch_routes(app, files, jobs, _responses)
+    if getattr(ctx.engine, "engine", None) is not None:  # a local engine: its tokenizer (not the Ray ingress)
+        add_tokenize_routes(app, ctx, _responses)
     add_web_routes(app)  # the chat page at / (its requests go to the guarded /v1 routes)
 
     def openapi() -> dict:
@@ -211,6 +223,7 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
             comps.pop("HTTPValidationError", None)
             comps.pop("ValidationError", None)
             comps["OpenAIError"] = _error_schema()
+            comps["Model"] = model_card_schema()
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -221,18 +234,24 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
 def server_context(engine, front, engine_config, served_model_names=None, media=None,
                    max_prompts_per_request: int = 64) -> ServerContext:
     """The routes' ``ServerContext`` over a built ``LLMEngine`` and its ``AsyncLLM`` front
-    (``served_model_names`` default: the model path; ``media`` default: the engine's
-    ``MediaFetchPolicy`` with no local files)."""
+    (``served_model_names`` default: ``served_name.default_served_model_name`` of the model;
+    ``media`` default: the engine's ``MediaFetchPolicy`` with no local files); its
+    ``model_info`` feeds the ``/v1/models`` cards (``model_card``)."""
     from atlas_vlm.entrypoints.openai.media import MediaPolicy
     from atlas_vlm.tool_parsers import resolve_tool_parser
 
+    from atlas_vlm.entrypoints.openai.served_name import default_served_model_name
+
     model_config = engine_config.model_config
     media = media or MediaPolicy.over(engine_config.multimodal_config.media)
-    return ServerContext(front, served_model_names or [model_config.model], hasattr(engine.hf_config, "vision_config"),
+    is_vlm = hasattr(engine.hf_config, "vision_config")
+    tool_parser = resolve_tool_parser(model_config.tool_call_parser, getattr(engine.tokenizer, "chat_template", None))
+    info = model_info(engine, engine_config, is_vlm=is_vlm, reasoning_parser=engine.reasoning_parser,
+                      tool_parser=tool_parser if model_config.tool_call_parser else None)
+    return ServerContext(front, served_model_names or [default_served_model_name(model_config.model)], is_vlm,
                          media, engine.max_model_len, max_prompts_per_request=max_prompts_per_request,
                          model_root=str(model_config.model), reasoning_parser=engine.reasoning_parser,
-                         tool_parser=resolve_tool_parser(model_config.tool_call_parser,
-                                                         getattr(engine.tokenizer, "chat_template", None)))
+                         tool_parser=tool_parser, model_info=info)
 
 
 def one_media_policy(engine_config, media=None):
@@ -254,13 +273,16 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
                max_prompts_per_request: int = 64, protect_docs_metrics: bool = False,
                input_workers: int = 2, shutdown_timeout_s: float = 30.0, files_dir: str | None = None,
                max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, batch_max_in_flight: int = DEFAULT_BATCH_IN_FLIGHT,
-               responses_dir: str | None = None, max_stored_responses: int = 1024) -> int:
+               responses_dir: str | None = None, max_stored_responses: int = 1024, access_log: bool = True,
+               log_stats_interval_s: float | None = 10.0) -> int:
     """Build the engine, serve until SIGTERM/SIGINT, shut down cleanly. ``files_dir``: where
     ``/v1/files`` keeps files (None: a temporary directory), each upload at most
     ``max_file_bytes``; ``batch_max_in_flight``: lines of one batch running at once;
     ``responses_dir`` / ``max_stored_responses``: the ``/v1/responses`` store (None: memory).
     ``media``: the server's ``MediaPolicy`` (None: the engine's ``multimodal_config.media``, no
     local files); its fetch fields become the engine's too (``one_media_policy``).
+    ``access_log``: one line per request (``access_log``); ``log_stats_interval_s``: seconds
+    between the engine lines while busy (``stat_logging``; None: none).
 
     Returns:
         0 after a signal; 1 if the engine was declared dead (repeated step failures), so a
@@ -274,10 +296,12 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
     from atlas_vlm.engine import LLMEngine
     from atlas_vlm.engine.async_llm import AsyncLLM
     from atlas_vlm.entrypoints.openai.metrics import PrometheusStatLogger
+    from atlas_vlm.entrypoints.openai.stat_logging import LoggingStatLogger, StatLoggers, log_startup
 
     engine_config, media = one_media_policy(engine_config, media)
     if max_request_body_bytes is None:
         max_request_body_bytes = default_max_request_body_bytes(media.max_image_bytes)
+    log_stats = LoggingStatLogger(log_stats_interval_s) if log_stats_interval_s is not None else None
     engine = LLMEngine(engine_config)
     stat_logger = PrometheusStatLogger()
     exit_code = {"code": 0}
@@ -289,14 +313,14 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
         if server is not None:
             server.should_exit = True
 
-    front = AsyncLLM(engine, max_waiting_requests=max_waiting_requests, stat_logger=stat_logger,
+    front = AsyncLLM(engine, max_waiting_requests=max_waiting_requests, stat_logger=StatLoggers(stat_logger, log_stats),
                      input_workers=input_workers, on_dead=on_dead)
     stat_logger.attach(front)
     ctx = server_context(engine, front, engine_config, served_model_names, media, max_prompts_per_request)
     app = create_app(ctx, stat_logger.registry, api_key, max_request_body_bytes=max_request_body_bytes,
                      protect_docs_metrics=protect_docs_metrics, files=FileStore(files_dir, max_file_bytes),
                      batch_max_in_flight=batch_max_in_flight,
-                     responses_store=ResponseStore(max_stored_responses, responses_dir))
+                     responses_store=ResponseStore(max_stored_responses, responses_dir), access_log=access_log)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # first signal: stop admitting, end every stream now
@@ -310,8 +334,13 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
     # process exits 0 after a graceful stop instead of dying by the signal
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    logger.info("serving %s as %s on http://%s:%d", engine_config.model_config.model, ctx.model_names, host, port)
+    log_startup(host, port, str(engine_config.model_config.model), ctx.model_names,
+                ctx.model_info is not None and ctx.model_info.random_weights)
+    if log_stats is not None:
+        log_stats.start(front)
     server.run()
+    if log_stats is not None:
+        log_stats.stop()
     front.shutdown()
     if not front.join(timeout=shutdown_timeout_s):
         # the engine thread is still inside one step: leaving through interpreter shutdown with it running

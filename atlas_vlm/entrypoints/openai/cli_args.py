@@ -28,7 +28,8 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) clients use; default: the MODEL path as given")
+                   help="model name(s) clients use, the first one in responses; default: a file's stem or a folder's "
+                        "name, lower-cased (a Hub id as given); the MODEL path is also accepted in requests")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (else 401)")
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="answer 503 while this many requests wait (default: no limit)")
@@ -85,7 +86,14 @@ def add_parser(sub) -> None:
                    help="Ray GPUs per replica (1 on a GPU cluster; default 0)")
     r.add_argument("--ray-address", default=None,
                    help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray started here)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g = p.add_argument_group("logs")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="least severe log lines written (default info: startup, access and engine lines)")
+    g.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="no access line per request (route, status, tokens, time to first token, total time, id)")
+    g.add_argument("--log-stats-interval", type=float, default=10.0, metavar="S",
+                   help="seconds between the engine lines (tok/s, running / waiting, KV usage, prefix-cache hit "
+                        "rate) while busy (default 10; 0: none)")
     p.set_defaults(func=run_serve)
 
 
@@ -124,8 +132,10 @@ def add_engine_args(p) -> None:
                    help="tool-call format: hermes (<tool_call> JSON), qwen3_coder (XML), llama3_json, mistral "
                         "(default: detected from the chat template)")
     p.add_argument("--speculative", default=None, choices=["ngram", "mtp"],
-                   help="exact speculative decoding: ngram (prompt-lookup drafts) or mtp (a Qwen3.5 checkpoint's "
-                        "multi-token-prediction head); docs/speculative.md")
+                   help="speculative decoding: ngram (prompt-lookup drafts) or mtp (a Qwen3.5 checkpoint's "
+                        "multi-token-prediction head). Distribution-exact always; token-for-token equal to "
+                        "speculation off only in fp32 or with --deterministic (in bf16 a near-tie can part them: "
+                        "verification rows are other GEMM shapes); docs/speculative.md")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per decode step with --speculative (default 4)")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=2,
                    help="no drafts while more requests than this run (default 2: measured, drafts lose in batches)")
@@ -184,8 +194,10 @@ def add_kv_cache_dir_args(p) -> None:
 def run_serve(args) -> int:
     from atlas_vlm.entrypoints.openai.api_server import run_server
     from atlas_vlm.entrypoints.openai.media import MediaPolicy
+    from atlas_vlm.entrypoints.openai.served_name import default_served_model_name
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%m-%d %H:%M:%S")
     config = engine_config_from_args(args)
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
@@ -196,15 +208,19 @@ def run_serve(args) -> int:
                  "max_stored_responses"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.log_stats_interval < 0:
+        raise ValueError(f"--log-stats-interval must be >= 0 seconds (0: no engine lines), "
+                         f"got {args.log_stats_interval}")
     if args.shutdown_timeout <= 0:
         raise ValueError(f"--shutdown-timeout must be > 0 seconds, got {args.shutdown_timeout}")
     media = MediaPolicy.over(config.multimodal_config.media, allowed_local_media_path=args.allowed_local_media_path)
     return run_server(config, host=args.host, port=args.port,
-                      served_model_names=args.served_model_name or [args.model or "SmolLM2-135M-Instruct"],
+                      served_model_names=args.served_model_name or [default_served_model_name(args.model)],
                       api_key=args.api_key, max_waiting_requests=args.max_waiting_requests, media=media,
                       log_level=args.log_level, max_request_body_bytes=args.max_request_body_bytes,
                       max_prompts_per_request=args.max_prompts_per_request,
                       protect_docs_metrics=args.protect_docs_metrics, input_workers=args.input_workers,
                       shutdown_timeout_s=args.shutdown_timeout, files_dir=args.files_dir,
                       max_file_bytes=args.max_file_bytes, batch_max_in_flight=args.max_batch_concurrency,
-                      responses_dir=args.responses_dir, max_stored_responses=args.max_stored_responses)
+                      responses_dir=args.responses_dir, max_stored_responses=args.max_stored_responses,
+                      access_log=args.access_log, log_stats_interval_s=args.log_stats_interval or None)

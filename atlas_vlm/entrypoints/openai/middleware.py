@@ -84,13 +84,14 @@ class APIKeyMiddleware:
     nothing about the key)."""
 
     DOCS_AND_METRICS = ("/docs", "/redoc", "/openapi.json", "/metrics")
+    ALSO_GUARDED = ("/tokenize", "/detokenize")  # outside /v1, but they run the model's tokenizer
 
     def __init__(self, app, api_key: str, protect_docs_metrics: bool = False):
         self.app, self.expected, self.key = app, f"Bearer {api_key}".encode(), api_key.encode()
         self.protect_docs_metrics = protect_docs_metrics
 
     def _guarded(self, path: str) -> bool:
-        if path.startswith("/v1"):
+        if path.startswith("/v1") or path in self.ALSO_GUARDED:
             return True
         return self.protect_docs_metrics and any(path == p or path.startswith(p + "/") for p in self.DOCS_AND_METRICS)
 

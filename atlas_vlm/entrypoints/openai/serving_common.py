@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from atlas_vlm.engine.async_llm import AsyncLLM, EngineDeadError, EngineStepError, QueueFullError, RequestStream
+from atlas_vlm.entrypoints.openai.access_log import record_streams
 from atlas_vlm.entrypoints.openai.protocol import APIError, printable
 from atlas_vlm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -30,10 +31,19 @@ class ServerContext:
     model_root: str | None = None  # the model path or id behind the served names (model card ``root``)
     reasoning_parser: object = None  # atlas_vlm.reasoning.ReasoningParser: split thinking from content
     tool_parser: type | None = None  # an atlas_vlm.tool_parsers.ToolParser class; None: from the chat template
+    model_info: object = None  # model_card.ModelInfo of the /v1/models cards; None: from is_vlm alone
 
     def check_model(self, name: str | None) -> str:
-        """Raises APIError(404) for a model name we do not serve."""
-        if name is not None and name not in self.model_names:
+        """The served name responses carry (the first one) for a request's ``model``: a
+        served name, the model path the server was started with (lenient:
+        ``served_name.same_model_path``), or None.
+
+        Raises:
+            APIError(404): a model name we do not serve.
+        """
+        from atlas_vlm.entrypoints.openai.served_name import same_model_path
+
+        if name is not None and name not in self.model_names and not same_model_path(name, self.model_root):
             raise APIError(404, f"The model `{name}` does not exist; this server serves {self.model_names}",
                            "model", "model_not_found")
         return self.model_names[0]
@@ -117,12 +127,14 @@ async def start_choices(ctx: ServerContext, prompt, params: list[SamplingParams]
     try:
         first = await ctx.engine.add_request(prompt, params[0], f"{base_id}-0", arrival)
         started.append(first)
+        record_streams(base_id, started)
         if len(params) == 1:
             return [first], first
         it = aiter(first)
         head = await anext(it)
         for i, p in enumerate(params[1:], 1):
             started.append(await ctx.engine.add_request(prompt, p, f"{base_id}-{i}", arrival))
+            record_streams(base_id, started[-1:], counts_prompt=False)
         return [_prepend(head, first), *started[1:]], first
     except (ValueError, TypeError, RuntimeError, OSError) as e:
         for s in started:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from atlas_vlm.entrypoints.openai.batch.results import ResultFiles
 from atlas_vlm.entrypoints.openai.batch.runner import DEFAULT_MAX_IN_FLIGHT, count_lines, read_lines, run_lines
+from atlas_vlm.entrypoints.openai.served_name import default_served_model_name
 
 
 def add_parser(sub) -> None:
@@ -72,7 +73,7 @@ def run_batch(args) -> int:
     try:
         engine_config = engine_config_from_args(args)
         engine = LLMEngine(engine_config)
-        names = args.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
+        names = args.served_model_name or [default_served_model_name(args.model)]
         asyncio.run(_run(engine, engine_config, args, names, results, total))
     except EngineDeadError as e:
         print(f"atlas-vlm run-batch: error: the engine died ({e}); rerun the same command to continue",
