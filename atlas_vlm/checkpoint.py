@@ -9,6 +9,7 @@ name here, so ``from atlas_vlm.loader import ModelNotFoundError`` keeps working.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -19,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["LoadedModel", "ModelNotFoundError", "build_folder_once", "cache_dir", "copy_dense", "our_name"]
+__all__ = ["GGUFFileError", "LoadedModel", "ModelNotFoundError", "build_folder_once", "cache_dir", "copy_dense",
+           "our_name", "read_gguf"]
 
 _STACKED = {  # HF name part -> (our fused name part, shard index)
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -30,6 +32,66 @@ _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 class ModelNotFoundError(FileNotFoundError):
     """The model path does not exist or holds no loadable checkpoint."""
+
+
+class GGUFFileError(ValueError):
+    """A ``.gguf`` file that cannot be read as GGUF: truncated, corrupt, or a tensor whose bytes
+    do not match its type and shape. The message is one line naming the file (and the tensor)."""
+
+
+def read_gguf(path):
+    """``gguf.GGUFReader`` over ``path`` (memory-mapped, nothing copied), checked first: every
+    tensor's type is known, its row a whole number of its type's blocks, its bytes
+    (``elements / block_size * type_size``, ``gguf.GGML_QUANT_SIZES``) inside the file and
+    before the next tensor's data. The reader alone fails on a truncated file with numpy's
+    "When changing to a larger dtype, its size must be a divisor ...".
+
+    Raises:
+        GGUFFileError: one line naming the file, the tensor and what is wrong (a truncated or
+            corrupt header names the file and what the reader saw).
+    """
+    import gguf
+
+    path = Path(path)
+
+    class Checked(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            spans = []
+            for field in fields:
+                _len, name_data, _n_dims, dims, raw_type, offset = field.parts
+                name = bytes(name_data).decode("utf-8", "replace")
+                try:
+                    qtype = gguf.GGMLQuantizationType(int(raw_type[0]))
+                except ValueError:
+                    raise GGUFFileError(f"{path}: tensor {name!r} has unknown GGML type id {int(raw_type[0])}") from None
+                block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+                shape = [int(d) for d in dims]
+                if shape and shape[0] % block:
+                    raise GGUFFileError(f"{path}: tensor {name!r} ({qtype.name}, shape {shape}) has rows of "
+                                        f"{shape[0]} elements, not a whole number of {block}-element blocks")
+                begin = int(start_offs) + int(offset[0])
+                end = begin + math.prod(shape) // block * type_size
+                if end > len(self.data):
+                    raise GGUFFileError(f"{path}: tensor {name!r} ({qtype.name}, shape {shape}) needs bytes "
+                                        f"{begin}..{end} but the file has {len(self.data)}: the file is truncated")
+                spans.append((begin, end, name, qtype.name, shape))
+            spans.sort()
+            for (_, end, name, kind, shape), (nxt, _, other, _, _) in zip(spans, spans[1:]):
+                if end > nxt:
+                    raise GGUFFileError(f"{path}: tensor {name!r} ({kind}, shape {shape}) needs {end - spans[0][0]} "
+                                        f"bytes past the data start but tensor {other!r} begins inside them: its byte "
+                                        f"count does not match its type and shape")
+            super()._build_tensors(start_offs, fields)
+
+    try:
+        return Checked(str(path))
+    except GGUFFileError:
+        raise
+    except (ValueError, IndexError, KeyError, OverflowError, TypeError, UnicodeDecodeError, OSError) as e:
+        if isinstance(e, FileNotFoundError):
+            raise ModelNotFoundError(f"GGUF file {path} does not exist") from None
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise GGUFFileError(f"{path}: not a readable GGUF file (truncated or corrupt header: {msg})") from None
 
 
 @dataclass

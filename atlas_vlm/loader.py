@@ -20,7 +20,8 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
-from atlas_vlm.checkpoint import LoadedModel, ModelNotFoundError, build_folder_once, cache_dir, copy_dense, our_name
+from atlas_vlm.checkpoint import (LoadedModel, ModelNotFoundError, build_folder_once, cache_dir, copy_dense, our_name,
+                                  read_gguf)
 from atlas_vlm.models import CausalLM, ModelArch
 from atlas_vlm.models.registry import model_class, resolve_family, text_config_of
 from atlas_vlm.tokenizer import apply_gguf_tokenizer_settings, eos_token_ids, gguf_tokenizer_settings, save_gguf_tokenizer
@@ -48,6 +49,7 @@ def gguf_to_folder(gguf_path: Path) -> Path:
     out = cache_dir() / "gguf" / f"{gguf_path.stem}-{key}"
     if (out / "config.json").exists():
         return out
+    read_gguf(gguf_path)  # a truncated or corrupt file named in one line before any conversion
     from transformers import AutoModelForCausalLM
 
     print(f"Converting {gguf_path.name} to {out} (once)...", file=sys.stderr, flush=True)

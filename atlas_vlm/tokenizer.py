@@ -61,9 +61,9 @@ def gguf_tokenizer_settings(path: str | Path) -> GGUFTokenizerSettings:
     Raises:
         ValueError: the file has no tokenizer vocabulary, or a special-token id is out of range.
     """
-    import gguf
+    from atlas_vlm.checkpoint import read_gguf
 
-    fields = gguf.GGUFReader(str(path)).fields
+    fields = read_gguf(path).fields
     if "tokenizer.ggml.tokens" not in fields:
         raise ValueError(f"{path}: GGUF file has no tokenizer.ggml.tokens")
     vocab = fields["tokenizer.ggml.tokens"].contents()

@@ -180,16 +180,15 @@ def load_gguf_quantized(gguf_path: str | os.PathLike, *, dtype: torch.dtype = to
             any decoding), or a fused projection mixing dense and quantized types.
         ValueError: the tensors do not match the config (missing / unexpected names).
     """
-    from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer
 
     from atlas_vlm.layers.quant_linear import finalize_quantized, quant_kernel_available
-    from atlas_vlm.checkpoint import LoadedModel
+    from atlas_vlm.checkpoint import LoadedModel, read_gguf
     from atlas_vlm.models import ModelArch
     from atlas_vlm.models.registry import model_class, resolve_family, text_config_of
 
     gguf_path = Path(gguf_path)
-    reader = GGUFReader(str(gguf_path))
+    reader = read_gguf(gguf_path)
     check_types(reader.tensors)  # every type before any work
     folder = meta_folder or gguf_meta_folder(gguf_path)
     hf_config = AutoConfig.from_pretrained(folder)

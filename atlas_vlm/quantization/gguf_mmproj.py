@@ -119,14 +119,12 @@ def gguf_pair_folder(model_path: Path, mmproj_path: Path, *, dense: bool) -> Pat
         ValueError: the pair is not a VLM pair we run, checked before any conversion
             (``gguf_mmproj_names.check_pair``: the file and what is wrong are named).
     """
-    from gguf import GGUFReader
-
-    from atlas_vlm.checkpoint import ModelNotFoundError, build_folder_once, cache_dir
+    from atlas_vlm.checkpoint import ModelNotFoundError, build_folder_once, cache_dir, read_gguf
 
     for what, path in (("model", model_path), ("mmproj", mmproj_path)):
         if not path.is_file():
             raise ModelNotFoundError(f"{what} file {path} does not exist")
-    model, mm = GGUFReader(str(model_path)), GGUFReader(str(mmproj_path))
+    model, mm = read_gguf(model_path), read_gguf(mmproj_path)
     model_type = check_pair(model, mm, model_path, mmproj_path)
     ident = ":".join([GGUF_PAIR_VERSION, str(dense)] + [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
                                                          for p in (model_path, mmproj_path)])
