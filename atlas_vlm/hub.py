@@ -6,7 +6,9 @@ disk. A local path that exists always wins; otherwise an ``ORG/NAME`` id is fetc
 ``HF_HOME`` / ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``, ``revision``, its tqdm bar), limited to
 the files the engine reads (``HUB_ALLOW_PATTERNS``): config, generation config, tokenizer,
 processor / chat template, safetensors weights and their index. No other weights format
-(``*.bin``, ``*.pth``, ``*.gguf``) is downloaded.
+(``*.bin``, ``*.pth``) is downloaded. A GGUF repo is taken as llama.cpp's ``-hf`` takes it
+(``resolve_model``, :mod:`atlas_vlm.hub_gguf`): ``ORG/NAME-GGUF[:QUANT]`` or ``hf_file=``
+fetch one ``.gguf`` (all parts of a split one) and the repo's paired ``mmproj``.
 """
 
 from __future__ import annotations
@@ -24,12 +26,62 @@ HUB_ALLOW_PATTERNS = [
     "*.safetensors", "model.safetensors.index.json",
 ]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")  # huggingface_hub's repo id form: ORG/NAME
+_TAGGED = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.\-]*/[\w.\-]+):(?P<tag>[\w.\-]+)$")  # llama.cpp's ORG/NAME:QUANT
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
 
 def looks_like_repo_id(model: str) -> bool:
-    """``ORG/NAME`` with hub-valid characters (no leading ``/``, ``.``, ``~``, one slash)."""
-    return bool(_REPO_ID.match(model)) and ".." not in model
+    """``ORG/NAME`` (or llama.cpp's ``ORG/NAME:QUANT``) with hub-valid characters (no leading
+    ``/``, ``.``, ``~``, one slash)."""
+    return bool(_REPO_ID.match(model) or _TAGGED.match(model)) and ".." not in model
+
+
+def split_tag(model: str) -> tuple[str, str | None]:
+    """``ORG/NAME:QUANT`` -> (``ORG/NAME``, ``QUANT``); anything else -> (model, None)."""
+    m = _TAGGED.match(model)
+    return (m["repo"], m["tag"]) if m else (model, None)
+
+
+def is_gguf_repo_form(model: str, hf_file: str | None = None) -> bool:
+    """A Hub id to be taken as a GGUF repo: a ``:QUANT`` tag, an ``hf_file``, or a name ending
+    in ``-GGUF`` (case-insensitive), as GGUF repos on the Hub are named."""
+    repo, tag = split_tag(model)
+    return tag is not None or hf_file is not None or repo.lower().endswith("gguf")
+
+
+def resolve_model(model: str | os.PathLike, revision: str | None = None, hf_file: str | None = None
+                  ) -> tuple[Path, Path | None]:
+    """``resolve_model_path`` and, for a GGUF repo, its paired mmproj (``None`` otherwise).
+
+    Args:
+        model: a local path, a Hub id ``ORG/NAME`` or ``ORG/NAME:QUANT`` (a GGUF repo's quant tag).
+        revision: branch, tag or commit of the Hub repo (``None``: ``main``).
+        hf_file: the GGUF repo file to load (llama.cpp's ``--hf-file``); wins over a tag.
+
+    Returns:
+        (the model folder or ``.gguf`` (a split file's first part), the mmproj ``.gguf`` or None).
+
+    Raises:
+        ModelNotFoundError: as ``resolve_model_path``; for a GGUF repo also: no file of the tag
+            (the tags it has are listed), ``hf_file`` not in the repo, not cached when offline
+            (the message gives the ``huggingface-cli download ... --include`` line).
+    """
+    path = Path(model).expanduser()
+    if path.exists() or not looks_like_repo_id(str(model)):
+        return path, None
+    from atlas_vlm.checkpoint import ModelNotFoundError
+    from atlas_vlm.hub_gguf import fetch_gguf
+
+    repo_id, tag = split_tag(str(model))
+    if is_gguf_repo_form(str(model), hf_file):
+        return fetch_gguf(repo_id, tag, hf_file, revision, hub_cache_dir(), hub_offline())
+    path = resolve_model_path(model, revision)
+    if (path / "config.json").exists() or any(path.glob("*.safetensors")):
+        return path, None
+    try:  # no config, no safetensors: a GGUF repo named otherwise
+        return fetch_gguf(repo_id, None, None, revision, hub_cache_dir(), hub_offline())
+    except ModelNotFoundError:
+        return path, None  # the loader says what the folder lacks
 
 
 def hub_offline() -> bool:
@@ -68,6 +120,8 @@ def resolve_model_path(model: str | os.PathLike, revision: str | None = None, *,
     path = Path(model).expanduser()
     if path.exists() or not looks_like_repo_id(str(model)):
         return path
+    if is_gguf_repo_form(str(model)):
+        return resolve_model(model, revision)[0]
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
@@ -80,6 +134,7 @@ def resolve_model_path(model: str | os.PathLike, revision: str | None = None, *,
     except LocalEntryNotFoundError as exc:
         how = (f"HF_HUB_OFFLINE is set: unset it to download, or fetch it first with `{get}`" if offline
                else f"check the network, or fetch it first with `{get}`")
+        how += f"; for a GGUF repo name its quant, {repo_id}:Q4_K_M, or fetch with `{get} --include \"*Q4_K_M*.gguf\"`"
         raise ModelNotFoundError(
             f"model {repo_id!r}{rev} is not a local path and is not in the Hugging Face cache "
             f"({hub_cache_dir() or 'default HF cache'}); {how}") from exc

@@ -156,12 +156,14 @@ def _load_quantized_rows(module, name: str, shard: int | None, tensor: torch.Ten
 
 def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                revision: str | None = None, quantization: str | None = None,
-               mmproj: str | os.PathLike | None = None) -> LoadedModel:
+               mmproj: str | os.PathLike | None = None, hf_file: str | None = None) -> LoadedModel:
     """Load config, tokenizer and weights of a supported model.
 
     Args:
-        path: an HF model folder (``config.json`` + ``*.safetensors``), a ``.gguf`` file, or a
-            Hub id ``ORG/NAME`` (``atlas_vlm.hub.resolve_model_path``; a local path wins).
+        path: an HF model folder (``config.json`` + ``*.safetensors``), a ``.gguf`` file (a
+            split one's parts ``-0000i-of-0000n.gguf`` read as one), or a Hub id ``ORG/NAME`` /
+            a GGUF repo's ``ORG/NAME-GGUF[:QUANT]`` (``atlas_vlm.hub.resolve_model``; a local
+            path wins; a GGUF repo's ``mmproj`` is paired unless ``mmproj`` is given).
         dtype: parameter dtype (``EngineConfig.torch_dtype``: bf16 on CUDA and on CPUs with
             AMX/AVX512-BF16, else fp32).
         revision: Hub branch / tag / commit for a Hub id.
@@ -171,6 +173,7 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
             :mod:`atlas_vlm.quantization`.
         mmproj: llama.cpp's ``mmproj`` GGUF of the VLM whose language model ``path`` (a
             ``.gguf``) is: the pair is loaded as one VLM (:mod:`atlas_vlm.quantization.gguf_mmproj`).
+        hf_file: the GGUF file of a Hub GGUF repo ``path`` to load (llama.cpp's ``--hf-file``).
 
     Raises:
         ModelNotFoundError: ``path`` (or ``mmproj``) does not exist or has no config/weights.
@@ -179,15 +182,19 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
         UnsupportedQuantizationError: an unknown scheme, a checkpoint quantization method or
             GGUF tensor type we do not run (named), or a scheme that does not fit the file.
     """
-    from atlas_vlm.hub import resolve_model_path
+    from atlas_vlm.hub import resolve_model
     from atlas_vlm.quantization import check_quantization
+    from atlas_vlm.quantization.gguf_split import merged_gguf
 
     check_quantization(quantization)
 
-    path = resolve_model_path(path, revision)
+    path, hub_mmproj = resolve_model(path, revision, hf_file)
     if not path.exists():
         raise ModelNotFoundError(f"model path {path} does not exist; pass an HF model folder, a .gguf file "
-                                 f"or a Hugging Face Hub id ORG/NAME")
+                                 f"or a Hugging Face Hub id ORG/NAME (a GGUF repo: ORG/NAME-GGUF:Q4_K_M)")
+    if path.is_file() and path.suffix == ".gguf":
+        path = merged_gguf(path)  # a split file's parts as one file
+    mmproj = mmproj if mmproj is not None else hub_mmproj
     if mmproj is not None:
         return _load_gguf_pair(path, Path(mmproj).expanduser(), dtype, device, quantization)
     if path.is_file():

@@ -1,6 +1,6 @@
 """``ModelConfig``: which model is loaded and how (vLLM's ``ModelConfig``).
 
-Scope: the checkpoint (``model``, ``mmproj``, ``revision``), its dtype, length and weight
+Scope: the checkpoint (``model``, ``mmproj``, ``revision``, ``hf_file``), its dtype, length and weight
 quantization, the default sampling seed and the output parsers. Validated on creation; the
 messages name the flat ``EngineConfig(...)`` / ``LLM(...)`` keyword.
 """
@@ -29,6 +29,9 @@ class ModelConfig:
     # (atlas_vlm.quantization.gguf_mmproj); None: no mmproj
     mmproj: str | None = None
     revision: str | None = None  # Hub branch / tag / commit when model is a Hub id (None: main)
+    # the .gguf of a Hub GGUF repo `model` to load (llama.cpp's --hf-file); None: by the id's
+    # :QUANT tag, else Q4_K_M, else the first .gguf (atlas_vlm.hub_gguf)
+    hf_file: str | None = None
     dtype: str = "auto"  # "auto": bf16 on CUDA (fp16 without bf16) and on a CPU with AMX/AVX512-BF16, else fp32
     max_model_len: int | None = None  # tokens per request (prompt + output); None: min(model max, 4096)
     # weight-only quantization (atlas_vlm.quantization): None (dense), "int8" / "int4" (quantized
@@ -51,7 +54,12 @@ class ModelConfig:
         from atlas_vlm.quantization import check_quantization
 
         check_quantization(self.quantization)  # ValueError naming the known methods, before any load
-        if self.mmproj is not None and not str(self.model).endswith(".gguf"):
+        from atlas_vlm.hub import is_gguf_repo_form, looks_like_repo_id
+
+        hub_gguf = looks_like_repo_id(str(self.model)) and is_gguf_repo_form(str(self.model), self.hf_file)
+        if self.hf_file is not None and not looks_like_repo_id(str(self.model)):
+            raise ValueError(f"hf_file={self.hf_file!r} needs model to be a Hub GGUF repo ORG/NAME, got model={self.model!r}")
+        if self.mmproj is not None and not str(self.model).endswith(".gguf") and not hub_gguf:
             raise ValueError(f"mmproj={self.mmproj!r} needs model to be its language model's .gguf file, "
                              f"got model={self.model!r}")
 

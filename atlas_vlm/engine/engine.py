@@ -116,7 +116,8 @@ class LLMEngine:
         if device.type == "cpu":
             hardware.apply_num_threads(config.device_config.num_threads)
         loaded = load_model(model_config.model, dtype=dtype, device=device, revision=model_config.revision,
-                            quantization=model_config.quantization, mmproj=model_config.mmproj)
+                            quantization=model_config.quantization, mmproj=model_config.mmproj,
+                            hf_file=model_config.hf_file)
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
         arch = loaded.model.arch

@@ -159,6 +159,22 @@ def test_file_routes_and_refusals(server):
         client.batches.retrieve("batch_nope")
 
 
+def test_an_input_that_is_not_jsonl_fails_at_validation(server):
+    """OpenAI's validation: ``validating`` -> ``failed`` with ``errors.data[{code, line,
+    message, param}]`` naming each line that is no request line; no line is run."""
+    client = server.client()
+    good = jsonl([("a", "/v1/chat/completions", chat_body("hi"))])
+    data = good + b"just some text\n\n[1, 2]\n" + b'{"method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
+    upload = client.files.create(file=("notes.txt", data), purpose="batch")
+    batch = wait_done(client, client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                                    completion_window="24h").id)
+    assert batch.status == "failed" and batch.failed_at is not None and batch.output_file_id is None
+    assert batch.request_counts.total == batch.request_counts.completed == batch.request_counts.failed == 0
+    got = [(e.code, e.line, e.param) for e in batch.errors.data]
+    assert got == [("invalid_json", 2, None), ("invalid_json", 4, None), ("invalid_value", 5, "custom_id")]
+    assert batch.errors.data[0].message.startswith("line 2: not valid JSON")
+
+
 def test_files_dir_keeps_files_across_a_restart(server, tiny_models, files_dir):
     client = server.client()
     f = client.files.create(file=("keep.jsonl", b'{"x": 1}\n'), purpose="batch")

@@ -25,6 +25,9 @@ def add_parser(sub) -> None:
                    help="HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--mmproj", default=None,
                    help="llama.cpp mmproj GGUF (vision tower) of the VLM whose language model GGUF is MODEL")
+    p.add_argument("--hf-file", default=None, metavar="NAME.gguf",
+                   help="the .gguf of the Hub GGUF repo MODEL to load (llama.cpp's --hf-file); default: MODEL's "
+                        ":QUANT tag (ORG/NAME-GGUF:Q8_0), else Q4_K_M, else the repo's first .gguf")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--served-model-name", nargs="+", default=None,
@@ -160,7 +163,8 @@ def engine_config_from_args(args):
     from atlas_vlm.config import EngineConfig, kv_cache_dir_kwargs
     from atlas_vlm.default_models import default_text_model
 
-    kwargs = dict(model=args.model or default_text_model(), mmproj=getattr(args, "mmproj", None), dtype=args.dtype, device=args.device,
+    kwargs = dict(model=args.model or default_text_model(), mmproj=getattr(args, "mmproj", None),
+                  hf_file=getattr(args, "hf_file", None), dtype=args.dtype, device=args.device,
                   quantization=args.quantization, kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                   max_model_len=args.max_model_len, num_kvcache_blocks=args.num_kvcache_blocks,
                   gpu_memory_utilization=args.gpu_memory_utilization, kvcache_block_size=args.block_size,

@@ -13,6 +13,7 @@ from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionReques
 from atlas_vlm.entrypoints.openai.serving_common import (ServerContext, chat_logprobs, close_all, collect,
                                                          error_event, error_field, merge, new_id, sampling_params,
                                                          sse, start_choices, until_error, usage)
+from atlas_vlm.entrypoints.openai.schema_check import check_tool_schemas
 from atlas_vlm.entrypoints.openai.structured import structured_outputs_from_request
 from atlas_vlm.tool_parsers import ToolParser, forced_tool_calls, resolve_tool_parser
 
@@ -38,10 +39,12 @@ def _constraint(ctx: ServerContext, req: ChatCompletionRequest):
     named function) or ``response_format`` / vLLM's structured-output extras.
 
     Raises:
-        APIError(400): ``tool_choice`` without ``tools``, a named function not in ``tools``,
+        APIError(400): an invalid tool ``parameters`` schema (any ``tool_choice``, named
+            ``tools[i].function.parameters...``), ``tool_choice`` without ``tools``, a named function not in ``tools``,
             a refused schema, a forced tool call with a tool parser that cannot force calls
             (only ``hermes`` can), or a forced tool call together with another constraint.
     """
+    check_tool_schemas(req.tools)  # under every tool_choice, before any grammar is built
     constraint = structured_outputs_from_request(req)
     choice = req.tool_choice
     if choice is not None and choice != "none" and not req.tools:

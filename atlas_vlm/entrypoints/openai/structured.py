@@ -26,6 +26,9 @@ def structured_outputs_from_request(req) -> StructuredOutputsParams | None:
             if rf.json_schema is None or rf.json_schema.json_schema is None:
                 raise APIError(400, "response_format.json_schema.schema is required for type 'json_schema'",
                                "response_format.json_schema", "invalid_value")
+            from atlas_vlm.entrypoints.openai.schema_check import check_request_schema
+
+            check_request_schema(rf.json_schema.json_schema, "response_format.json_schema.schema")
             found.append(("response_format", {"json": rf.json_schema.json_schema}))
     so = getattr(req, "structured_outputs", None)
     if so is not None:
@@ -43,5 +46,6 @@ def structured_outputs_from_request(req) -> StructuredOutputsParams | None:
     param, fields = found[0]
     try:
         return StructuredOutputsParams(**fields)
-    except (ValueError, TypeError) as e:
-        raise APIError(400, f"{param}: {e}", param, "invalid_value") from e
+    except (ValueError, TypeError) as e:  # "structured_outputs.json is not supported: ..." named by the field
+        msg = str(e).replace("structured_outputs.", f"{param}." if param != "structured_outputs" else "structured_outputs.", 1)
+        raise APIError(400, msg if msg.startswith(param) else f"{param}: {msg}", param, "invalid_value") from e

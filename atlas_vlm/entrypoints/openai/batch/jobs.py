@@ -5,7 +5,8 @@ once), its results written to the file store as ``batch_output`` files.
 Statuses (OpenAI's): ``validating`` (counting the input's lines) -> ``in_progress`` ->
 ``finalizing`` -> ``completed``; ``cancelling`` -> ``cancelled`` (the lines running are
 aborted; what finished is in the output / error files); ``failed`` (an empty or unreadable
-input, a dead engine, the server stopped: ``errors`` says why). Batch objects are kept beside
+input, a line that is no request line (not JSONL: ``errors.data`` names each such line, as
+OpenAI's validation does), a dead engine, the server stopped: ``errors`` says why). Batch objects are kept beside
 the files (``DIR/<batch id>.json``), so a ``--files-dir`` server lists them after a restart.
 """
 
@@ -20,9 +21,9 @@ import uuid
 
 from atlas_vlm.engine.request_stream import EngineDeadError
 from atlas_vlm.entrypoints.openai.batch.files import FileStore
-from atlas_vlm.entrypoints.openai.batch.lines import ENDPOINT_URLS
+from atlas_vlm.entrypoints.openai.batch.lines import ENDPOINT_URLS, validation_errors
 from atlas_vlm.entrypoints.openai.batch.results import ResultFiles
-from atlas_vlm.entrypoints.openai.batch.runner import count_lines, read_lines, run_lines
+from atlas_vlm.entrypoints.openai.batch.runner import read_lines, run_lines
 from atlas_vlm.entrypoints.openai.protocol import APIError, printable
 from atlas_vlm.entrypoints.openai.serving_common import ServerContext
 
@@ -144,9 +145,13 @@ class BatchJobs:
 
         try:
             src = self.files.path(batch["input_file_id"], "input_file_id")
-            counts["total"] = await asyncio.to_thread(count_lines, src)
+            counts["total"], invalid = await asyncio.to_thread(lambda: validation_errors(read_lines(src)))
             if counts["total"] == 0:
                 raise APIError(400, "the input file has no request lines", "input_file_id", "empty_file")
+            if invalid:  # not JSONL of request lines: failed at validation, no line run
+                counts["total"] = 0
+                self._fail(batch, None, "", errors=invalid)
+                return
             batch.update(status="in_progress", in_progress_at=int(time.time()))
             with ResultFiles(out, err) as results:
                 await run_lines(self.ctx, read_lines(src), results, max_in_flight=self.max_in_flight,
@@ -180,9 +185,9 @@ class BatchJobs:
             self._save(batch)
 
     @staticmethod
-    def _fail(batch: dict, code: str | None, message: str) -> None:
-        batch.update(status="failed", failed_at=int(time.time()), errors={"object": "list", "data": [
-            {"code": code, "message": printable(message), "param": None, "line": None}]})
+    def _fail(batch: dict, code: str | None, message: str, errors: list[dict] | None = None) -> None:
+        data = errors or [{"code": code, "message": printable(message), "param": None, "line": None}]
+        batch.update(status="failed", failed_at=int(time.time()), errors={"object": "list", "data": data})
 
     def _save(self, batch: dict) -> None:
         """Keep the batch object beside the files (``DIR/<batch id>.json``), for a restart."""

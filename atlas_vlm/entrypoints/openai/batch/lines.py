@@ -77,6 +77,34 @@ def parse_line(raw: bytes, line_no: int, endpoint: str | None = None) -> BatchLi
     return BatchLine(line_no, cid, url, body)
 
 
+def validation_errors(source, limit: int = 20) -> tuple[int, list[dict]]:
+    """OpenAI's validation of a batch input file: the request lines (non-blank) and the
+    errors of the lines that are no request line at all (not JSON, not an object, no
+    ``custom_id``, ``method`` not POST, a ``url`` no endpoint has, ``body`` not an object).
+
+    Args:
+        source: ``(line_number, raw_bytes)`` pairs (``runner.read_lines``).
+        limit: errors kept at most (the first ones).
+
+    Returns:
+        ``(request lines, [{"code", "line", "message", "param"}, ...])``, OpenAI's
+        ``batch.errors.data`` entries; a line whose ``url`` is another endpoint's, or whose
+        ``custom_id`` repeats, is no validation error: it fails alone in the error file.
+    """
+    total, errors = 0, []
+    for line_no, raw in source:
+        if not raw.strip():
+            continue
+        total += 1
+        try:
+            parse_line(raw, line_no)
+        except LineError as e:
+            if len(errors) < limit:
+                errors.append({"code": e.error.code, "line": line_no, "message": printable(e.error.message),
+                               "param": e.error.param})
+    return total, errors
+
+
 def duplicate_error(line_no: int, custom_id: str) -> APIError:
     """The error of a line repeating an earlier line's ``custom_id`` (that one is the one run)."""
     return APIError(400, f"line {line_no}: custom_id {printable(repr(custom_id))} repeats an earlier line's "

@@ -21,7 +21,10 @@ from atlas_vlm.entrypoints.openai.serving_common import ServerContext, close_all
 
 def _as_responses(e: APIError) -> APIError:
     """``e`` with its param named as the Responses request names it."""
-    return APIError(e.status, e.message, responses_param(e.param), e.code, e.headers)
+    message = e.message
+    if e.param and message.startswith(e.param):  # the message leads with the field: named as Responses names it
+        message = responses_param(e.param) + message[len(e.param):]
+    return APIError(e.status, message, responses_param(e.param), e.code, e.headers)
 
 
 class Finisher:

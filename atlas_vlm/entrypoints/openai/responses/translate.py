@@ -25,10 +25,16 @@ _PARAMS = {"response_format": "text.format", "max_tokens": "max_output_tokens",
 def responses_param(param: str | None) -> str | None:
     """The Responses field behind a chat-request field named in an error (``response_format``
     -> ``text.format``; ``messages.2...`` -> ``input``: instructions, a previous response's
-    turns and merged function calls shift the chat indices, so none is claimed)."""
+    turns and merged function calls shift the chat indices, so none is claimed;
+    ``response_format.json_schema.schema`` -> ``text.format.schema``; ``tools[i].function.X`` ->
+    ``tools[i].X``)."""
     if param is None:
         return None
     head, _, rest = param.partition(".")
+    if param.startswith("response_format.json_schema.schema"):  # text.format holds the schema itself
+        return "text.format.schema" + param[len("response_format.json_schema.schema"):]
+    if head.startswith("tools[") and rest.startswith("function."):  # a Responses tool is flat, same index
+        return f"{head}.{rest[len('function.'):]}"
     if head == "messages":
         return "input"
     return _PARAMS.get(head, head) + (f".{rest}" if rest else "")
