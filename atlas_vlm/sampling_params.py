@@ -34,6 +34,9 @@ class SamplingParamsError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):  # pickles whole (an engine in another process raises it to the server)
+        return type(self), (self.param, str(self))
+
 
 class RequestOutputKind(enum.Enum):
     """What each ``RequestOutput`` of a request holds (vLLM ``vllm.sampling_params.RequestOutputKind``).
