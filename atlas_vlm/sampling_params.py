@@ -23,6 +23,19 @@ MAX_LOGPROBS = 20
 # torch.Generator.manual_seed's range; top_k goes into an int64 tensor.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 _INT64_MAX = 2**63 - 1
+# OpenAI's ranges: frequency / presence penalties in [-2, 2], a logit_bias value in [-100, 100]
+_PENALTY_MAX, _LOGIT_BIAS_MAX = 2.0, 100.0
+
+
+class SamplingParamsError(ValueError):
+    """A bad ``SamplingParams`` value; ``param`` names the field (the server's 400 names it)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):  # pickles whole (an engine in another process raises it to the server)
+        return type(self), (self.param, str(self))
 
 
 class RequestOutputKind(enum.Enum):
@@ -68,10 +81,15 @@ def _is_real(x) -> bool:
 class SamplingParams:
     """Sampling and stopping rules of one request.
 
-    ``temperature < 1e-5`` (0 included) is greedy (argmax). Otherwise logits are divided by
-    the temperature, cut to the ``top_k`` best and the smallest set whose probability
-    reaches ``top_p``, and sampled with a generator seeded by ``seed`` (reproducible per
-    request). A ``top_k`` larger than the vocabulary keeps the whole vocabulary.
+    First, on the raw logits (vLLM's order): ``logit_bias`` is added, then
+    ``repetition_penalty`` (HF / vLLM: every token seen in the prompt or the output has a
+    positive logit divided by it, a negative one multiplied), then OpenAI's
+    ``logits[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0)`` over the
+    output tokens. ``temperature < 1e-5`` (0 included) is greedy (argmax of those logits).
+    Otherwise they are divided by the temperature, cut to the ``top_k`` best, the smallest set
+    whose probability reaches ``top_p``, and the tokens whose probability is at least ``min_p``
+    times the best's (HF's warper order), and sampled with a generator seeded by ``seed``
+    (reproducible per request). A ``top_k`` larger than the vocabulary keeps the whole vocabulary.
 
     Raises:
         ValueError: on creation or assignment, naming the bad field and the allowed range;
@@ -81,6 +99,11 @@ class SamplingParams:
     temperature: float = 1.0  # < 1e-5: greedy
     top_p: float = 1.0  # nucleus mass in (0, 1]
     top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0  # in [0, 1]: keep tokens with probability >= min_p * the top one's; 0: off
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted from every token the output holds
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted once per occurrence in the output
+    repetition_penalty: float = 1.0  # > 0: divides (> 0) / multiplies (< 0) seen tokens' logits; 1: off
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100], added to its logit
     seed: int | None = None  # per-request RNG seed; None: the engine's seed + request index
     max_tokens: int | None = 16  # generated tokens at most; None: up to max_model_len
     stop_token_ids: list[int] = field(default_factory=list)  # stop after emitting one of these (None: [])
@@ -104,6 +127,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop", list(self.stop))
         object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", dict(self.logit_bias) or None)  # a copy; {}: None
         if isinstance(self.structured_outputs, dict):
             try:
                 so = StructuredOutputsParams(**self.structured_outputs)
@@ -136,6 +161,7 @@ class SamplingParams:
                              f"got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1 or self.top_k > _INT64_MAX:
             raise ValueError(f"top_k must be an int, -1 or 0 (off) or in [1, 2**63 - 1], got {self.top_k!r}")
+        self._validate_penalties()
         if self.seed is not None and (not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
             raise ValueError(f"seed must be an int in [-2**63, 2**64 - 1] or None, got {self.seed!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
@@ -158,17 +184,52 @@ class SamplingParams:
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, a dict of its fields or None, "
                              f"got {type(self.structured_outputs).__name__}")
 
+    def _validate_penalties(self) -> None:
+        m = self.min_p
+        if not _is_real(m) or not 0.0 <= m <= 1.0:
+            raise SamplingParamsError("min_p", f"min_p must be in [0, 1], got {m!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -_PENALTY_MAX <= v <= _PENALTY_MAX:
+                raise SamplingParamsError(name, f"{name} must be in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if not _is_real(r) or not 0.0 < r < math.inf or not 0.0 < _as_float32(r) < math.inf:
+            raise SamplingParamsError("repetition_penalty", f"repetition_penalty must be > 0 and finite in "
+                                      f"float32 (1: off), got {r!r}")
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise SamplingParamsError("logit_bias", f"logit_bias must be a dict of token id -> bias or None, "
+                                      f"got {type(self.logit_bias).__name__}")
+        for t, b in self.logit_bias.items():
+            if not _is_int(t) or t < 0:
+                raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids (ints >= 0), got {t!r}")
+            if not _is_real(b) or not -_LOGIT_BIAS_MAX <= b <= _LOGIT_BIAS_MAX:
+                raise SamplingParamsError("logit_bias", f"logit_bias values must be in [-100, 100], "
+                                          f"got {b!r} for token {t}")
+
     @property
     def greedy(self) -> bool:
         return is_greedy(self.temperature)
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether ``logit_bias`` or a penalty changes the raw logits (``worker.penalties``)."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or bool(self.frequency_penalty) \
+            or bool(self.presence_penalty)
 
 
 def check_for_model(params: SamplingParams, vocab_size: int) -> None:
     """The limits that depend on the model, checked when a request is added.
 
     Raises:
-        ValueError: a stop token id is not a token of this model (``>= vocab_size``).
+        ValueError: a stop token id is not a token of this model (``>= vocab_size``);
+            ``SamplingParamsError`` (param ``logit_bias``) for a ``logit_bias`` key that is not.
     """
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids {bad} are not tokens of this model (vocab_size {vocab_size})")
+    bad = sorted(t for t in (params.logit_bias or {}) if t >= vocab_size)
+    if bad:
+        raise SamplingParamsError("logit_bias", f"logit_bias keys {bad[:8]} are not tokens of this model "
+                                  f"(vocab_size {vocab_size})")

@@ -35,6 +35,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0, help="keep tokens with probability >= P x the best's; 0 = off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide / multiply the logits of tokens seen in prompt and output (HF / vLLM); 1 = off")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, per output occurrence, in [-2, 2]")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, once per output token, in [-2, 2]")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--kv-cache", choices=["paged", "contiguous"], default="paged")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -102,6 +107,8 @@ def _generate(args: argparse.Namespace, streaming: list) -> int:
     try:
         kwargs.update(kv_cache_dir_kwargs(args.kv_cache_dir, args.kv_cache_dir_max_gb))
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                                frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
                                 seed=args.seed, max_tokens=args.max_tokens)
         llm = LLM(model or default_text_model(), **kwargs)
         video_opts = {k: v for k, v in (("fps", args.fps), ("max_frames", args.max_frames)) if v is not None}

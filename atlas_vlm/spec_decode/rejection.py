@@ -12,6 +12,8 @@ run without speculation, their distribution does not).
 
 ``sample_with_drafts`` wraps ``worker.sampler.sample``: rows of sampled (non-greedy) requests
 with drafts go through ``rejection_sample``, every other row through ``sample`` unchanged.
+Logit bias and penalties apply to every verified row first, row ``j`` counting the ``j``
+drafts before it (``worker.logits_processors``), so ``p`` is the undrafted step's.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from atlas_vlm.structured_output.backend import apply_token_bitmask
+from atlas_vlm.worker.logits_processors import apply_penalties
 from atlas_vlm.worker.sampler import SamplerOutput, _logprobs, _params_text, _sampling_probs, sample
 
 
@@ -52,9 +55,10 @@ def rejection_sample(probs: torch.Tensor, drafts: list[int], generator: torch.Ge
     return out + [int(torch.multinomial(probs[len(drafts)], 1, generator=generator))]
 
 
-def _verify_rows(logits: torch.Tensor, req, rows: list[int], out: SamplerOutput) -> None:
-    """Fill ``out`` at ``rows`` (one request's ``k + 1`` rows) by ``rejection_sample``; a
-    row whose distribution is not usable fails the request there (rows after it too)."""
+def _verify_rows(logits: torch.Tensor, raw: torch.Tensor, req, rows: list[int], out: SamplerOutput) -> None:
+    """Fill ``out`` at ``rows`` (one request's ``k + 1`` rows) by ``rejection_sample`` from
+    ``logits`` (penalised), logprobs from ``raw`` (before penalties); a row whose
+    distribution is not usable fails the request there (rows after it too)."""
     params = req.sampling_params
     try:
         probs = _sampling_probs(logits, [params] * logits.shape[0], rows)  # [k + 1, vocab]
@@ -68,7 +72,7 @@ def _verify_rows(logits: torch.Tensor, req, rows: list[int], out: SamplerOutput)
                              f"({type(e).__name__}: {e})")
         return
     asked = params.logprobs is not None
-    lps, tops = _logprobs(logits[rows], torch.tensor(tokens, device=logits.device), [req] * len(rows),
+    lps, tops = _logprobs(raw[rows], torch.tensor(tokens, device=logits.device), [req] * len(rows),
                           list(range(len(rows))) if asked else [])
     for j, r in enumerate(rows):
         out.token_ids[r], out.logprobs[r], out.top_logprobs[r] = tokens[j], lps[j], tops[j]
@@ -96,6 +100,9 @@ def sample_with_drafts(logits: torch.Tensor, requests: list, grammar_bitmask=Non
             idx = torch.tensor([g_rows[i] for i in drafted], device=logits.device)
             logits = logits.index_copy(0, idx, apply_token_bitmask(logits[idx], g_mask[drafted]))
     part = sample(logits[plain], [requests[j] for j in plain], masks)
+    sidx = torch.tensor(spec, device=logits.device)
+    penalised, pen_rows = apply_penalties(logits[sidx], [requests[j] for j in spec])  # [len(spec), vocab]
+    verified = logits.index_copy(0, sidx, penalised) if pen_rows else logits
     n = len(requests)
     out = SamplerOutput([None] * n, [None] * n, [None] * n, [None] * n)
     for i, j in enumerate(plain):
@@ -105,6 +112,6 @@ def sample_with_drafts(logits: torch.Tensor, requests: list, grammar_bitmask=Non
     while j < len(spec):
         req = requests[spec[j]]
         rows = spec[j:j + len(req.spec_token_ids) + 1]
-        _verify_rows(logits, req, rows, out)
+        _verify_rows(verified, logits, req, rows, out)
         j += len(rows)
     return out

@@ -1,5 +1,6 @@
 """Next-token choice for the rows of a step that finished a prompt or a decode, vectorised
-over the batch: temperature, top-k and top-p are tensor ops on ``[num_rows, vocab]``; the
+over the batch: logit bias and penalties (on the raw logits, ``logits_processors``), then
+temperature, top-k, top-p and min-p are tensor ops on ``[num_rows, vocab]``; the
 only per-row work is the seeded draw (``torch.multinomial`` with the request's own
 generator, so a seeded request gives the same tokens alone or in any batch).
 
@@ -18,6 +19,7 @@ import torch
 
 from atlas_vlm.sampling_params import is_greedy
 from atlas_vlm.structured_output.backend import apply_token_bitmask
+from atlas_vlm.worker.logits_processors import apply_min_p, apply_penalties
 
 
 @dataclass
@@ -74,17 +76,19 @@ def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, requests, rows: list[i
 
 
 def _params_text(p) -> str:
-    return f"temperature={p.temperature!r}, top_k={p.top_k!r}, top_p={p.top_p!r}"
+    text = f"temperature={p.temperature!r}, top_k={p.top_k!r}, top_p={p.top_p!r}"
+    return text + (f", min_p={p.min_p!r}" if p.min_p else "")
 
 
 def _sampling_probs(logits: torch.Tensor, params: list, rows: list[int]) -> torch.Tensor:
-    """``[len(rows), vocab]`` probabilities of ``rows`` after temperature, top-k and top-p."""
+    """``[len(rows), vocab]`` probabilities of ``rows`` after temperature, top-k, top-p and min-p."""
     dev = logits.device
     idx = torch.tensor(rows, device=dev)
     temps = torch.tensor([params[i].temperature for i in rows], dtype=logits.dtype, device=dev)
     top_k = torch.tensor([params[i].top_k for i in rows], device=dev)
     top_p = torch.tensor([params[i].top_p for i in rows], dtype=logits.dtype, device=dev)
-    return filter_top_k_top_p(logits[idx] / temps[:, None], top_k, top_p).softmax(-1)
+    min_p = torch.tensor([params[i].min_p for i in rows], dtype=logits.dtype, device=dev)
+    return apply_min_p(filter_top_k_top_p(logits[idx] / temps[:, None], top_k, top_p), min_p).softmax(-1)
 
 
 def _draw(logits: torch.Tensor, requests, params: list, rows: list[int], errors: list) -> dict[int, torch.Tensor]:
@@ -137,6 +141,8 @@ def sample(logits: torch.Tensor, requests, grammar_bitmask: tuple[list[int], tor
             a token whose bit is 0 gets ``-inf`` in that row (one op for all of them; other
             rows untouched), and logprobs are those of the masked distribution (as vLLM's).
             A constrained row whose allowed tokens have no finite logit fails alone.
+            Logit bias and penalties come after the mask; logprobs are taken before them
+            (vLLM's default ``raw_logprobs``).
 
     Returns:
         ``SamplerOutput``; a row that cannot be sampled has token ``None`` and an error
@@ -162,6 +168,16 @@ def sample(logits: torch.Tensor, requests, grammar_bitmask: tuple[list[int], tor
         if bool(dead.any()):
             dead_rows = [g_rows[j] for j in dead.nonzero()[:, 0].tolist() if g_rows[j] not in bad_rows]
             logits[torch.tensor(dead_rows, dtype=torch.long, device=logits.device)] = 0.0
+    pen_dead: list[int] = []
+    raw = logits  # logprobs: before penalties (vLLM raw_logprobs)
+    logits, pen_rows = apply_penalties(logits, requests)
+    if pen_rows:  # greedy picks from the penalised logits
+        pidx = torch.tensor(pen_rows, device=logits.device)
+        p_max, p_tokens = logits[pidx].max(dim=-1)
+        tokens = tokens.index_copy(0, pidx, p_tokens)
+        done = set(bad_rows) | set(dead_rows)  # left: rows the penalties left without a token (-inf / NaN)
+        pen_dead = [r for r, ok in zip(pen_rows, (p_max > float("-inf")).tolist(), strict=True)
+                    if not ok and r not in done]
     params = [r.sampling_params for r in requests]
     errors: list[str | None] = [None] * num_rows
     for i in bad_rows:
@@ -170,6 +186,9 @@ def sample(logits: torch.Tensor, requests, grammar_bitmask: tuple[list[int], tor
     for i in dead_rows:
         errors[i] = (f"request {requests[i].request_id!r}: no token its grammar allows has a finite logit; "
                      f"no token can be sampled")
+    for i in pen_dead:
+        errors[i] = (f"request {requests[i].request_id!r}: no token has a finite logit after logit_bias and "
+                     f"penalties; no token can be sampled")
     rows = [i for i, p in enumerate(params) if not is_greedy(p.temperature) and errors[i] is None]
     if rows:
         draws = _draw(logits, requests, params, rows, errors)
@@ -178,12 +197,12 @@ def sample(logits: torch.Tensor, requests, grammar_bitmask: tuple[list[int], tor
             tokens = tokens.index_copy(0, idx, torch.cat(list(draws.values())))
     asked = [i for i, p in enumerate(params) if p.logprobs is not None and errors[i] is None]
     try:
-        logprobs, tops = _logprobs(logits, tokens, requests, asked)
+        logprobs, tops = _logprobs(raw, tokens, requests, asked)
     except Exception:  # noqa: BLE001 - one row's logprobs broke the batch: redo row by row
         logprobs, tops = [None] * num_rows, [None] * num_rows
         for i in asked:
             try:
-                lp, top = _logprobs(logits, tokens, requests, [i])
+                lp, top = _logprobs(raw, tokens, requests, [i])
                 logprobs[i], tops[i] = lp[i], top[i]
             except Exception as e:  # noqa: BLE001 - this request fails alone
                 errors[i] = (f"request {requests[i].request_id!r}: logprobs={params[i].logprobs!r} failed "

@@ -34,6 +34,21 @@ def test_text_prompt_streams_the_greedy_answer(tiny_models, capsys):
 
 
 @pytest.mark.text
+def test_sampling_control_flags_mean_the_library_params(tiny_models, capsys):
+    folder = tiny_models["qwen2"][0]
+    flags = ["--repetition-penalty", "1.5", "--frequency-penalty", "0.5", "--presence-penalty", "0.25"]
+    rc = _cli().main([*FP32, "--model", str(folder), "--prompt", "Hello there", "--max-tokens", "8", "--no-chat",
+                      *flags])
+    out = capsys.readouterr()
+    llm = LLM(str(folder), num_kvcache_blocks=64, dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.5, frequency_penalty=0.5,
+                            presence_penalty=0.25)
+    assert rc == 0 and out.out == llm.generate("Hello there", params)[0].text + "\n"
+    assert _cli().main(["--model", str(folder), "--prompt", "hi", "--min-p", "2"]) == 1
+    assert "min_p must be in [0, 1], got 2.0" in capsys.readouterr().err
+
+
+@pytest.mark.text
 def test_missing_model_is_a_clear_error(capsys, tmp_path):
     rc = _cli().main(["--model", str(tmp_path / "nope"), "--prompt", "hi"])
     assert rc == 1

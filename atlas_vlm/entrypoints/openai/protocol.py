@@ -7,7 +7,7 @@ Scope: the fields the ``openai`` client sends to ``/v1/chat/completions`` and
 ``structured_outputs`` / ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
 ``guided_grammar``) and tool calls (``tools``, ``tool_choice``, ``parallel_tool_calls``,
 ``role: "tool"`` messages). Every model forbids unknown fields, so a feature we do not
-implement (``functions``, ``logit_bias``, ...) is refused with HTTP 400 naming the field
+implement (``functions``, ``audio``, ...) is refused with HTTP 400 naming the field
 instead of being silently ignored. Field names and defaults follow the OpenAI
 API reference and vLLM's ``vllm/entrypoints/openai/protocol.py``.
 """
@@ -219,7 +219,7 @@ class _SamplingFields(UnicodeBody):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # vLLM extra; 0 or -1: off
-    min_p: float = 0.0  # vLLM extra; only 0 (off) is supported
+    min_p: float | None = None  # vLLM extra; in [0, 1], None or 0: off
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM extra
@@ -227,8 +227,10 @@ class _SamplingFields(UnicodeBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extra
-    presence_penalty: float = 0.0  # only 0 is supported
-    frequency_penalty: float = 0.0  # only 0 is supported
+    presence_penalty: float | None = None  # in [-2, 2] (output tokens; SamplingParams checks the ranges)
+    frequency_penalty: float | None = None  # in [-2, 2] (output tokens, per occurrence)
+    repetition_penalty: float | None = None  # vLLM extra; > 0 (prompt and output tokens), None or 1: off
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias in [-100, 100]
     user: str | None = None  # end-user id, recorded by nobody
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None  # vLLM extra
@@ -236,13 +238,6 @@ class _SamplingFields(UnicodeBody):
     guided_regex: NonEmptyStr | None = None  # vLLM extra
     guided_choice: Choices | None = None  # vLLM extra
     guided_grammar: NonEmptyStr | None = None  # vLLM extra
-
-    @field_validator("min_p", "presence_penalty", "frequency_penalty")
-    @classmethod
-    def _only_zero(cls, v: float, info) -> float:
-        if v != 0.0:
-            raise ValueError(f"{info.field_name} is not supported by this server (only 0)")
-        return v
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -67,6 +67,25 @@ async def collect(iters: list[AsyncIterator]) -> list:
     return finals
 
 
+def penalty_kwargs(req) -> dict:
+    """``SamplingParams`` keywords of ``req``'s ``min_p``, penalties and ``logit_bias`` (those
+    set; its string keys as token ids).
+
+    Raises:
+        APIError(400): a ``logit_bias`` key that is not an integer (param ``logit_bias``).
+    """
+    kw = {k: getattr(req, k, None) for k in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")}
+    kw = {k: v for k, v in kw.items() if v is not None}
+    bias = getattr(req, "logit_bias", None)
+    if bias:
+        try:
+            kw["logit_bias"] = {int(t): b for t, b in bias.items()}
+        except ValueError:
+            raise APIError(400, f"invalid sampling parameters: logit_bias keys must be token ids (integers), "
+                           f"got {printable(repr(list(bias)[:8]))}", "logit_bias", "invalid_value") from None
+    return kw
+
+
 def sampling_params(req, max_tokens: int | None, logprobs: int | None, index: int = 0,
                     structured_outputs=None) -> SamplingParams:
     """SamplingParams of choice ``index`` of ``req``; choice ``i > 0`` of a seeded request uses
@@ -84,10 +103,10 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None, index: in
             stop=req.stop if isinstance(req.stop, list) else [req.stop] if req.stop else [],
             stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs,
             structured_outputs=structured_outputs,
-            output_kind=output_kind(bool(req.stream), req.n, index),
+            output_kind=output_kind(bool(req.stream), req.n, index), **penalty_kwargs(req),
         )
-    except (ValueError, TypeError) as e:
-        raise APIError(400, f"invalid sampling parameters: {e}", None, "invalid_value") from e
+    except (ValueError, TypeError) as e:  # a SamplingParamsError names its field
+        raise APIError(400, f"invalid sampling parameters: {e}", getattr(e, "param", None), "invalid_value") from e
 
 
 def engine_error(e: Exception) -> APIError:

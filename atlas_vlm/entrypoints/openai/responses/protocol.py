@@ -4,7 +4,8 @@ Scope: what the ``openai`` SDK's ``client.responses.create`` sends for text and 
 conversations: ``input`` (a string, or items: messages with ``input_text`` / ``input_image``
 / ``input_file`` (an image: by ``file_id`` from ``/v1/files``, ``file_data`` or ``file_url``) /
 ``output_text`` parts, ``function_call`` and ``function_call_output``), ``instructions``,
-``max_output_tokens``, ``temperature``, ``top_p``, ``stream``, function ``tools`` (the flat
+``max_output_tokens``, ``temperature``, ``top_p`` (and chat completions' ``top_k``, ``min_p``,
+penalties and ``logit_bias``), ``stream``, function ``tools`` (the flat
 Responses shape) and ``tool_choice``, ``text.format`` (structured output), ``store``,
 ``background`` and ``previous_response_id``. Unknown fields are refused (400 naming the field), as the chat
 models do. Field names and defaults follow OpenAI's API reference for ``responses.create``.
@@ -132,6 +133,13 @@ class ResponsesRequest(UnicodeBody):
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
+    # vLLM extras, as on chat completions (ranges checked there; None: off)
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     stream: bool = False
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None

@@ -17,6 +17,8 @@ from atlas_vlm.entrypoints.openai.responses.protocol import (FunctionCallItem, F
 # file_id -> the file's (bytes, filename); APIError(404) for an unknown id (the /v1/files store)
 FileReader = Callable[[str, str], tuple[bytes, str]]
 
+# chat completions' sampling fields a Responses body may carry too (vLLM extras), passed on as they are
+SAMPLING_EXTRAS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
 # chat-request fields named in errors, as the Responses request names them
 _PARAMS = {"response_format": "text.format", "max_tokens": "max_output_tokens",
            "max_completion_tokens": "max_output_tokens", "messages": "input"}
@@ -138,7 +140,7 @@ def chat_request(req: ResponsesRequest, history: list[dict], inputs: list[dict] 
     body: dict = {"messages": messages, "stream": req.stream, "parallel_tool_calls": req.parallel_tool_calls}
     if req.model is not None:
         body["model"] = req.model
-    for name in ("temperature", "top_p"):
+    for name in ("temperature", "top_p", *SAMPLING_EXTRAS):
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)
     if req.max_output_tokens is not None:
