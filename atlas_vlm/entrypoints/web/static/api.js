@@ -68,7 +68,8 @@ async function* sseData(body, signal) {
 export async function streamChat(body, apiKey, signal, onDelta, onUsage) {
   const response = await fetch("/v1/chat/completions", {
     method: "POST", headers: headers(apiKey), signal,
-    body: JSON.stringify({ ...body, stream: true, stream_options: { include_usage: true, continuous_usage_stats: true } }),
+    body: JSON.stringify({ ...body, stream: true,
+                           stream_options: { include_usage: true, continuous_usage_stats: true } }),
   });
   if (!response.ok) throw await failure(response);
   let finish = null;

@@ -3,16 +3,17 @@
 // context used, a sidebar that folds on a phone. Talks only to this server's /v1/models and
 // /v1/chat/completions (api.js).
 import { listModels, mediaKinds, streamChat } from "./api.js";
-import { readAttachment, mediaElement, userContent, watchFiles } from "./attach.js";
+import { drawModelInfo, drawUsage, phone, showSidebar, wireSidebar } from "./header.js";
+import { drawAttachments, readAttachment, userContent, watchFiles } from "./attach.js";
 import { addToolCallDeltas, editMessage, fillMessage } from "./render.js";
 import { copyText } from "./richtext.js";
-import { downloadExport, readImport, renderSidebar } from "./sidebar.js";
+import { renderSidebar, wireExportImport } from "./sidebar.js";
+import { openSettingsDialog, readSettingsDialog } from "./settings.js";
 import { loadConversations, loadSettings, newConversation, saveConversations, saveSettings, titleFrom } from "./store.js";
 
 const $ = (id) => document.getElementById(id);
 const state = { settings: loadSettings(), conversations: loadConversations(), currentId: null, model: null,
                 card: null, controller: null, pending: [] };
-const phone = window.matchMedia("(max-width: 700px)");
 
 function showError(message) {
   $("error").textContent = message || "";
@@ -46,38 +47,9 @@ async function refreshModel() {
     showError(e.message);
     return e.message;
   } finally {
-    drawModelInfo();
+    drawModelInfo(state.card);
+    drawUsage(current(), state.card);
   }
-}
-
-// Attach only for a model that takes images or videos; the random-weights notice.
-function drawModelInfo() {
-  const kinds = mediaKinds(state.card);
-  $("attach").hidden = kinds.length === 0;
-  $("attach-file").accept = kinds.map((k) => `${k}/*`).join(",");
-  $("notice").hidden = !(state.card && state.card.random_weights === true);
-  drawUsage();
-}
-
-// "used / max_model_len tokens": the context the current conversation holds, as the last
-// answer's usage counts it (prompt + completion, running while it streams).
-function drawUsage() {
-  const conv = current();
-  const last = conv && conv.messages.findLast((m) => m.usage);
-  const max = state.card && state.card.max_model_len;
-  const used = last ? last.usage.total_tokens ?? last.usage.prompt_tokens + last.usage.completion_tokens : 0;
-  $("context-usage").textContent = max ? `${used} / ${max} tokens` : `${used} tokens`;
-  $("context-usage").hidden = !last && !max;
-}
-
-function showSidebar(show) {
-  document.body.classList.toggle(phone.matches ? "sidebar-open" : "sidebar-closed", phone.matches ? show : !show);
-  $("toggle-sidebar").setAttribute("aria-expanded", String(show));
-}
-
-function sidebarShown() {
-  return phone.matches ? document.body.classList.contains("sidebar-open")
-    : !document.body.classList.contains("sidebar-closed");
 }
 
 // ---- drawing ---------------------------------------------------------------------------
@@ -119,20 +91,11 @@ function drawAll() {
   });
   $("send").hidden = !!state.controller;
   $("stop").hidden = !state.controller;
-  drawUsage();
+  drawUsage(conv, state.card);
 }
 
 function drawPending() {
-  $("attachments").replaceChildren(...state.pending.map((att, i) => {
-    const fig = document.createElement("figure");
-    const remove = document.createElement("button");
-    remove.type = "button";
-    remove.textContent = "×";
-    remove.title = `Remove ${att.name}`;
-    remove.addEventListener("click", () => { state.pending.splice(i, 1); drawPending(); });
-    fig.append(mediaElement(att), remove);
-    return fig;
-  }));
+  drawAttachments($("attachments"), state.pending, (i) => { state.pending.splice(i, 1); drawPending(); });
 }
 
 // ---- chatting --------------------------------------------------------------------------
@@ -141,7 +104,9 @@ function requestBody(conv) {
   const messages = s.system.trim() ? [{ role: "system", content: s.system }] : [];
   for (const m of conv.messages.slice(0, -1)) {  // a refused message (failed) and its error are left out
     if (m.role === "user" && !m.failed) messages.push({ role: "user", content: userContent(m) });
-    else if (m.role === "assistant" && (!m.error || m.content)) messages.push({ role: "assistant", content: m.content });
+    else if (m.role === "assistant" && (!m.error || m.content)) {
+      messages.push({ role: "assistant", content: m.content });
+    }
   }
   const body = { model: state.model, messages };
   if (s.temperature !== null && s.temperature !== "") body.temperature = Number(s.temperature);
@@ -168,7 +133,11 @@ async function generate(conv) {
   const redraw = () => {
     if (queued) return;
     queued = true;
-    requestAnimationFrame(() => { queued = false; drawMessage(conv, conv.messages.indexOf(answer), el); drawUsage(); });
+    requestAnimationFrame(() => {
+      queued = false;
+      drawMessage(conv, conv.messages.indexOf(answer), el);
+      drawUsage(conv, state.card);
+    });
   };
   const started = performance.now();
   try {
@@ -229,23 +198,10 @@ function startEdit(conv, i) {
 }
 
 // ---- settings --------------------------------------------------------------------------
-function openSettings() {
-  const s = state.settings;
-  $("set-system").value = s.system;
-  $("set-temperature").value = s.temperature ?? "";
-  $("set-max-tokens").value = s.maxTokens ?? "";
-  $("set-markdown").checked = s.markdown;
-  $("set-api-key").value = s.apiKey;
-  $("settings").returnValue = "";
-  $("settings").showModal();
-}
-
 function closeSettings() {
   if ($("settings").returnValue !== "save") return;
   const keyChanged = $("set-api-key").value !== state.settings.apiKey;
-  state.settings = { system: $("set-system").value, temperature: $("set-temperature").value,
-                     maxTokens: $("set-max-tokens").value, markdown: $("set-markdown").checked,
-                     apiKey: $("set-api-key").value };
+  state.settings = readSettingsDialog();
   saveSettings(state.settings);
   if (keyChanged) { showError(""); refreshModel(); }
   drawAll();
@@ -263,17 +219,16 @@ $("new-chat").addEventListener("click", () => {
   if (phone.matches) showSidebar(false);
   drawAll();
 });
-$("toggle-sidebar").addEventListener("click", (e) => { e.stopPropagation(); showSidebar(!sidebarShown()); });
-document.querySelector("main").addEventListener("click", () => { if (phone.matches && sidebarShown()) showSidebar(false); });
-document.addEventListener("keydown", (e) => { if (e.key === "Escape" && phone.matches) showSidebar(false); });
-$("open-settings").addEventListener("click", openSettings);
+$("open-settings").addEventListener("click", () => openSettingsDialog(state.settings));
 $("settings").addEventListener("close", closeSettings);
 $("attach").addEventListener("click", () => $("attach-file").click());
 watchFiles($("attach-file"), $("input"), $("composer"), async (files) => {
   try {
     for (const f of files) {
       const att = await readAttachment(f);
-      if (!mediaKinds(state.card).includes(att.kind)) throw new Error(`${att.name}: ${state.model} takes no ${att.kind}s`);
+      if (!mediaKinds(state.card).includes(att.kind)) {
+        throw new Error(`${att.name}: ${state.model} takes no ${att.kind}s`);
+      }
       state.pending.push(att);
     }
   } catch (e) {
@@ -281,24 +236,14 @@ watchFiles($("attach-file"), $("input"), $("composer"), async (files) => {
   }
   drawPending();
 });
-$("export").addEventListener("click", () => downloadExport(state.conversations));
-$("import").addEventListener("click", () => $("import-file").click());
-$("import-file").addEventListener("change", async () => {
-  const file = $("import-file").files[0];
-  $("import-file").value = "";
-  if (!file) return;
-  try {
-    const added = await readImport(file, state.conversations);
-    state.conversations = [...added, ...state.conversations];
-    persist();
-    showError("");
-    drawAll();
-  } catch (e) {
-    showError(`import failed: ${e.message}`);
-  }
-});
+wireExportImport(() => state.conversations, (added) => {
+  state.conversations = [...added, ...state.conversations];
+  persist();
+  showError("");
+  drawAll();
+}, (e) => showError(`import failed: ${e.message}`));
 
 state.currentId = state.conversations.length ? state.conversations[0].id : null;
-showSidebar(!phone.matches);
+wireSidebar();
 drawAll();
 refreshModel();

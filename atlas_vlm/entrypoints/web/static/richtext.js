@@ -29,9 +29,10 @@ DOMPurify.addHook("afterSanitizeAttributes", (node) => {
   }
 });
 
-// Safe HTML for the markdown `text` (a partial stream renders as far as it goes).
+// Safe HTML for the markdown `text` (a partial stream renders as far as it goes). KaTeX's
+// MathML keeps its <semantics> / <annotation> (the TeX source, plain text) for screen readers.
 export function renderMarkdown(text) {
-  return DOMPurify.sanitize(md.render(text || ""));
+  return DOMPurify.sanitize(md.render(text || ""), { ADD_TAGS: ["semantics", "annotation"], ADD_ATTR: ["encoding"] });
 }
 
 // Copy `text` to the clipboard; resolves to whether it was copied. navigator.clipboard needs
