@@ -61,6 +61,21 @@ def test_page_and_assets_are_served_with_their_content_types():
         assert (lib / "LICENSE").is_file(), lib
 
 
+def test_every_page_file_is_package_data():
+    import tomllib
+    from pathlib import Path
+
+    from atlas_vlm.entrypoints.web import STATIC_DIR
+
+    root = Path(__file__).resolve().parents[2]
+    package = root / "atlas_vlm"
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["atlas_vlm"]
+    shipped = {p for pattern in patterns for p in package.glob(pattern) if p.is_file()}  # setuptools' glob
+    files = {p for p in STATIC_DIR.rglob("*") if p.is_file()}
+    assert files - shipped == set()
+    assert sum(p.stat().st_size for p in (STATIC_DIR / "vendor").rglob("*") if p.is_file()) < 1_500_000
+
+
 def test_page_is_open_and_api_guarded_404_json_and_not_in_the_schema(key_server):
     assert httpx.get(key_server.url + "/", timeout=30).status_code == 200
     assert httpx.get(key_server.url + "/static/app.js", timeout=30).status_code == 200
