@@ -254,6 +254,8 @@ def test_import_refuses_attachments_that_are_not_media_data_urls(browser, key_se
     context = browser.new_context()
     page = open_page(context, key_server)
     png = "data:image/png;base64," + base64.b64encode((IMAGES / "aspect_200.png").read_bytes()).decode()
+    page.wait_for_selector("#error:not([hidden])")  # the 401 of GET /v1/models without the key, then cleared:
+    page.evaluate("document.getElementById('error').hidden = true")  # the import's own error is awaited below
     for url, kind, ok in (("javascript:alert(1)", "image", False), (png, "video", False), (png, "image", True)):
         export = tmp_path / "export.json"
         export.write_text(json.dumps({"conversations": [{"title": "T", "updated": 1, "messages": [
