@@ -80,6 +80,8 @@ def test_stop_ends_the_stream_midway_and_the_server_serves_on(browser, text_serv
     wait_answers(page, 1)
     partial = stored(page)[0]["messages"][1]
     assert partial["stopped"] is True and "stopped" in page.inner_text(".msg.assistant .meta")
+    counted = partial["usage"]["completion_tokens"]  # the running usage of the last chunk received
+    assert counted > 0 and page.inner_text(".msg.assistant .meta").startswith(f"{counted} tokens")
     wait_for(lambda: text_server.metrics().get(aborted, 0) == aborts + 1, "the server to abort the stopped request")
     assert text_server.metrics()["atlas:num_requests_running"] == 0
     full = api_answer(text_server, [{"role": "user", "content": story}], 200)

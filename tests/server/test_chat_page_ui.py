@@ -44,15 +44,36 @@ def test_page_and_assets_are_served_with_their_content_types():
     assert page.status_code == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
     assert page.text == (STATIC_DIR / "index.html").read_text()
     assert client.head("/").status_code == 200
-    linked = re.findall(r'(?:src|href)="/static/([\w.]+)"', page.text)
+    linked = re.findall(r'(?:src|href)="/static/([\w./-]+)"', page.text)
     imported = {m for f in STATIC_DIR.glob("*.js") for m in re.findall(r'from "\./([\w.]+)"', f.read_text())}
-    assert set(linked) == {"style.css", "app.js"} and imported == {"api.js", "attach.js", "markdown.js", "render.js",
-                                                                   "sidebar.js", "store.js"}
-    types = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8"}
-    for name in sorted(set(linked) | imported):
+    assert {n for n in linked if not n.startswith("vendor/")} == {"style.css", "app.js"}
+    assert imported == {"api.js", "attach.js", "header.js", "render.js", "richtext.js", "settings.js", "sidebar.js",
+                        "store.js"}
+    katex_css = (STATIC_DIR / "vendor/katex/katex.min.css").read_text()
+    fonts = {f"vendor/katex/{u}" for u in re.findall(r"url\((fonts/[\w-]+\.woff2)\)", katex_css)}
+    assert len(fonts) == 20 and {"vendor/katex/katex.min.js", "vendor/dompurify/purify.min.js"} <= set(linked)
+    types = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8", ".woff2": "font/woff2"}
+    for name in sorted(set(linked) | imported | fonts):
         r = client.get(f"/static/{name}")
         assert r.status_code == 200 and r.headers["content-type"] == types[name[name.rindex("."):]], name
         assert r.content == (STATIC_DIR / name).read_bytes()
+    for lib in (STATIC_DIR / "vendor").iterdir():  # each vendored library ships its license
+        assert (lib / "LICENSE").is_file(), lib
+
+
+def test_every_page_file_is_package_data():
+    import tomllib
+    from pathlib import Path
+
+    from atlas_vlm.entrypoints.web import STATIC_DIR
+
+    root = Path(__file__).resolve().parents[2]
+    package = root / "atlas_vlm"
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["atlas_vlm"]
+    shipped = {p for pattern in patterns for p in package.glob(pattern) if p.is_file()}  # setuptools' glob
+    files = {p for p in STATIC_DIR.rglob("*") if p.is_file()}
+    assert files - shipped == set()
+    assert sum(p.stat().st_size for p in (STATIC_DIR / "vendor").rglob("*") if p.is_file()) < 1_500_000
 
 
 def test_page_is_open_and_api_guarded_404_json_and_not_in_the_schema(key_server):
@@ -107,16 +128,18 @@ def delta(**d) -> dict:
 def test_markdown_reasoning_tool_calls_and_a_stream_error_are_drawn(browser, key_server):
     context = browser.new_context()
     page = open_page(context, key_server)
-    render = "s => import('/static/markdown.js').then(m => m.renderMarkdown(s))"
+    render = "s => import('/static/richtext.js').then(m => m.renderMarkdown(s))"
     assert page.evaluate(render, '<img src=x onerror="alert(1)"> [a](javascript:alert(1))') == (
-        '<p>&lt;img src=x onerror=&quot;alert(1)&quot;&gt; [a](javascript:alert(1))</p>')
-    assert page.evaluate(render, "**b** *i* `<t>` $x^2$\n- one\n- two\n```py\nx = 1 < 2\n```") == (
-        '<p><strong>b</strong> <em>i</em> <code>&lt;t&gt;</code> <span class="math">$x^2$</span></p>\n'
-        '<ul><li>one</li><li>two</li></ul>\n<pre><code class="language-py">x = 1 &lt; 2</code></pre>')
-    assert page.evaluate(render, "from $5 to $10, \\(a+b\\)") == (
-        '<p>from $5 to $10, <span class="math">\\(a+b\\)</span></p>')
+        '<p>&lt;img src=x onerror="alert(1)"&gt; [a](javascript:alert(1))</p>\n')
+    html = page.evaluate(render, "**b** *i* `<t>` $x^2$\n- one\n- two\n```py\nx = 1 < 2\n```")
+    assert html.startswith('<p><strong>b</strong> <em>i</em> <code>&lt;t&gt;</code> <span class="katex">')
+    assert '<annotation encoding="application/x-tex">x^2</annotation>' in html
+    assert html.endswith('<ul>\n<li>one</li>\n<li>two</li>\n</ul>\n<pre><code class="language-py">x = <span '
+                         'class="hljs-number">1</span> &lt; <span class="hljs-number">2</span>\n</code></pre>\n')
+    html = page.evaluate(render, "from $5 to $10, \\(a+b\\)")
+    assert html.startswith('<p>from $5 to $10, <span class="katex">') and html.count('class="katex"') == 1
     assert page.evaluate(render, "[doc](https://example.org/a?b=1&c=2)") == (
-        '<p><a href="https://example.org/a?b=1&amp;c=2" target="_blank" rel="noopener noreferrer">doc</a></p>')
+        '<p><a href="https://example.org/a?b=1&amp;c=2" target="_blank" rel="noopener noreferrer">doc</a></p>\n')
 
     bodies = []
     streams = [sse(delta(role="assistant", reasoning_content="Think "), delta(reasoning_content="first."),
@@ -138,7 +161,7 @@ def test_markdown_reasoning_tool_calls_and_a_stream_error_are_drawn(browser, key
     page.press("#input", "Enter")
     wait_answers(page, 1)
     msg = ".msg.assistant"
-    assert page.inner_html(f"{msg} .content") == "<p><strong>Sunny</strong> in <code>&lt;Paris&gt;</code></p>"
+    assert page.inner_html(f"{msg} .content") == "<p><strong>Sunny</strong> in <code>&lt;Paris&gt;</code></p>\n"
     assert page.get_attribute(f"{msg} details", "open") is None
     assert page.text_content(f"{msg} details .reasoning") == "Think first."
     assert page.inner_text(f"{msg} .tool-call") == 'get_weather({"city": "Paris"})'
@@ -193,10 +216,46 @@ def test_pasted_and_dropped_media_become_image_and_video_parts(browser, key_serv
 
 
 @needs_chromium
+def test_a_refused_image_is_marked_failed_and_a_plain_message_then_answered(browser, key_server):
+    def older_card(route):  # the card without "capabilities" (an older server): Attach is offered
+        r = route.fetch()
+        if not r.ok:
+            return route.fulfill(response=r)
+        route.fulfill(json={"object": "list", "data": [{k: v for k, v in m.items() if k != "capabilities"}
+                                                        for m in r.json()["data"]]})
+
+    context = browser.new_context()
+    context.route("**/v1/models", older_card)
+    page = open_page(context, key_server)
+    set_settings(page, temperature=0, max_tokens=6, markdown=False, api_key=KEY)
+    page.wait_for_function("document.getElementById('model-name').textContent === 'tiny-qwen2'")
+    page.evaluate(DROP, ["paste", base64.b64encode((IMAGES / "aspect_200.png").read_bytes()).decode(), "a.png",
+                         "image/png"])
+    page.wait_for_selector("#attachments img")
+    page.fill("#input", "What is shown?")
+    page.press("#input", "Enter")
+    wait_answers(page, 1)
+    assert page.inner_text(".msg.assistant .error").startswith("400: ")  # the text model refuses the image
+    assert page.locator(".msg.user.failed .failed-note").count() == 1
+    page.fill("#input", "Hello")
+    page.press("#input", "Enter")
+    wait_answers(page, 2)
+    want = key_server.client(api_key=KEY).chat.completions.create(
+        model="tiny-qwen2", messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=0)
+    assert answer_texts(page)[1] == want.choices[0].message.content
+    assert page.locator(".msg.assistant:last-child .error").count() == 0
+    assert [m.get("failed", False) for m in stored(page)[0]["messages"]] == [True, False, False, False]
+    assert page.errors == []
+    context.close()
+
+
+@needs_chromium
 def test_import_refuses_attachments_that_are_not_media_data_urls(browser, key_server, tmp_path):
     context = browser.new_context()
     page = open_page(context, key_server)
     png = "data:image/png;base64," + base64.b64encode((IMAGES / "aspect_200.png").read_bytes()).decode()
+    page.wait_for_selector("#error:not([hidden])")  # the 401 of GET /v1/models without the key, then cleared:
+    page.evaluate("document.getElementById('error').hidden = true")  # the import's own error is awaited below
     for url, kind, ok in (("javascript:alert(1)", "image", False), (png, "video", False), (png, "image", True)):
         export = tmp_path / "export.json"
         export.write_text(json.dumps({"conversations": [{"title": "T", "updated": 1, "messages": [

@@ -1,6 +1,7 @@
 """The server's routes on DELTA / FINAL_ONLY outputs (issue 24), on the embedded SmolLM2:
 a streamed answer (several prompts, ``n = 2``, a stop string, logprobs) joins to exactly the
-whole answer, with the same usage; the ``/metrics`` token counts and time-to-first-token of a
+whole answer, with the same usage (and, with ``continuous_usage_stats``, every chunk's usage
+counts the tokens so far); the ``/metrics`` token counts and time-to-first-token of a
 whole (FINAL_ONLY) answer count every generated token."""
 
 from __future__ import annotations
@@ -43,6 +44,22 @@ def test_streamed_chat_n2_joins_to_the_whole_answer(text_server):
         assert tokens == [e.token for e in c.logprobs.content]
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == \
         (whole.usage.prompt_tokens, whole.usage.completion_tokens)
+
+
+def test_continuous_usage_stats_count_the_tokens_so_far_on_every_chunk(text_server):
+    client = text_server.client()
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chat = list(client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Count to 20."}],
+                                               max_tokens=7, temperature=0, stream=True, stream_options=options,
+                                               extra_body={"ignore_eos": True}))
+    text = list(client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=7, temperature=0,
+                                          stream=True, stream_options=options, extra_body={"ignore_eos": True}))
+    for chunks in (chat, text):
+        counts = [(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) for c in chunks]
+        prompt = counts[-1][0]
+        assert all(p == prompt and t == p + n for p, n, t in counts) and prompt > 0
+        assert [n for _, n, _ in counts] == sorted(n for _, n, _ in counts) and counts[0][1] >= 1
+        assert counts[-2][1] == counts[-1][1] == 7 and not chunks[-1].choices  # the last: the usage chunk
 
 
 def test_metrics_count_every_token_of_a_whole_answer(text_server):

@@ -184,6 +184,7 @@ class StructuredOutputsField(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the counts so far
 
 
 class MMProcessorKwargs(_Strict):

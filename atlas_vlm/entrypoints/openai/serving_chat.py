@@ -96,7 +96,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest)
     created = int(time.time())
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream(ctx, iters, first, rid, model, created, include_usage, views)
+        continuous = include_usage and req.stream_options.continuous_usage_stats
+        return _stream(ctx, iters, first, rid, model, created, include_usage, views, continuous)
     return await _full(ctx, iters, first, rid, model, created, views)
 
 
@@ -136,9 +137,10 @@ async def _full(ctx, iters, first, rid, model, created, views) -> dict:
                            first.num_cached_tokens)}
 
 
-async def _stream(ctx, iters, first, rid, model, created, include_usage, views) -> AsyncIterator[str]:
+async def _stream(ctx, iters, first, rid, model, created, include_usage, views, continuous=False) -> AsyncIterator[str]:
     """SSE chunks from each choice's DELTA outputs: the view (``ChatChoiceOutput``) turns the
-    new text into reasoning / content / tool-call deltas; logprobs are the step's new entries."""
+    new text into reasoning / content / tool-call deltas; logprobs are the step's new entries.
+    ``continuous``: each chunk's ``usage`` is the counts so far (vLLM's continuous_usage_stats)."""
     n = len(iters)
     sent_chunks = [0] * n
     prompt_tokens, completion = 0, [0] * n
@@ -166,7 +168,8 @@ async def _stream(ctx, iters, first, rid, model, created, include_usage, views) 
             sent_chunks[i] += 1
             choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish_reason,
                       **error_field(out)}
-            yield sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
+            so_far = usage(prompt_tokens, sum(completion), first.num_cached_tokens) if continuous else None
+            yield sse({**base, "choices": [choice], **({"usage": so_far} if include_usage else {})})
         if include_usage:
             yield sse({**base, "choices": [], "usage": usage(prompt_tokens, sum(completion), first.num_cached_tokens)})
         yield sse("[DONE]")

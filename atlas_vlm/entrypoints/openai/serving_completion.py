@@ -83,7 +83,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest):
     cached = lambda: sum(f.num_cached_tokens for f in firsts)  # noqa: E731
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream(ctx, iters, firsts, req.n, base, cached, include_usage)
+        continuous = include_usage and req.stream_options.continuous_usage_stats
+        return _stream(ctx, iters, firsts, req.n, base, cached, include_usage, continuous)
     return await _full(ctx, iters, firsts, req.n, base, cached)
 
 
@@ -108,9 +109,10 @@ async def _full(ctx, iters, firsts, n, base, cached) -> dict:
                                                         [len(o.token_ids) for o in finals], n, cached())}
 
 
-async def _stream(ctx, iters, firsts, n, base, cached, include_usage) -> AsyncIterator[str]:
+async def _stream(ctx, iters, firsts, n, base, cached, include_usage, continuous=False) -> AsyncIterator[str]:
     """SSE chunks from each choice's DELTA outputs (new text, ids and logprobs per step);
-    a step that shows nothing new (text held back for a stop string) sends no chunk."""
+    a step that shows nothing new (text held back for a stop string) sends no chunk.
+    ``continuous``: each chunk's ``usage`` is the counts so far (vLLM's continuous_usage_stats)."""
     offsets = [0] * len(iters)  # text_offset of each choice's next token (as the whole answer counts them)
     prompt_tokens, completion_tokens = [0] * len(iters), [0] * len(iters)
     try:
@@ -130,7 +132,8 @@ async def _stream(ctx, iters, firsts, n, base, cached, include_usage) -> AsyncIt
                 offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
             choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason,
                       **error_field(out)}
-            yield sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
+            so_far = _usage(prompt_tokens, completion_tokens, n, cached()) if continuous else None
+            yield sse({**base, "choices": [choice], **({"usage": so_far} if include_usage else {})})
         if include_usage:
             yield sse({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens, n, cached())})
         yield sse("[DONE]")

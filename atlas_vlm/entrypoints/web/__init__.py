@@ -1,8 +1,10 @@
 """The browser chat page of ``atlas-vlm serve``: ``GET /`` is ``static/index.html`` and
-``GET /static/<file>`` its script and style sheet, shipped inside the package (no build
-step, nothing fetched from the internet at run time). The page only calls the server's own
-``GET /v1/models`` and ``POST /v1/chat/completions`` (streamed), so ``--api-key`` guards
-what it does and the page itself stays open, as llama.cpp's server web UI does."""
+``GET /static/<file>`` its scripts and style sheets, shipped inside the package with the
+libraries it uses (``static/vendor/``: markdown-it, KaTeX, highlight.js, DOMPurify, copied
+from npm with their licenses; no build step, nothing fetched from the internet at run
+time). The page only calls the server's own ``GET /v1/models`` and ``POST
+/v1/chat/completions`` (streamed), so ``--api-key`` guards what it does and the page itself
+stays open, as llama.cpp's server web UI does."""
 
 from __future__ import annotations
 

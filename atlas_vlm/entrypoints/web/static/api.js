@@ -15,14 +15,24 @@ async function failure(response) {
     const body = await response.json();
     if (body && body.error && body.error.message) message = `${response.status}: ${body.error.message}`;
   } catch (_) { /* not JSON: keep the status line */ }
-  return new Error(message);
+  const error = new Error(message);
+  error.status = response.status;  // the server refused the request (a 400 for a refused image, ...)
+  return error;
 }
 
-// The served model names (GET /v1/models), in the server's order.
+// The served models (GET /v1/models' "data" entries: id, max_model_len and, from servers
+// that have them, capabilities, quantization, random_weights), in the server's order.
 export async function listModels(apiKey) {
   const response = await fetch("/v1/models", { headers: headers(apiKey) });
   if (!response.ok) throw await failure(response);
-  return (await response.json()).data.map((m) => m.id);
+  return (await response.json()).data;
+}
+
+// The attachment kinds ("image", "video") the model card's "capabilities" list names; a card
+// without the list (an older server, or no model known yet) takes both, as before.
+export function mediaKinds(card) {
+  const caps = card && card.capabilities;
+  return ["image", "video"].filter((k) => !Array.isArray(caps) || caps.includes(k));
 }
 
 // Each "data: ..." payload of an SSE byte stream, as text, until "[DONE]" or the end.
@@ -52,12 +62,14 @@ async function* sseData(body, signal) {
 
 // Stream one chat completion. `body` is the request (stream is set here); `onDelta(delta)`
 // gets each choices[0].delta (content, reasoning_content, tool_calls) and `onUsage(usage)`
-// the final usage. Resolves to the finish_reason; rejects with the server's error message,
+// each usage: the running counts on every chunk (continuous_usage_stats, so that a stopped
+// answer has its count), then the final usage. Resolves to the finish_reason; rejects with the server's error message,
 // or with an AbortError when `signal` aborts.
 export async function streamChat(body, apiKey, signal, onDelta, onUsage) {
   const response = await fetch("/v1/chat/completions", {
     method: "POST", headers: headers(apiKey), signal,
-    body: JSON.stringify({ ...body, stream: true, stream_options: { include_usage: true } }),
+    body: JSON.stringify({ ...body, stream: true,
+                           stream_options: { include_usage: true, continuous_usage_stats: true } }),
   });
   if (!response.ok) throw await failure(response);
   let finish = null;

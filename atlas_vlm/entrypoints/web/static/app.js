@@ -1,15 +1,19 @@
 // The chat page: send a message and stream the answer, Stop, Regenerate, edit and resend,
-// settings, conversations kept in this browser, attachments. Talks only to this server's
-// /v1/models and /v1/chat/completions (api.js).
-import { listModels, streamChat } from "./api.js";
-import { readAttachment, mediaElement, userContent, watchFiles } from "./attach.js";
+// settings, conversations kept in this browser, attachments (where the model takes them), the
+// context used, a sidebar that folds on a phone. Talks only to this server's /v1/models and
+// /v1/chat/completions (api.js).
+import { listModels, mediaKinds, streamChat } from "./api.js";
+import { drawModelInfo, drawUsage, phone, showSidebar, wireSidebar } from "./header.js";
+import { drawAttachments, readAttachment, userContent, watchFiles } from "./attach.js";
 import { addToolCallDeltas, editMessage, fillMessage } from "./render.js";
-import { downloadExport, readImport, renderSidebar } from "./sidebar.js";
+import { copyText } from "./richtext.js";
+import { renderSidebar, wireExportImport } from "./sidebar.js";
+import { openSettingsDialog, readSettingsDialog } from "./settings.js";
 import { loadConversations, loadSettings, newConversation, saveConversations, saveSettings, titleFrom } from "./store.js";
 
 const $ = (id) => document.getElementById(id);
 const state = { settings: loadSettings(), conversations: loadConversations(), currentId: null, model: null,
-                controller: null, pending: [] };
+                card: null, controller: null, pending: [] };
 
 function showError(message) {
   $("error").textContent = message || "";
@@ -28,18 +32,23 @@ function persist() {
   }
 }
 
-// Ask the server for its model name; resolves to null, or to the error message (also shown).
+// Ask the server for its model; resolves to null, or to the error message (also shown).
 async function refreshModel() {
   try {
-    const names = await listModels(state.settings.apiKey);
-    state.model = names[0] || null;
+    const cards = await listModels(state.settings.apiKey);
+    state.card = cards[0] || null;
+    state.model = state.card ? state.card.id : null;
     $("model-name").textContent = state.model || "no model served";
     return state.model ? null : "the server serves no model";
   } catch (e) {
+    state.card = null;
     state.model = null;
     $("model-name").textContent = "model unknown";
     showError(e.message);
     return e.message;
+  } finally {
+    drawModelInfo(state.card);
+    drawUsage(current(), state.card);
   }
 }
 
@@ -48,7 +57,7 @@ function actionsFor(conv, i) {
   if (state.controller) return [];
   const msg = conv.messages[i];
   if (msg.role === "user") return [["edit", "Edit", () => startEdit(conv, i)]];
-  const acts = [["copy", "Copy", () => navigator.clipboard && navigator.clipboard.writeText(msg.content)]];
+  const acts = [["copy", "Copy", () => copyText(msg.content)]];
   if (i === conv.messages.length - 1) acts.push(["regenerate", "Regenerate", () => regenerate(conv)]);
   return acts;
 }
@@ -65,7 +74,13 @@ function drawAll() {
   box.replaceChildren(...(conv ? conv.messages.map((_, i) => drawMessage(conv, i)) : []));
   box.scrollTop = box.scrollHeight;
   renderSidebar($("conversations"), state.conversations, state.currentId, {
-    select: (id) => { if (!state.controller) { state.currentId = id; showError(""); drawAll(); } },
+    select: (id) => {
+      if (state.controller) return;
+      state.currentId = id;
+      showError("");
+      if (phone.matches) showSidebar(false);
+      drawAll();
+    },
     rename: (id, title) => { state.conversations.find((c) => c.id === id).title = title; persist(); drawAll(); },
     remove: (id) => {
       state.conversations = state.conversations.filter((c) => c.id !== id);
@@ -76,28 +91,22 @@ function drawAll() {
   });
   $("send").hidden = !!state.controller;
   $("stop").hidden = !state.controller;
+  drawUsage(conv, state.card);
 }
 
 function drawPending() {
-  $("attachments").replaceChildren(...state.pending.map((att, i) => {
-    const fig = document.createElement("figure");
-    const remove = document.createElement("button");
-    remove.type = "button";
-    remove.textContent = "×";
-    remove.title = `Remove ${att.name}`;
-    remove.addEventListener("click", () => { state.pending.splice(i, 1); drawPending(); });
-    fig.append(mediaElement(att), remove);
-    return fig;
-  }));
+  drawAttachments($("attachments"), state.pending, (i) => { state.pending.splice(i, 1); drawPending(); });
 }
 
 // ---- chatting --------------------------------------------------------------------------
 function requestBody(conv) {
   const s = state.settings;
   const messages = s.system.trim() ? [{ role: "system", content: s.system }] : [];
-  for (const m of conv.messages.slice(0, -1)) {
-    if (m.role === "user") messages.push({ role: "user", content: userContent(m) });
-    else if (!m.error || m.content) messages.push({ role: "assistant", content: m.content });
+  for (const m of conv.messages.slice(0, -1)) {  // a refused message (failed) and its error are left out
+    if (m.role === "user" && !m.failed) messages.push({ role: "user", content: userContent(m) });
+    else if (m.role === "assistant" && (!m.error || m.content)) {
+      messages.push({ role: "assistant", content: m.content });
+    }
   }
   const body = { model: state.model, messages };
   if (s.temperature !== null && s.temperature !== "") body.temperature = Number(s.temperature);
@@ -105,9 +114,14 @@ function requestBody(conv) {
   return body;
 }
 
-// Stream an answer to the conversation's messages into a new assistant message.
+// Stream an answer to the conversation's messages into a new assistant message. When the
+// request fails before anything streams (the server refused it: an image to a text model,
+// a context overflow, ...), the user message it answers is marked failed: later requests
+// leave it out (Regenerate or Edit sends it again).
 async function generate(conv) {
   showError("");
+  const asked = conv.messages.at(-1);
+  if (asked && asked.role === "user") delete asked.failed;
   const answer = { role: "assistant", content: "", reasoning: "", toolCalls: [] };
   conv.messages.push(answer);
   conv.updated = Date.now();
@@ -119,7 +133,11 @@ async function generate(conv) {
   const redraw = () => {
     if (queued) return;
     queued = true;
-    requestAnimationFrame(() => { queued = false; drawMessage(conv, conv.messages.indexOf(answer), el); });
+    requestAnimationFrame(() => {
+      queued = false;
+      drawMessage(conv, conv.messages.indexOf(answer), el);
+      drawUsage(conv, state.card);
+    });
   };
   const started = performance.now();
   try {
@@ -130,10 +148,15 @@ async function generate(conv) {
       if (d.reasoning_content) answer.reasoning += d.reasoning_content;
       if (d.tool_calls) addToolCallDeltas(answer.toolCalls, d.tool_calls);
       redraw();
-    }, (usage) => { answer.usage = usage; });
+    }, (usage) => { answer.usage = usage; redraw(); });
   } catch (e) {
     if (e.name === "AbortError") answer.stopped = true;
-    else { answer.error = e.message; showError(e.message); }
+    else {
+      answer.error = e.message;
+      showError(e.message);
+      const empty = !answer.content && !answer.reasoning && answer.toolCalls.length === 0;
+      if (empty && asked && asked.role === "user") asked.failed = true;
+    }
   }
   answer.seconds = (performance.now() - started) / 1000;
   state.controller = null;
@@ -175,23 +198,10 @@ function startEdit(conv, i) {
 }
 
 // ---- settings --------------------------------------------------------------------------
-function openSettings() {
-  const s = state.settings;
-  $("set-system").value = s.system;
-  $("set-temperature").value = s.temperature ?? "";
-  $("set-max-tokens").value = s.maxTokens ?? "";
-  $("set-markdown").checked = s.markdown;
-  $("set-api-key").value = s.apiKey;
-  $("settings").returnValue = "";
-  $("settings").showModal();
-}
-
 function closeSettings() {
   if ($("settings").returnValue !== "save") return;
   const keyChanged = $("set-api-key").value !== state.settings.apiKey;
-  state.settings = { system: $("set-system").value, temperature: $("set-temperature").value,
-                     maxTokens: $("set-max-tokens").value, markdown: $("set-markdown").checked,
-                     apiKey: $("set-api-key").value };
+  state.settings = readSettingsDialog();
   saveSettings(state.settings);
   if (keyChanged) { showError(""); refreshModel(); }
   drawAll();
@@ -203,35 +213,37 @@ $("input").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); send(); }
 });
 $("stop").addEventListener("click", () => state.controller && state.controller.abort());
-$("new-chat").addEventListener("click", () => { if (!state.controller) { state.currentId = null; drawAll(); } });
-$("open-settings").addEventListener("click", openSettings);
+$("new-chat").addEventListener("click", () => {
+  if (state.controller) return;
+  state.currentId = null;
+  if (phone.matches) showSidebar(false);
+  drawAll();
+});
+$("open-settings").addEventListener("click", () => openSettingsDialog(state.settings));
 $("settings").addEventListener("close", closeSettings);
 $("attach").addEventListener("click", () => $("attach-file").click());
 watchFiles($("attach-file"), $("input"), $("composer"), async (files) => {
   try {
-    for (const f of files) state.pending.push(await readAttachment(f));
+    for (const f of files) {
+      const att = await readAttachment(f);
+      if (!mediaKinds(state.card).includes(att.kind)) {
+        throw new Error(`${att.name}: ${state.model} takes no ${att.kind}s`);
+      }
+      state.pending.push(att);
+    }
   } catch (e) {
     showError(e.message);
   }
   drawPending();
 });
-$("export").addEventListener("click", () => downloadExport(state.conversations));
-$("import").addEventListener("click", () => $("import-file").click());
-$("import-file").addEventListener("change", async () => {
-  const file = $("import-file").files[0];
-  $("import-file").value = "";
-  if (!file) return;
-  try {
-    const added = await readImport(file, state.conversations);
-    state.conversations = [...added, ...state.conversations];
-    persist();
-    showError("");
-    drawAll();
-  } catch (e) {
-    showError(`import failed: ${e.message}`);
-  }
-});
+wireExportImport(() => state.conversations, (added) => {
+  state.conversations = [...added, ...state.conversations];
+  persist();
+  showError("");
+  drawAll();
+}, (e) => showError(`import failed: ${e.message}`));
 
 state.currentId = state.conversations.length ? state.conversations[0].id : null;
+wireSidebar();
 drawAll();
 refreshModel();

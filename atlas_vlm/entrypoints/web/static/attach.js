@@ -50,3 +50,17 @@ export function watchFiles(picker, pasteTarget, dropZone, onFiles) {
     onFiles([...e.dataTransfer.files]);
   });
 }
+
+// Draw the attachments waiting to be sent into `box`, each with a × button: `onRemove(i)`.
+export function drawAttachments(box, pending, onRemove) {
+  box.replaceChildren(...pending.map((att, i) => {
+    const fig = document.createElement("figure");
+    const remove = document.createElement("button");
+    remove.type = "button";
+    remove.textContent = "×";
+    remove.title = `Remove ${att.name}`;
+    remove.addEventListener("click", () => onRemove(i));
+    fig.append(mediaElement(att), remove);
+    return fig;
+  }));
+}

@@ -1,7 +1,8 @@
 // One chat message as page elements: its media, reasoning (folded in <details>), content
-// (markdown or raw text), tool calls, error and a line of counts, with its buttons.
+// (markdown with copyable code blocks, or raw text), tool calls, error, a refused (failed)
+// user message's note and a line of counts, with its buttons.
 import { mediaElement } from "./attach.js";
-import { renderMarkdown } from "./markdown.js";
+import { addCodeTools, renderMarkdown } from "./richtext.js";
 
 function div(cls, text) {
   const el = document.createElement("div");
@@ -57,8 +58,15 @@ export function fillMessage(el, msg, opts) {
   }
   const content = div(opts.markdown && msg.role === "assistant" ? "content" : "content raw");
   if (content.classList.contains("raw")) content.textContent = msg.content;
-  else content.innerHTML = renderMarkdown(msg.content);
+  else {
+    content.innerHTML = renderMarkdown(msg.content);
+    addCodeTools(content);
+  }
   el.append(content);
+  if (msg.failed) {
+    el.classList.add("failed");
+    el.append(div("failed-note", "Not answered: left out of later requests (Edit sends it again)"));
+  }
   for (const call of msg.toolCalls || []) el.append(div("tool-call", `${call.name}(${call.arguments})`));
   if (msg.error) el.append(div("error", msg.error));
   const line = meta(msg);

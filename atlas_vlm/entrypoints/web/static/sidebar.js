@@ -56,7 +56,7 @@ function startRename(li, title, conv, onRename) {
 }
 
 // Download every conversation as one JSON file.
-export function downloadExport(list) {
+function downloadExport(list) {
   const url = URL.createObjectURL(new Blob([exportJSON(list)], { type: "application/json" }));
   const a = document.createElement("a");
   a.href = url;
@@ -67,7 +67,20 @@ export function downloadExport(list) {
   setTimeout(() => URL.revokeObjectURL(url), 1000);
 }
 
-// The conversations in a picked export file (parseExport's rules and errors).
-export async function readImport(file, existing) {
-  return parseExport(await file.text(), existing);
+// Export (every conversation of `getList()`) and Import: `onAdded(conversations)` gets the
+// picked file's conversations (parseExport's rules), `onError(error)` its failure.
+export function wireExportImport(getList, onAdded, onError) {
+  const picker = document.getElementById("import-file");
+  document.getElementById("export").addEventListener("click", () => downloadExport(getList()));
+  document.getElementById("import").addEventListener("click", () => picker.click());
+  picker.addEventListener("change", async () => {
+    const file = picker.files[0];
+    picker.value = "";
+    if (!file) return;
+    try {
+      onAdded(parseExport(await file.text(), getList()));
+    } catch (e) {
+      onError(e);
+    }
+  });
 }

@@ -1,7 +1,8 @@
 // Conversations and settings kept in this browser (localStorage), and JSON export/import.
 // A conversation: {id, title, created, updated, messages: [{role, content, attachments?,
-// reasoning?, toolCalls?, error?, stopped?, usage?}]}; attachments are {kind: "image" |
-// "video", url: a data: URL, name}.
+// reasoning?, toolCalls?, error?, stopped?, usage?, failed?}]} (failed: a user message the
+// server refused, left out of later requests); attachments are {kind: "image" | "video",
+// url: a data: URL, name}.
 
 const CONVERSATIONS = "atlas-vlm.conversations";
 const SETTINGS = "atlas-vlm.settings";
