@@ -1,8 +1,8 @@
 """``atlas-vlm chat [MODEL]``: a multi-turn terminal chat (as ``llama-cli -cnv`` / ``ollama run``).
 
 The answer streams as it is made (``LLM.chat(..., stream=True)``); lines are read with the stdlib
-``readline`` (history in ``$ATLAS_VLM_CACHE/chat_history``). Commands: ``/image PATH`` and
-``/video PATH`` attach a file to the next user message, ``/system TEXT``, ``/clear``, ``/save FILE``
+``readline`` (history in ``$ATLAS_VLM_CACHE/chat_history``, or ``--history-file``). Commands:
+``/image PATH`` and ``/video PATH`` attach a file to the next user message, ``/system TEXT``, ``/clear``, ``/save FILE``
 (the conversation as JSON messages), ``/help``, ``/exit``. Ctrl-C during an answer stops it (the
 request is aborted, the partial answer stays in the history); Ctrl-C at the prompt, then a second
 one, or Ctrl-D leaves with exit code 0. The model, engine and sampling flags are
@@ -39,11 +39,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="HF model folder, .gguf file or Hub id ORG/NAME (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--system", default=None, help="system message of the conversation (also /system TEXT)")
+    p.add_argument("--history-file", default=None, metavar="PATH",
+                   help="readline history of the typed lines (default $ATLAS_VLM_CACHE/chat_history, "
+                        "~/.cache/atlas_vlm/chat_history)")
     add_generation_args(p, model_flag=False)
     p.set_defaults(func=run)
 
 
-def history_file() -> Path:
+def default_history_file() -> Path:
     """The readline history: ``$ATLAS_VLM_CACHE/chat_history`` (default ``~/.cache/atlas_vlm``)."""
     return Path(os.environ.get("ATLAS_VLM_CACHE", Path.home() / ".cache" / "atlas_vlm")) / "chat_history"
 
@@ -145,26 +148,26 @@ class ChatSession:
         return finish
 
 
-def _setup_readline():
-    """Load the history (if the stdlib ``readline`` exists here); returns the module or None."""
+def _setup_readline(path: Path):
+    """Load the history from ``path`` (if the stdlib ``readline`` exists here); returns the module or None."""
     try:
         import readline
     except ImportError:  # not on every platform: plain input() then
         return None
     try:
-        readline.read_history_file(history_file())
+        readline.read_history_file(path)
     except OSError:
         pass
     readline.set_history_length(1000)
     return readline
 
 
-def _save_history(readline) -> None:
+def _save_history(readline, path: Path) -> None:
     if readline is None:
         return
     try:
-        history_file().parent.mkdir(parents=True, exist_ok=True)
-        readline.write_history_file(history_file())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        readline.write_history_file(path)
     except OSError as exc:
         print(f"(history not saved: {exc})", file=sys.stderr)
 
@@ -210,9 +213,10 @@ def run(args: argparse.Namespace) -> int:
         print("interrupted (Ctrl-C)", file=sys.stderr)
         return 130
     session = ChatSession(llm, params, system=args.system, video_opts=video_options(args))
-    readline = _setup_readline()
+    history = Path(args.history_file) if args.history_file else default_history_file()
+    readline = _setup_readline(history)
     print("atlas-vlm chat: /help for commands, Ctrl-D or /exit to leave", file=sys.stderr)
     try:
         return loop(session)
     finally:
-        _save_history(readline)
+        _save_history(readline, history)

@@ -36,13 +36,15 @@ def add_generation_args(p: argparse.ArgumentParser, *, model_flag: bool = True) 
     p.add_argument("--kv-cache", choices=["paged", "contiguous"], default="paged")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
-                   help="K/V storage: auto (the model dtype), int8 or fp8_e4m3 (8 bits + one scale per token and KV head: ~1.9x the tokens in the same memory)")
+                   help="K/V storage: auto (the model dtype), int8 or fp8_e4m3 (8 bits + one scale per token and KV "
+                        "head: ~1.9x the tokens in the same memory)")
     from atlas_vlm.entrypoints.openai.cli_args import add_kv_cache_dir_args
 
     add_kv_cache_dir_args(p)
     p.add_argument("--max-model-len", type=int, default=None, help="tokens per request (prompt + output)")
-    p.add_argument("--max-pixels", type=int, default=None, help="per-image pixel bound after resize: one visual token per 28x28 px on "
-                   "Qwen2.5-VL, 32x32 on Qwen3-VL / Qwen3.5; SmolVLM2: longest edge floor(sqrt(P)) in whole tiles")
+    p.add_argument("--max-pixels", type=int, default=None,
+                   help="per-image pixel bound after resize: one visual token per 28x28 px on Qwen2.5-VL, "
+                        "32x32 on Qwen3-VL / Qwen3.5; SmolVLM2: longest edge floor(sqrt(P)) in whole tiles")
     p.add_argument("--min-pixels", type=int, default=None, help="per-image lower pixel bound after resize")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bf16 on CUDA and on CPUs with AMX/AVX512-BF16, else fp32")
@@ -53,9 +55,11 @@ def add_generation_args(p: argparse.ArgumentParser, *, model_flag: bool = True) 
     p.add_argument("--speculative", default=None, choices=["ngram", "mtp"],
                    help="exact speculative decoding: ngram (prompt-lookup drafts) or mtp (a Qwen3.5 checkpoint's "
                         "multi-token-prediction head); docs/speculative.md")
-    p.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per decode step with --speculative (default 4)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="drafts per decode step with --speculative (default 4)")
     p.add_argument("--deterministic", action="store_true",
-                   help="batch-invariant mode: the same tokens and logprobs whatever the batch (CPU, dense; docs/deterministic.md)")
+                   help="batch-invariant mode: the same tokens and logprobs whatever the batch (CPU, dense; "
+                        "docs/deterministic.md)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -66,8 +70,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """
     from atlas_vlm.config import kv_cache_dir_kwargs
 
-    kwargs = dict(kv_cache=args.kv_cache, kvcache_block_size=args.block_size, revision=args.revision, mmproj=args.mmproj,
-                  dtype=args.dtype, device=args.device, quantization=args.quantization,
+    kwargs = dict(kv_cache=args.kv_cache, kvcache_block_size=args.block_size, revision=args.revision,
+                  mmproj=args.mmproj, dtype=args.dtype, device=args.device, quantization=args.quantization,
                   kv_cache_dtype=args.kv_cache_dtype, speculative=args.speculative,
                   num_speculative_tokens=args.num_speculative_tokens, deterministic=args.deterministic)
     if args.max_model_len:
