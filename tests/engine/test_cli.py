@@ -151,3 +151,32 @@ def test_kv_cache_dtype_flag_equals_the_library(tiny_models, capsys):
     assert llm.engine.runner.kv_cache.k_cache.dtype == torch.int8
     expected = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=8))
     assert rc == 0 and out.out == expected[0].text + "\n"
+
+
+class _NeverLoaded:
+    def __init__(self, *args, **kwargs):
+        raise AssertionError("the model was loaded before the inputs were checked")
+
+
+@pytest.mark.text
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "  \n"], "--prompt is empty"),
+    (["--prompt", ""], "--prompt is empty"),
+    (["--image", "/nonexistent/cat.png", "--prompt", "hi"], "--image /nonexistent/cat.png: no such file"),
+    (["--image", str(IMAGES), "--prompt", "hi"], f"--image {IMAGES}: is a folder"),
+    (["--image", str(IMAGES / "zero_bytes.png"), "--prompt", "hi"], "zero_bytes.png: empty file"),
+    (["--image", str(IMAGES / "not_an_image.png"), "--prompt", "hi"], "not_an_image.png: not an image"),
+    (["--video", "/nonexistent/clip.mp4", "--prompt", "hi"], "--video /nonexistent/clip.mp4: no such file"),
+    (["--video", str(IMAGES / "chelsea.png"), "--prompt", "hi"], "chelsea.png: not a video but a still image"),
+    (["--video", str(IMAGES / "grace_hopper.jpg"), "--prompt", "hi"], "grace_hopper.jpg: not a video but a still image"),
+    (["--video", str(VIDEOS / "not_a_video.mp4"), "--prompt", "hi"], "not_a_video.mp4: not a video"),
+], ids=["blank-prompt", "empty-prompt", "missing-image", "folder-image", "empty-image", "text-as-image",
+        "missing-video", "png-as-video", "jpeg-as-video", "text-as-video"])
+def test_bad_inputs_fail_before_the_model_loads(monkeypatch, capsys, args, message):
+    import atlas_vlm
+
+    monkeypatch.setattr(atlas_vlm, "LLM", _NeverLoaded)
+    rc = _cli().main(["--model", "unused", *args])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert err.startswith("error: ") and message in err
