@@ -117,13 +117,14 @@ class ChatSession:
         kept. Returns the finish reason ("stop", "length", "abort").
 
         Raises:
-            ValueError, TypeError, OSError: the engine refused the message (it is not kept).
+            ValueError, TypeError, OSError: the engine refused the message (neither it nor its
+                attached files are kept).
         """
         content = [*self.attached, {"type": "text", "text": text}] if self.attached else text
         user = {"role": "user", "content": content}
+        self.attached = []
         stream = self.llm.chat(self.conversation() + [user], self.params, stream=True)
         self.messages.append(user)
-        self.attached = []
         reply, finish = [], None
         self._stop = False
         previous = signal.signal(signal.SIGINT, self._on_sigint)  # no KeyboardInterrupt mid-step

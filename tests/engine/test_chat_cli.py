@@ -108,6 +108,9 @@ def test_chat_two_turns_save_ctrl_c_clear_and_ctrl_d(tmp_path):
         term.expect(b"(conversation saved to")
         term.expect(PROMPT)
         assert json.loads(saved.read_text()) == []
+        term.send("\x03")  # one Ctrl-C at the prompt stays
+        term.expect(b"(Ctrl-C again, Ctrl-D or /exit to leave)")
+        term.expect(PROMPT)
         term.send("\x04")  # Ctrl-D at the prompt leaves
         assert term.wait() == 0
         assert "What is the capital of France?" in history.read_text()  # readline's history file
