@@ -123,23 +123,24 @@ class ChatSession:
         content = [*self.attached, {"type": "text", "text": text}] if self.attached else text
         user = {"role": "user", "content": content}
         self.attached = []
-        stream = self.llm.chat(self.conversation() + [user], self.params, stream=True)
-        self.messages.append(user)
         reply, finish = [], None
         self._stop = False
         previous = signal.signal(signal.SIGINT, self._on_sigint)  # no KeyboardInterrupt mid-step
         try:
-            for out in stream:
-                print(out.new_text, end="", flush=True)
-                reply.append(out.new_text)
-                finish = out.finish_reason
-                if self._stop:
-                    stream.close()  # aborts the request
-                    finish = "abort"
-                    break
-        except BaseException:
-            self.messages.pop()
-            raise
+            stream = self.llm.chat(self.conversation() + [user], self.params, stream=True)
+            self.messages.append(user)
+            try:
+                for out in stream:
+                    print(out.new_text, end="", flush=True)
+                    reply.append(out.new_text)
+                    finish = out.finish_reason
+                    if self._stop and not out.finished:
+                        stream.close()  # aborts the request
+                        finish = "abort"
+                        break
+            except BaseException:
+                self.messages.pop()
+                raise
         finally:
             signal.signal(signal.SIGINT, previous)
         print()
