@@ -24,47 +24,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--image", action="append", default=[], help="image path or URI; repeat for several")
     p.add_argument("--video", action="append", default=[],
                    help="video path or URI (mp4, webm, ...); repeat for several; after the images")
-    p.add_argument("--fps", type=float, default=None, help="video frames sampled per second (default 2, qwen-vl-utils)")
-    p.add_argument("--max-frames", type=int, default=None, help="video frames sampled at most")
-    p.add_argument("--model", default=None,
-                   help="HF model folder, .gguf file or Hub id ORG/NAME (default: embedded)")
-    p.add_argument("--mmproj", default=None,
-                   help="llama.cpp mmproj GGUF (vision tower) of the VLM whose language model GGUF is --model")
-    p.add_argument("--revision", default=None, help="Hub branch / tag / commit for a Hub id")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0, help="keep tokens with probability >= P x the best's; 0 = off")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="divide / multiply the logits of tokens seen in prompt and output (HF / vLLM); 1 = off")
-    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, per output occurrence, in [-2, 2]")
-    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, once per output token, in [-2, 2]")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--kv-cache", choices=["paged", "contiguous"], default="paged")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
-                   help="K/V storage: auto (the model dtype), int8 or fp8_e4m3 (8 bits + one scale per token and KV head: ~1.9x the tokens in the same memory)")
-    from atlas_vlm.entrypoints.openai.cli_args import add_kv_cache_dir_args
+    from atlas_vlm.entrypoints.generate_args import add_generation_args
 
-    add_kv_cache_dir_args(p)
-    p.add_argument("--max-model-len", type=int, default=None, help="tokens per request (prompt + output)")
-    p.add_argument("--max-pixels", type=int, default=None, help="per-image pixel bound after resize: one visual token per 28x28 px on "
-                   "Qwen2.5-VL, 32x32 on Qwen3-VL / Qwen3.5; SmolVLM2: longest edge floor(sqrt(P)) in whole tiles")
-    p.add_argument("--min-pixels", type=int, default=None, help="per-image lower pixel bound after resize")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: bf16 on CUDA and on CPUs with AMX/AVX512-BF16, else fp32")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf", "awq", "gptq"],
-                   help="weight-only quantization: int8 / int4 at load, gguf as stored (a .gguf), awq / gptq "
-                        "(read from the checkpoint's quantization_config when not given)")
-    p.add_argument("--speculative", default=None, choices=["ngram", "mtp"],
-                   help="speculative decoding (distribution-exact; token-for-token exact in fp32 or with "
-                        "--deterministic): ngram (prompt-lookup drafts) or mtp (a Qwen3.5 checkpoint's "
-                        "multi-token-prediction head); docs/speculative.md")
-    p.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per decode step with --speculative (default 4)")
-    p.add_argument("--deterministic", action="store_true",
-                   help="batch-invariant mode: the same tokens and logprobs whatever the batch (CPU, dense; docs/deterministic.md)")
+    add_generation_args(p)
     p.add_argument("--no-chat", action="store_true", help="send --prompt as raw text, without the chat template")
     return p.parse_args(argv)
 
@@ -83,10 +45,26 @@ def main(argv=None) -> int:
         return 130
 
 
+def _check_inputs(args: argparse.Namespace) -> None:
+    """Refuse bad inputs before the model loads (ValueError naming the flag and path)."""
+    from atlas_vlm.entrypoints.generate_args import check_image, check_prompt, check_video
+
+    check_prompt(args.prompt)
+    for path in args.image:
+        check_image(path)
+    for path in args.video:
+        check_video(path)
+
+
 def _generate(args: argparse.Namespace, streaming: list) -> int:
-    from atlas_vlm import LLM, SamplingParams
-    from atlas_vlm.config import kv_cache_dir_kwargs
+    try:
+        _check_inputs(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    from atlas_vlm import LLM
     from atlas_vlm.default_models import default_text_model
+    from atlas_vlm.entrypoints.generate_args import engine_kwargs, sampling_params, video_options
 
     model = args.model
     media = bool(args.image or args.video)
@@ -95,25 +73,12 @@ def _generate(args: argparse.Namespace, streaming: list) -> int:
 
         print(RANDOM_VLM_NOTICE, file=sys.stderr)
         model = default_vlm_model()
-    kwargs = dict(kv_cache=args.kv_cache, kvcache_block_size=args.block_size, revision=args.revision, mmproj=args.mmproj,
-                  dtype=args.dtype, device=args.device, quantization=args.quantization,
-                  kv_cache_dtype=args.kv_cache_dtype, speculative=args.speculative,
-                  num_speculative_tokens=args.num_speculative_tokens, deterministic=args.deterministic)
-    if args.max_model_len:
-        kwargs["max_model_len"] = args.max_model_len
-    for name in ("max_pixels", "min_pixels"):
-        if getattr(args, name) is not None:
-            kwargs[name] = getattr(args, name)
     try:
-        kwargs.update(kv_cache_dir_kwargs(args.kv_cache_dir, args.kv_cache_dir_max_gb))
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                                frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
-                                seed=args.seed, max_tokens=args.max_tokens)
+        kwargs = engine_kwargs(args)
+        params = sampling_params(args)
         llm = LLM(model or default_text_model(), **kwargs)
-        video_opts = {k: v for k, v in (("fps", args.fps), ("max_frames", args.max_frames)) if v is not None}
         content = [{"type": "image", "image": path} for path in args.image]
-        content += [{"type": "video", "video": path, **video_opts} for path in args.video]
+        content += [{"type": "video", "video": path, **video_options(args)} for path in args.video]
         content.append({"type": "text", "text": args.prompt})
         if args.no_chat:
             if media:

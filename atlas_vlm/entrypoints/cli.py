@@ -1,4 +1,4 @@
-"""``atlas-vlm``: the command line, one argparse subcommand per task (``serve``, ``plan``, ``run-batch``).
+"""``atlas-vlm``: the command line, one argparse subcommand per task (``serve``, ``chat``, ``plan``, ``run-batch``).
 
 Each subcommand module exposes ``add_parser(subparsers)``, which registers its arguments and
 sets ``func`` (``args -> exit code``); ``main`` parses and dispatches. Adding a subcommand is
@@ -14,6 +14,7 @@ import sys
 
 SUBCOMMANDS = (
     "atlas_vlm.entrypoints.openai.cli_args",  # atlas-vlm serve
+    "atlas_vlm.entrypoints.chat_cli",  # atlas-vlm chat
     "atlas_vlm.entrypoints.plan",  # atlas-vlm plan
     "atlas_vlm.entrypoints.openai.batch.run_batch",  # atlas-vlm run-batch
 )

@@ -36,16 +36,19 @@ def test_text_prompt_streams_the_greedy_answer(tiny_models, capsys):
 @pytest.mark.text
 def test_sampling_control_flags_mean_the_library_params(tiny_models, capsys):
     folder = tiny_models["qwen2"][0]
-    flags = ["--repetition-penalty", "1.5", "--frequency-penalty", "0.5", "--presence-penalty", "0.25"]
+    flags = ["--repetition-penalty", "1.5", "--frequency-penalty", "0.5", "--presence-penalty", "0.25",
+             "--logit-bias", "17=5", "--logit-bias", "3=-100"]
     rc = _cli().main([*FP32, "--model", str(folder), "--prompt", "Hello there", "--max-tokens", "8", "--no-chat",
                       *flags])
     out = capsys.readouterr()
     llm = LLM(str(folder), num_kvcache_blocks=64, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.5, frequency_penalty=0.5,
-                            presence_penalty=0.25)
+                            presence_penalty=0.25, logit_bias={17: 5.0, 3: -100.0})
     assert rc == 0 and out.out == llm.generate("Hello there", params)[0].text + "\n"
     assert _cli().main(["--model", str(folder), "--prompt", "hi", "--min-p", "2"]) == 1
     assert "min_p must be in [0, 1], got 2.0" in capsys.readouterr().err
+    assert _cli().main(["--model", str(folder), "--prompt", "hi", "--logit-bias", "17:5"]) == 1
+    assert "--logit-bias '17:5': expected TOKEN_ID=BIAS" in capsys.readouterr().err
 
 
 @pytest.mark.text
@@ -166,3 +169,32 @@ def test_kv_cache_dtype_flag_equals_the_library(tiny_models, capsys):
     assert llm.engine.runner.kv_cache.k_cache.dtype == torch.int8
     expected = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=8))
     assert rc == 0 and out.out == expected[0].text + "\n"
+
+
+class _NeverLoaded:
+    def __init__(self, *args, **kwargs):
+        raise AssertionError("the model was loaded before the inputs were checked")
+
+
+@pytest.mark.text
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "  \n"], "--prompt is empty"),
+    (["--prompt", ""], "--prompt is empty"),
+    (["--image", "/nonexistent/cat.png", "--prompt", "hi"], "--image /nonexistent/cat.png: no such file"),
+    (["--image", str(IMAGES), "--prompt", "hi"], f"--image {IMAGES}: is a folder"),
+    (["--image", str(IMAGES / "zero_bytes.png"), "--prompt", "hi"], "zero_bytes.png: empty file"),
+    (["--image", str(IMAGES / "not_an_image.png"), "--prompt", "hi"], "not_an_image.png: not an image"),
+    (["--video", "/nonexistent/clip.mp4", "--prompt", "hi"], "--video /nonexistent/clip.mp4: no such file"),
+    (["--video", str(IMAGES / "chelsea.png"), "--prompt", "hi"], "chelsea.png: not a video but a still image"),
+    (["--video", str(IMAGES / "grace_hopper.jpg"), "--prompt", "hi"], "grace_hopper.jpg: not a video but a still image"),
+    (["--video", str(VIDEOS / "not_a_video.mp4"), "--prompt", "hi"], "not_a_video.mp4: not a video"),
+], ids=["blank-prompt", "empty-prompt", "missing-image", "folder-image", "empty-image", "text-as-image",
+        "missing-video", "png-as-video", "jpeg-as-video", "text-as-video"])
+def test_bad_inputs_fail_before_the_model_loads(monkeypatch, capsys, args, message):
+    import atlas_vlm
+
+    monkeypatch.setattr(atlas_vlm, "LLM", _NeverLoaded)
+    rc = _cli().main(["--model", "unused", *args])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert err.startswith("error: ") and message in err

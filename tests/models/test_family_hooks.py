@@ -97,6 +97,10 @@ def test_vision_hooks_fall_back_to_the_qwen_geometry():
 
 
 def test_every_family_folder_is_packaged():
-    packages = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    from setuptools import find_namespace_packages
+
+    find = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert find["namespaces"]
+    packages = set(find_namespace_packages(where=str(REPO), include=find["include"]))
     folders = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "atlas_vlm" / "models").glob("*/__init__.py")}
     assert folders and folders <= packages
