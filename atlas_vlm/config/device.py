@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-ATTENTION_BACKENDS = ("auto", "reference", "bucketed", "decode_kernel")  # atlas_vlm.layers.attention's + "auto"
+ATTENTION_BACKENDS = ("auto", "reference", "bucketed", "decode_kernel", "triton")  # atlas_vlm.layers.attention's + "auto"
 
 
 @dataclass
@@ -25,7 +25,9 @@ class DeviceConfig:
     # CPU threads for torch; None: $OMP_NUM_THREADS if set, else the usable cores less those
     # busy with other work, chosen once per process (hardware.default_num_threads)
     num_threads: int | None = None
-    # "auto" (default): "decode_kernel" on CPU where the C decode kernel builds, else "bucketed";
+    # "auto" (default): "triton" on CUDA where Triton imports (kernels/triton_attention.py), else
+    # "decode_kernel" on CPU where the C decode kernel builds, else "bucketed"; "triton" forced
+    # also runs CPU tensors under TRITON_INTERPRET=1 (how CI tests it);
     # "decode_kernel" (bucketed prefill + kernels/csrc/paged_decode.c for decode rows, from the blocks),
     # "bucketed" (layers/attention_bucketed: SDPA per context-length bucket), or "reference"
     # (padded SDPA with a dense mask, the exactness reference for the other two)

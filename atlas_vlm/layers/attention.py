@@ -5,7 +5,9 @@ request after another); their K/V are written through ``slot_mapping``, each req
 whole context is gathered through its block table into a padded batch, and SDPA runs once
 with a mask that hides padding and future tokens. This is the ``"reference"`` backend; the
 ``"bucketed"`` backend (``attention_bucketed``, ``EngineConfig.attention_backend``) sits
-behind the same function, chosen per step by the metadata, and is tested against it.
+behind the same function, chosen per step by the metadata, and is tested against it; so does
+``"triton"`` (``kernels/triton_attention``: one Triton kernel straight from the blocks,
+imported only when chosen).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from atlas_vlm.layers.batch_invariant import per_row_layout
 from atlas_vlm.layers.attention_bucketed import (BucketedLayout, block_table_tensor, bucketed_paged_attention,
                                                  build_bucketed_layout)
 
-ATTENTION_BACKENDS = ("reference", "bucketed", "decode_kernel", "batch_invariant")  # the last: deterministic=True
+ATTENTION_BACKENDS = ("reference", "bucketed", "decode_kernel", "batch_invariant", "triton")  # batch_invariant:
+# deterministic=True; triton: CUDA, or CPU tensors under TRITON_INTERPRET=1
 
 
 @dataclass
@@ -35,6 +38,7 @@ class AttentionMetadata:
     token_index: torch.Tensor  # [num_tokens] int64: padded row (seq * max_query_len + i) of each token
     attn_mask: torch.Tensor | None  # [num_seqs, 1, max_query_len, max_context_len] bool, True = attend
     bucketed: BucketedLayout | None = None  # set (and attn_mask None) for the "bucketed" backend
+    triton: object | None = None  # kernels.triton_attention.TritonLayout for "triton" (attn_mask None)
     # hybrid models only: each sequence's recurrent-state slot (mm_kv_cache_management.StateMetadata)
     state: object | None = None
 
@@ -47,16 +51,22 @@ def resolve_attention_backend(requested: str, device: torch.device | str, dtype:
                               num_kv_heads: int, head_dim: int, kv_cache_dtype: str = "auto") -> str:
     """``EngineConfig.attention_backend`` -> the backend a model runs with.
 
-    ``"auto"``: ``"decode_kernel"`` where the C decode kernel serves the model (CPU, fp32 or
-    bf16, sizes in range, a compiler to build it), else ``"bucketed"``. Any other name is
-    kept.
+    ``"auto"``: ``"triton"`` on CUDA where Triton imports and serves the model (model-dtype
+    KV); else ``"decode_kernel"`` where the C decode kernel serves it (CPU, fp32 or bf16,
+    sizes in range, a compiler to build it); else ``"bucketed"``. Any other name is kept.
 
     Raises:
-        ValueError: ``"decode_kernel"`` asked for where it cannot serve (the reason is named),
-            or an unknown name.
+        ValueError: ``"decode_kernel"`` or ``"triton"`` asked for where it cannot serve (the
+            reason is named), or an unknown name.
     """
     if requested not in (*ATTENTION_BACKENDS, "auto"):
         raise ValueError(f"attention backend must be 'auto' or one of {ATTENTION_BACKENDS}, got {requested!r}")
+    if requested == "triton" or (requested == "auto" and torch.device(device).type == "cuda"):
+        why_not = _triton_unsupported_reason(device, dtype, head_dim, kv_cache_dtype)
+        if why_not is None:
+            return "triton"
+        if requested == "triton":
+            raise ValueError(f"attention_backend='triton' cannot serve this model: {why_not}")
     if requested not in ("auto", "decode_kernel"):
         return requested
     why_not = decode_kernel.unsupported_reason(device, dtype, num_heads, num_kv_heads, head_dim, kv_cache_dtype)
@@ -65,6 +75,15 @@ def resolve_attention_backend(requested: str, device: torch.device | str, dtype:
     if requested == "decode_kernel":
         raise ValueError(f"attention_backend='decode_kernel' cannot serve this model: {why_not}")
     return "bucketed"
+
+
+def _triton_unsupported_reason(device, dtype: torch.dtype, head_dim: int, kv_cache_dtype: str) -> str | None:
+    """``kernels.triton_attention.unsupported_reason``, or why Triton does not import."""
+    try:
+        from atlas_vlm.kernels import triton_attention
+    except ImportError as e:  # no triton (or a broken one): the PyTorch backends serve
+        return f"triton does not import ({e})"
+    return triton_attention.unsupported_reason(device, dtype, head_dim, kv_cache_dtype)
 
 
 def build_attention_metadata(
@@ -82,7 +101,8 @@ def build_attention_metadata(
     ``"bucketed"`` builds ``attention_bucketed.BucketedLayout`` instead (no dense mask);
     ``"decode_kernel"`` the same layout with the decode requests in one batch for the C
     kernel (``attention_bucketed.DecodeBatch``); ``"batch_invariant"`` (``deterministic=True``)
-    every query row in that batch (``layers.batch_invariant.per_row_layout``). ``verify``
+    every query row in that batch (``layers.batch_invariant.per_row_layout``); ``"triton"``
+    the kernel's ``TritonLayout`` (request offsets and lengths, no mask). ``verify``
     (per request, or None): its new tokens are a decode token and its speculative drafts;
     ``"decode_kernel"`` attends each of them as a decode row (``build_bucketed_layout``), the
     other backends as a prefill chunk (the same keys either way).
@@ -114,7 +134,12 @@ def build_attention_metadata(
     query_pos = (c_lens - q_lens)[:, None] + rows[None, :]  # [num_seqs, max_q] absolute positions
     mask = bucketed = None
     tables = block_table_tensor(block_tables, device)  # [num_seqs, max_blocks], built once per step
-    if backend == "batch_invariant":
+    triton_layout = None
+    if backend == "triton":  # no mask, no buckets: the kernel reads the block tables itself
+        from atlas_vlm.kernels.triton_attention import build_triton_layout
+
+        triton_layout = build_triton_layout(list(query_lens), list(context_lens), tables)
+    elif backend == "batch_invariant":
         bucketed = per_row_layout(list(query_lens), list(context_lens), tables, device)
     elif backend in ("bucketed", "decode_kernel"):
         bucketed = build_bucketed_layout(list(query_lens), list(context_lens), block_tables, device,
@@ -133,6 +158,7 @@ def build_attention_metadata(
         token_index=token_index.to(device),
         attn_mask=mask,
         bucketed=bucketed,
+        triton=triton_layout,
     )
 
 
@@ -167,6 +193,11 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     if k is None and kv_cache is None:
         raise ValueError("paged_attention needs k and v without a KV cache")
+    if meta.triton is not None:
+        from atlas_vlm.kernels.triton_attention import triton_paged_attention
+
+        return triton_paged_attention(q, k, v, kv_cache, layer, meta.triton, meta.slot_mapping, meta.query_index,
+                                      scale)
     if meta.bucketed is not None:
         if kv_cache is not None and k is not None:
             kv_cache.write(layer, meta.slot_mapping, k, v)
