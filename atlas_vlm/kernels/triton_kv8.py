@@ -45,7 +45,7 @@ def fp8e4m3_decode(code):
 
 
 @triton.jit
-def _fp8e4m3_encode(y):
+def fp8e4m3_encode(y):
     """fp32 ``y`` in [-448, 448] -> float8 e4m3fn codes (uint8), rounded to nearest even."""
     bits = y.to(tl.int32, bitcast=True)
     exp = tl.maximum(((bits >> 23) & 255) - 127, -6)  # binade; below 2**-6: the subnormal step 2**-9
@@ -79,7 +79,7 @@ def _quantize_rows(x, qmax, inv_qmax, KV_QUANT: tl.constexpr, RECIP: tl.constexp
         y = tl.minimum(tl.maximum(y, -128.0), 128.0)  # round(clamp(y)) clamped == round(y) clamped
         codes = tl.minimum(tl.maximum((y + _RNE_MAGIC) - _RNE_MAGIC, -127.0), 127.0).to(tl.int8)
     else:
-        codes = _fp8e4m3_encode(tl.minimum(tl.maximum(y, -448.0), 448.0))
+        codes = fp8e4m3_encode(tl.minimum(tl.maximum(y, -448.0), 448.0))
     return codes, scale
 
 
@@ -156,4 +156,5 @@ def reshape_and_cache_kv8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
         rows, k_cache, v_cache, k_scale, v_scale, slot_mapping, k_cache.shape[1], QMAX[kv_cache_dtype], inv_qmax,
         rows.stride(0), rows.stride(1), rows.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_scale.stride(0), k_scale.stride(1), NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-        HEADS_PAD=triton.next_power_of_2(kv_heads), HEAD_DIM_PAD=triton.next_power_of_2(head_dim), KV_QUANT=KV_QUANT[kv_cache_dtype], RECIP=recip)
+        HEADS_PAD=triton.next_power_of_2(kv_heads), HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        KV_QUANT=KV_QUANT[kv_cache_dtype], RECIP=recip)
