@@ -17,7 +17,10 @@ probabilities rounded to the input dtype before ``P @ V`` (as flash attention do
 Which program serves which tokens (``TritonLayout.q_blocks``) is computed on the host once per
 step, not searched in the kernel. Under ``TRITON_INTERPRET=1`` (set before ``triton`` is
 imported) the same kernel runs on CPU tensors: that is how CI tests it
-(``tests/triton/``). 8-bit KV caches are not read here (``unsupported_reason``).
+(``tests/triton_kernels/``). 8-bit KV caches (int8 / fp8_e4m3 codes with a float16 scale per
+token and KV head, ``kv_quant``) are read directly: each K / V tile is loaded as codes and
+multiplied by its scales in registers (``triton_kv8.dequantize``), in the rotated basis the
+codes are stored in; the caller rotates q in and the output back (``triton_backend``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
+
+from atlas_vlm.kernels.triton_kv8 import KV_QUANT, dequantize
+from mm_kv_cache_management.kv_quant import SCALE_DTYPE, STORAGE_DTYPES
 
 MIN_DOT = 16  # tl.dot's smallest M / N / K on GPUs
 TILE = 32  # keys per inner step
@@ -42,7 +48,7 @@ def unsupported_reason(device: torch.device | str, dtype: torch.dtype, head_dim:
     """Why this kernel cannot serve a model here, or None when it can.
 
     It serves CUDA tensors, or CPU tensors under the interpreter; fp32 / fp16 / bf16; head_dim
-    up to 256; a KV cache in the model dtype (8-bit caches take the PyTorch path).
+    up to 256; a KV cache in the model dtype or 8-bit (``kv_quant.KV_CACHE_DTYPES``).
     """
     device = torch.device(device)
     if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
@@ -51,8 +57,8 @@ def unsupported_reason(device: torch.device | str, dtype: torch.dtype, head_dim:
         return f"dtype {dtype} (float32, float16 or bfloat16 only)"
     if not 1 <= head_dim <= 256:
         return f"head_dim {head_dim} (1 .. 256 only)"
-    if kv_cache_dtype != "auto":
-        return f"kv_cache_dtype={kv_cache_dtype!r} (8-bit KV is read by the PyTorch backends only)"
+    if kv_cache_dtype not in KV_QUANT:
+        return f"kv_cache_dtype={kv_cache_dtype!r} (one of {tuple(KV_QUANT)} only)"
     return None
 
 
@@ -97,11 +103,11 @@ def build_triton_layout(query_lens: list[int], context_lens: list[int], block_ta
 
 @triton.jit
 def _unified_attention_kernel(
-        out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, q_block_seq_ptr,
-        q_block_first_ptr, scale, block_size, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks,
-        stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+        out_ptr, q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+        q_block_seq_ptr, q_block_first_ptr, scale, block_size, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb,
+        stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-        BLOCK_M: tl.constexpr, TILE_SIZE: tl.constexpr, FP32_DOT: tl.constexpr):
+        BLOCK_M: tl.constexpr, TILE_SIZE: tl.constexpr, FP32_DOT: tl.constexpr, KV_QUANT: tl.constexpr):
     qb = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(q_block_seq_ptr + qb)
@@ -137,6 +143,12 @@ def _unified_attention_kernel(
                     + offs_d[:, None], mask=d_ok[:, None] & key_ok[None, :], other=0.0)  # [HEAD_DIM_PAD, TILE]
         v = tl.load(v_ptr + blk[:, None] * stride_vb + row[:, None] * stride_vs + kv_head * stride_vh
                     + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE, HEAD_DIM_PAD]
+        if KV_QUANT != 0:  # 8-bit codes: code * its (token, head) scale, in fp32 (exact), rotated basis
+            s_off = blk * stride_sb + row * stride_ss + kv_head
+            k_s = tl.load(k_scale_ptr + s_off, mask=key_ok, other=0.0).to(tl.float32)  # [TILE]
+            v_s = tl.load(v_scale_ptr + s_off, mask=key_ok, other=0.0).to(tl.float32)
+            k = (dequantize(k, KV_QUANT) * k_s[None, :]).to(q.dtype)
+            v = (dequantize(v, KV_QUANT) * v_s[:, None]).to(q.dtype)
         if FP32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -161,18 +173,23 @@ def _unified_attention_kernel(
 
 
 def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: TritonLayout,
-                      scale: float) -> torch.Tensor:
+                      scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                      kv_cache_dtype: str = "auto", out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Attention of a step's new tokens over their requests' K/V blocks (already written).
 
     Args:
         q: ``[num_tokens, num_heads, head_dim]``, requests one after another as in ``layout``.
         k_cache, v_cache: one layer's ``[num_blocks, block_size, num_kv_heads, head_dim]`` in
-            q's dtype (``PagedKVCache.layer_kv``).
+            q's dtype, or with ``kv_cache_dtype`` "int8" / "fp8_e4m3" its 8-bit codes
+            (``PagedKVCache.layer_kv``), read as ``code * scale``: the rotated basis, so q
+            must come rotated (``hadamard_rotate``) and the output is rotated too.
         layout: the step's ``TritonLayout``.
         scale: softmax scale.
+        k_scale, v_scale: ``[num_blocks, block_size, num_kv_heads]`` float16, 8-bit caches only.
+        out_dtype: the output's dtype (default q's; fp32 accumulators rounded once).
 
     Returns:
-        ``[num_tokens, num_heads, head_dim]`` in q's dtype.
+        ``[num_tokens, num_heads, head_dim]`` in ``out_dtype``.
 
     Raises:
         ValueError: shapes or dtypes disagree (named).
@@ -181,8 +198,19 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[-1] != head_dim:
         raise ValueError(f"k_cache / v_cache must be [num_blocks, block_size, kv_heads, {head_dim}], "
                          f"got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"the KV cache ({k_cache.dtype}) must be in q's dtype ({q.dtype})")
+    cache_dtype = q.dtype if kv_cache_dtype == "auto" else STORAGE_DTYPES.get(kv_cache_dtype)
+    if cache_dtype is None:
+        raise ValueError(f"kv_cache_dtype must be 'auto' or one of {tuple(STORAGE_DTYPES)}, got {kv_cache_dtype!r}")
+    if k_cache.dtype != cache_dtype or v_cache.dtype != cache_dtype:
+        raise ValueError(f"the KV cache ({k_cache.dtype}) must be in {cache_dtype} (q {q.dtype}, "
+                         f"kv_cache_dtype={kv_cache_dtype!r})")
+    quantized = kv_cache_dtype != "auto"
+    if quantized and (k_scale is None or v_scale is None or k_scale.shape != k_cache.shape[:3]
+                      or v_scale.shape != k_scale.shape or k_scale.stride() != v_scale.stride()
+                      or k_scale.dtype != SCALE_DTYPE or v_scale.dtype != SCALE_DTYPE):
+        raise ValueError(f"an 8-bit cache needs k_scale / v_scale {tuple(k_cache.shape[:3])} {SCALE_DTYPE} alike, "
+                         f"got {None if k_scale is None else (tuple(k_scale.shape), k_scale.dtype)} / "
+                         f"{None if v_scale is None else (tuple(v_scale.shape), v_scale.dtype)}")
     num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
@@ -195,54 +223,18 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_m = max(MIN_DOT, triton.next_power_of_2(group))
     block_q = block_m // group
     q_block_seq, q_block_first = layout.q_blocks(block_q)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
     if q_block_seq.numel() == 0:
         return out
     tables = layout.block_tables
     grid = (q_block_seq.numel(), num_kv_heads)
+    k_scale, v_scale = (k_scale, v_scale) if quantized else (k_cache, v_cache)  # unread without 8-bit KV
     _unified_attention_kernel[grid](
-        out, q, k_cache, v_cache, tables, layout.seq_lens, layout.query_start, q_block_seq, q_block_first,
-        float(scale), k_cache.shape[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        out, q, k_cache, v_cache, k_scale, v_scale, tables, layout.seq_lens, layout.query_start, q_block_seq,
+        q_block_first, float(scale), k_cache.shape[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), tables.stride(0),
+        v_cache.stride(2), k_scale.stride(0), k_scale.stride(1), tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(MIN_DOT, triton.next_power_of_2(head_dim)),
-        BLOCK_Q=block_q, BLOCK_M=block_m, TILE_SIZE=TILE, FP32_DOT=_fp32_dot(q.dtype))
+        BLOCK_Q=block_q, BLOCK_M=block_m, TILE_SIZE=TILE, FP32_DOT=_fp32_dot(q.dtype),
+        KV_QUANT=KV_QUANT[kv_cache_dtype])
     return out
-
-
-def triton_paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache, layer: int,
-                           layout: TritonLayout, slot_mapping: torch.Tensor, query_index: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """``layers.attention.paged_attention`` for the ``"triton"`` backend: write the new K/V
-    (``triton_cache.reshape_and_cache``), then attend from the blocks.
-
-    Args:
-        q: ``[num_tokens, num_heads, head_dim]``; k, v: ``[num_tokens, num_kv_heads, head_dim]``
-            or None (already in the cache).
-        kv_cache: a ``PagedKVCache`` / ``ContiguousKVCache`` in the model dtype, or None for a
-            cache-free full prefill (k / v then serve as a cache of one-token blocks, read
-            through ``query_index``: ``[num_seqs, max_query_len]`` flat token of each row).
-        slot_mapping: ``[num_tokens]`` cache slots of the new tokens.
-
-    Returns:
-        ``[num_tokens, num_heads, head_dim]``.
-
-    Raises:
-        ValueError: an 8-bit KV cache (``unsupported_reason``), or k / v missing without a cache.
-    """
-    from atlas_vlm.kernels.triton_cache import reshape_and_cache
-
-    if kv_cache is None:
-        if k is None or layout.query_lens != layout.seq_lens.tolist():
-            raise ValueError("without a KV cache the triton backend needs k / v and full prefills only")
-        # [num_tokens, kvh, hd] -> [num_tokens, 1, kvh, hd]: token t is block t of one row
-        one_token_blocks = TritonLayout(layout.query_lens, layout.query_start, layout.seq_lens, query_index,
-                                        layout._q_blocks)
-        return unified_attention(q, k.unsqueeze(1).to(q.dtype), v.unsqueeze(1).to(q.dtype), one_token_blocks, scale)
-    k_cache, v_cache, k_scale, _ = kv_cache.layer_kv(layer)
-    if k_scale is not None:
-        raise ValueError(f"the triton backend reads no 8-bit KV cache (kv_cache_dtype="
-                         f"{kv_cache.spec.kv_cache_dtype!r}); use attention_backend='bucketed'")
-    if k is not None:
-        reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
-    return unified_attention(q, k_cache, v_cache, layout, scale)

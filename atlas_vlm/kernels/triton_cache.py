@@ -5,8 +5,8 @@ One program per new token: its slot ``s`` (``slot_mapping``) names block ``s // 
 and row ``s % block_size``; all of the token's KV heads are copied at once (head counts and
 head dims padded to powers of two with masks), in the cache dtype. A negative slot
 (vLLM's padding convention) writes nothing. The same values as ``PagedKVCache.write``
-(``index_copy_``) for a cache in the model dtype; 8-bit caches are written by that method.
-Runs on CPU tensors under ``TRITON_INTERPRET=1`` (``tests/triton/``).
+(``index_copy_``) for a cache in the model dtype; 8-bit caches: ``triton_kv8``.
+Runs on CPU tensors under ``TRITON_INTERPRET=1`` (``tests/triton_kernels/``).
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def resolve_attention_backend(requested: str, device: torch.device | str, dtype:
     """``EngineConfig.attention_backend`` -> the backend a model runs with.
 
     ``"auto"``: ``"triton"`` on CUDA where Triton imports and serves the model (model-dtype
-    KV); else ``"decode_kernel"`` where the C decode kernel serves it (CPU, fp32 or bf16,
+    or 8-bit KV); else ``"decode_kernel"`` where the C decode kernel serves it (CPU, fp32 or bf16,
     sizes in range, a compiler to build it); else ``"bucketed"``. Any other name is kept.
 
     Raises:
@@ -194,7 +194,7 @@ def paged_attention(
     if k is None and kv_cache is None:
         raise ValueError("paged_attention needs k and v without a KV cache")
     if meta.triton is not None:
-        from atlas_vlm.kernels.triton_attention import triton_paged_attention
+        from atlas_vlm.kernels.triton_backend import triton_paged_attention
 
         return triton_paged_attention(q, k, v, kv_cache, layer, meta.triton, meta.slot_mapping, meta.query_index,
                                       scale)

@@ -21,10 +21,11 @@ ARGS = (torch.bfloat16, 8, 2, 128)  # dtype, heads, kv heads, head_dim
 def test_auto_picks_triton_on_cuda():
     assert resolve_attention_backend("auto", "cuda", *ARGS) == "triton"
     assert resolve_attention_backend("auto", torch.device("cuda", 1), *ARGS) == "triton"
+    for kv_cache_dtype in ("int8", "fp8_e4m3"):  # 8-bit KV read by the kernel (test_triton_kv8)
+        assert resolve_attention_backend("auto", "cuda", *ARGS, kv_cache_dtype=kv_cache_dtype) == "triton"
 
 
 def test_auto_on_cuda_keeps_bucketed_where_triton_cannot_serve(monkeypatch):
-    assert resolve_attention_backend("auto", "cuda", *ARGS, kv_cache_dtype="int8") == "bucketed"
     real_import = builtins.__import__
 
     def no_triton(name, *args, **kwargs):
@@ -44,8 +45,8 @@ def test_auto_on_cpu_is_unchanged():
 
 
 def test_forced_triton_names_why_it_cannot_serve(monkeypatch):
-    with pytest.raises(ValueError, match="attention_backend='triton'.*kv_cache_dtype='fp8_e4m3'"):
-        resolve_attention_backend("triton", "cuda", *ARGS, kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="attention_backend='triton'.*kv_cache_dtype='fp4'"):
+        resolve_attention_backend("triton", "cuda", *ARGS, kv_cache_dtype="fp4")
     with pytest.raises(ValueError, match="head_dim 512"):
         resolve_attention_backend("triton", "cuda", torch.float32, 8, 2, 512)
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # read again at each call
