@@ -12,7 +12,7 @@ fp32 sums in a different order (tests bound the difference). Without a C compile
 :func:`gguf_matmul` is :func:`gguf_matmul_reference` (dequantize, then ``F.linear``).
 
 The activation quantization makes the kernel approximate against the fp32 reference (each
-value rounded to one of 255 levels of its 256-block's max: ``docs/gguf.md`` states the bound
+value rounded to one of 255 levels of its 256-block's max: ``docs/quantization.md`` states the bound
 the tests hold); against the same product with the activations quantized the same way it is
 exact up to fp32 rounding.
 """

@@ -30,6 +30,14 @@ typedef struct { /* the activations as q8_K: qs [M][K], d [M][nb], bsums [M][nb]
   int64_t K, nb;
 } Q8K;
 
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float f16_to_f32(const uint8_t *p) { /* exact, IEEE half, little-endian bytes */
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+#else
 static inline float f16_to_f32(const uint8_t *p) { /* exact, IEEE half, little-endian bytes */
   const uint16_t h = (uint16_t)(p[0] | p[1] << 8);
   const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -49,6 +57,7 @@ static inline float f16_to_f32(const uint8_t *p) { /* exact, IEEE half, little-e
   memcpy(&f, &u, 4);
   return f;
 }
+#endif
 
 /* Q4_K / Q5_K's 12 scale bytes -> bytes of u: 8 six-bit scales, then 8 six-bit mins (ggml's masks). */
 static inline void unpack_k4_scales(const uint8_t *s, uint32_t u[4]) {

@@ -53,8 +53,8 @@ static inline __attribute__((always_inline)) void k4_rows(const uint8_t *row, co
     const __m256i mpair = _mm256_or_si256(mn, _mm256_slli_epi32(mn, 16)); /* [m_j, m_j] as int16 */
     for (int i = 0; i < mt; i++) {
       const int8_t *x = q->qs + (m0 + i) * q->K + ib * QK_K;
-      __m512i sumi = _mm512_setzero_si512();
-      for (int c = 0; c < 4; c++) sumi = dot_scaled(sumi, w[c], x + 64 * c, s[c]);
+      const __m512i sumi = _mm512_add_epi32(dot_scaled(dot_scaled(_mm512_setzero_si512(), w[0], x, s[0]), w[1], x + 64, s[1]),
+                                            dot_scaled(dot_scaled(_mm512_setzero_si512(), w[2], x + 128, s[2]), w[3], x + 192, s[3]));
       const float dx = q->d[(m0 + i) * q->nb + ib];
       const __m256i bs = _mm256_loadu_si256((const __m256i *)(q->bsums + ((m0 + i) * q->nb + ib) * 16));
       const __m256i summ = _mm256_madd_epi16(bs, mpair);
