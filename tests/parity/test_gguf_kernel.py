@@ -152,3 +152,34 @@ def test_refusals_name_the_input():
     with pytest.raises(ValueError, match="x must be"):
         gguf_matmul(torch.zeros(1, 512), blocks, "Q6_K", 3, 256)
     assert gguf_matmul(torch.zeros(0, 256), blocks, "Q6_K", 3, 256).shape == (0, 3)
+
+
+def test_gguf_linear_reads_the_mapped_file_in_place(tmp_path):
+    """GGUFLinear on a file's Q4_K and Q6_K tensors: its bytes lie inside the reader's map (no
+    copy) and its output is gguf_matmul's on the same bytes (leading dims and bias kept)."""
+    from gguf import GGUFReader, GGUFWriter
+
+    from atlas_vlm.layers.gguf_linear import GGUFLinear
+
+    path, k = tmp_path / "w.gguf", 512
+    w = GGUFWriter(str(path), "llama")
+    for name, qtype, n in [("blk.0.ffn_up.weight", "Q4_K", 33), ("blk.0.ffn_down.weight", "Q6_K", 17)]:
+        w.add_tensor(name, _blocks(qtype, n, k, seed=n).numpy(), raw_dtype=GGMLQuantizationType[qtype])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = GGUFReader(str(path))
+    start, size = reader.data.ctypes.data, reader.data.nbytes
+    x = torch.randn(2, 3, k, generator=torch.Generator().manual_seed(0))
+    for t in reader.tensors:
+        bias = torch.randn(int(t.shape[1]))
+        layer = GGUFLinear.from_tensor(t, bias)
+        p = layer.blocks.untyped_storage().data_ptr()
+        assert start <= p and p + layer.blocks.numel() <= start + size, t.name
+        assert layer.blocks.numel() == int(t.n_bytes)
+        y = layer(x)
+        want = gguf_matmul(x.reshape(6, k), layer.blocks, t.tensor_type.name, int(t.shape[1]), k) + bias
+        assert y.shape == (2, 3, int(t.shape[1])) and torch.equal(y.reshape(6, -1), want)
+    with pytest.raises(ValueError, match="Q4_K"):
+        GGUFLinear(torch.zeros(3, 10, dtype=torch.uint8), "Q4_K", 256, 3)
