@@ -183,3 +183,10 @@ def test_gguf_linear_reads_the_mapped_file_in_place(tmp_path):
         assert y.shape == (2, 3, int(t.shape[1])) and torch.equal(y.reshape(6, -1), want)
     with pytest.raises(ValueError, match="Q4_K"):
         GGUFLinear(torch.zeros(3, 10, dtype=torch.uint8), "Q4_K", 256, 3)
+
+
+def test_without_a_kernel_it_is_the_reference(monkeypatch):
+    monkeypatch.setattr(gguf_kernel, "_library", lambda: None)
+    blocks, x = _blocks("Q5_K", 7, 256, seed=5), torch.randn(3, 256)
+    assert not gguf_kernel.available() and gguf_kernel.isa() is None
+    assert torch.equal(gguf_matmul(x, blocks, "Q5_K", 7, 256), gguf_matmul_reference(x, blocks, "Q5_K", 7, 256))
