@@ -1,0 +1,149 @@
+"""Matmuls on GGUF tensors as stored (``csrc/gguf_gemm.c``): ``y = x @ W^T`` with ``W`` the
+file's own rows of ggml blocks (Q4_K, Q5_K, Q6_K, Q8_0), read in place from the mapped file:
+no conversion, no copy. After ik_llama.cpp's ``iqk_gemm_kquants.cpp``: the activations are
+quantized once per call to q8_K (an fp32 scale per 256, int8 values, int16 sums per 16), every
+super-block's integer dot products are exact (scales in int32, Q4_K / Q5_K mins and Q6_K's
+-32 through the activation sums), one fp32 multiply-add per 256 values and row; up to 8
+activation rows share one unpacking of each weight block.
+
+Variants by ``hardware.cpu_features()`` (``ATLAS_VLM_CPU_FLAGS`` fakes a CPU): AVX512-VNNI
+(``vpdpbusd`` + ``vpdpwssd``), AVX2 (``vpmaddubsw`` + ``vpmaddwd``), plain C: the same integers,
+fp32 sums in a different order (tests bound the difference). Without a C compiler
+:func:`gguf_matmul` is :func:`gguf_matmul_reference` (dequantize, then ``F.linear``).
+
+The activation quantization makes the kernel approximate against the fp32 reference (each
+value rounded to one of 255 levels of its 256-block's max: ``docs/quantization.md`` states the bound
+the tests hold); against the same product with the activations quantized the same way it is
+exact up to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from atlas_vlm import hardware
+from atlas_vlm.kernels import cbuild
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "gguf_gemm.c"
+QK_K = 256  # values per super-block and per activation scale, as the C source
+MAX_ROWS = 8  # activation rows per weight read, as the C source
+# GGUF type name -> (ggml_type id, values per block, bytes per block)
+TYPES = {"Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
+
+
+def compile_flags(cpu: hardware.CpuFeatures | None = None) -> list[str]:
+    """Compiler flags for ``cpu`` (default this machine's): ``-march`` from ``kernel_march``
+    plus ``int8_dot_flags`` (``-mavx512vnni`` selects the AVX512-VNNI variant)."""
+    cpu = cpu or hardware.cpu_features()
+    return cbuild.cpu_flags(cpu=cpu) + cpu.int8_dot_flags
+
+
+def load_variant(flags: list[str]) -> ctypes.CDLL | None:
+    """The kernel built with ``flags`` (cached), its functions typed; None when it cannot be
+    built (logged). Tests build every variant this CPU runs and compare them."""
+    lib = cbuild.load(SOURCE, flags, [([], ["-lm"])], "GGUF matmuls use the dequantized reference")
+    if lib is None:
+        return None
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.gguf_gemm.argtypes = [p, i64, i64, p, i32, i64, p, i32]
+    lib.gguf_gemm.restype = ctypes.c_int
+    lib.gguf_gemm_isa.restype = ctypes.c_char_p
+    return lib
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    return load_variant(compile_flags())
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded for this machine (builds it on the first call)."""
+    return _library() is not None
+
+
+def isa(lib: ctypes.CDLL | None = None) -> str | None:
+    """The variant: ``"avx512vnni"``, ``"avx2"`` or ``"scalar"``; None without a kernel."""
+    lib = lib or _library()
+    return None if lib is None else lib.gguf_gemm_isa().decode()
+
+
+def row_bytes(qtype: str, in_features: int) -> int:
+    """Bytes of one stored row of ``in_features`` values of GGUF type ``qtype``.
+
+    Raises:
+        ValueError: a type the kernel does not run, or ``in_features`` not a multiple of 256.
+    """
+    if qtype not in TYPES:
+        raise ValueError(f"GGUF type {qtype!r} has no stored-block kernel; supported: {sorted(TYPES)}")
+    if in_features < QK_K or in_features % QK_K:
+        raise ValueError(f"in_features {in_features} is not a multiple of {QK_K} (q8_K activations need whole "
+                         f"super-blocks)")
+    _, per_block, nbytes = TYPES[qtype]
+    return in_features // per_block * nbytes
+
+
+def _check(x: torch.Tensor, blocks: torch.Tensor, qtype: str, out_features: int, in_features: int) -> None:
+    want = (out_features, row_bytes(qtype, in_features))
+    if blocks.dtype != torch.uint8 or tuple(blocks.shape) != want:
+        raise ValueError(f"blocks for a [{out_features}, {in_features}] {qtype} weight must be uint8 {list(want)}, "
+                         f"got {blocks.dtype} {list(blocks.shape)}")
+    if x.dim() != 2 or x.shape[1] != in_features or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"x must be fp32 or bf16 [M, {in_features}], got {x.dtype} {list(x.shape)}")
+
+
+def gguf_matmul_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: str, out_features: int,
+                          in_features: int) -> torch.Tensor:
+    """``x @ W^T`` with ``W`` dequantized by ``gguf.quants.dequantize`` (fp32), then ``F.linear``
+    in fp32; arguments and result as :func:`gguf_matmul`."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    _check(x, blocks, qtype, out_features, in_features)
+    w = dequantize(blocks.contiguous().numpy(), GGMLQuantizationType[qtype])  # [N, K] fp32
+    return F.linear(x.float(), torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))).to(x.dtype)
+
+
+def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, out_features: int, in_features: int,
+                lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``y[m, n] = sum_k x[m, k] * W[n, k]`` on the stored blocks.
+
+    Args:
+        x: ``[M, K]`` fp32 or bf16 on CPU.
+        blocks: uint8 ``[N, bytes per row]``, the file's bytes (e.g. ``torch.from_numpy(
+            reader.tensors[i].data)``: zero-copy); rows contiguous.
+        qtype: ``"Q4_K"``, ``"Q5_K"``, ``"Q6_K"`` or ``"Q8_0"``.
+        out_features, in_features: ``N`` and ``K`` (``K`` a multiple of 256).
+        lib: a kernel variant (tests); default this machine's, or the reference without one.
+
+    Returns:
+        ``[M, N]`` in ``x``'s dtype.
+
+    Raises:
+        ValueError: a type, shape or dtype the kernel does not take (named).
+        RuntimeError: the kernel refused the call (out of memory).
+    """
+    _check(x, blocks, qtype, out_features, in_features)
+    lib = lib or _library()
+    if lib is None:
+        return gguf_matmul_reference(x, blocks, qtype, out_features, in_features)
+    m = x.shape[0]
+    out = torch.empty(m, out_features, dtype=torch.float32)
+    if m == 0:
+        return out.to(x.dtype)
+    xf = x.float().contiguous()  # [M, K] fp32: the kernel quantizes it to q8_K
+    w = blocks if blocks.is_contiguous() else blocks.contiguous()
+    status = lib.gguf_gemm(xf.data_ptr(), m, in_features, w.data_ptr(), TYPES[qtype][0], out_features,
+                           out.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"GGUF matmul kernel refused x {list(x.shape)} against a [{out_features}, {in_features}] "
+                           f"{qtype} weight (out of memory?)")
+    return out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -1,0 +1,71 @@
+"""A linear layer on a GGUF tensor as stored: ``GGUFLinear`` holds the file's own bytes (a uint8
+view of the reader's memory map, no copy, no conversion) and multiplies through
+``kernels.gguf_kernel.gguf_matmul`` (Q4_K, Q5_K, Q6_K, Q8_0).
+
+Not yet what ``quantization="gguf"`` loads (that still converts to ``Int4Linear`` /
+``Int8Linear``; issue 34 item 4 switches it over): a building block and its test.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from atlas_vlm.kernels.gguf_kernel import TYPES, gguf_matmul, row_bytes
+
+
+class GGUFLinear(nn.Module):
+    """``y = x @ W^T (+ bias)`` with ``W`` the stored blocks of one GGUF tensor.
+
+    Args:
+        blocks: uint8 ``[out_features, bytes per row]``, the file's bytes (kept as given: a
+            view of the mapped file stays one).
+        qtype: the GGUF type name (``"Q4_K"``, ``"Q5_K"``, ``"Q6_K"``, ``"Q8_0"``).
+        in_features, out_features: ``K`` (a multiple of 256) and ``N``.
+        bias: fp32 ``[N]`` or None.
+
+    Raises:
+        ValueError: a type the kernel does not run, or ``blocks`` not ``[N, bytes per row]`` uint8.
+    """
+
+    def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int, out_features: int,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        want = (out_features, row_bytes(qtype, in_features))
+        if blocks.dtype != torch.uint8 or tuple(blocks.shape) != want:
+            raise ValueError(f"GGUFLinear {qtype} [{out_features}, {in_features}] needs uint8 blocks {list(want)}, "
+                             f"got {blocks.dtype} {list(blocks.shape)}")
+        self.qtype, self.in_features, self.out_features = qtype, in_features, out_features
+        self.register_buffer("blocks", blocks, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    @classmethod
+    def from_tensor(cls, tensor, bias: torch.Tensor | None = None) -> GGUFLinear:
+        """The layer on ``tensor``, a ``gguf.GGUFReader`` tensor (2-D, ``shape`` ``[K, N]`` in
+        GGUF order), its bytes viewed in place (``torch.from_numpy`` of the read-only map).
+
+        Raises:
+            ValueError: not a 2-D tensor of a type the kernel runs (named).
+        """
+        qtype = tensor.tensor_type.name
+        if qtype not in TYPES or len(tensor.shape) != 2:
+            raise ValueError(f"GGUF tensor {tensor.name!r} ({qtype}, shape {list(tensor.shape)}) is not a 2-D "
+                             f"tensor of {sorted(TYPES)}")
+        k, n = int(tensor.shape[0]), int(tensor.shape[1])
+        with warnings.catch_warnings():  # the map is read-only; the kernel only reads it
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            blocks = torch.from_numpy(tensor.data).view(n, -1)  # [N, bytes per row], no copy
+        return cls(blocks, qtype, k, n, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = gguf_matmul(x.reshape(-1, self.in_features), self.blocks, self.qtype, self.out_features,
+                        self.in_features)  # [M, N]
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}"
