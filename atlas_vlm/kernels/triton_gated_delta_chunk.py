@@ -137,11 +137,12 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
     final = torch.empty(state_shape, dtype=torch.float32, device=query.device)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     block_v = min(64, max(16, triton.next_power_of_2(head_v_dim)))
+    chunk = max(16, min(chunk_size, triton.next_power_of_2(seq_len)))  # a shorter sequence is one chunk either way
     if bsz and num_v_heads:
         _chunk_kernel[(bsz, num_v_heads, triton.cdiv(head_v_dim, block_v))](
             query, key, value, g, beta, final if h0 is None else h0, out, final, seq_len, head_k_dim ** -0.5,
             query.stride(0), query.stride(1), value.stride(0), value.stride(1), g.stride(0), g.stride(1),
             out.stride(0), out.stride(1), NUM_K_HEADS=num_k_heads, NUM_V_HEADS=num_v_heads, DK=head_k_dim,
-            DV=head_v_dim, DK_PAD=max(16, triton.next_power_of_2(head_k_dim)), BLOCK_V=block_v, BT=chunk_size,
+            DV=head_v_dim, DK_PAD=max(16, triton.next_power_of_2(head_k_dim)), BLOCK_V=block_v, BT=chunk,
             HAS_H0=h0 is not None, L2NORM=use_qk_l2norm_in_kernel)
     return out, final if output_final_state else None

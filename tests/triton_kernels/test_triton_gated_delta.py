@@ -11,6 +11,8 @@ device faked. Small shapes, few examples: the interpreter runs every program in 
 
 from __future__ import annotations
 
+import builtins
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -18,10 +20,13 @@ from hypothesis import strategies as st
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
 from conftest import DEVICE
-from atlas_vlm.kernels import gated_delta
-from atlas_vlm.kernels.gated_delta import decode_step_reference
+from atlas_vlm.kernels import gated_delta, triton_gated_delta, triton_gated_delta_chunk
+from atlas_vlm.kernels.gated_delta import decode_step_reference, use_triton
 from atlas_vlm.kernels.triton_gated_delta import decode_rows
 from atlas_vlm.kernels.triton_gated_delta_chunk import chunk_gated_delta_rule
+from atlas_vlm.loader import load_model
+from atlas_vlm.models.qwen3_5.gated_deltanet import GatedDeltaNet
+from qwen3_5_helpers import VOCAB, StepDriver, build_tiny_qwen3_5
 
 pytestmark = [pytest.mark.text, pytest.mark.triton]
 
@@ -115,3 +120,117 @@ def check_chunk_rule(length, chunk, heads, dk, dv, dtype, initial, seed):
     assert out.dtype == dtype and final.dtype == torch.float32
     close(out.cpu(), want, dtype, f"outputs of {length} tokens")
     close(final.cpu(), want_final, dtype, f"final state after {length} tokens")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("q35_triton") / "text"
+    build_tiny_qwen3_5(folder, text_only=True)
+    return load_model(folder).model
+
+
+def set_rule_backend(model, backend: str) -> None:
+    for m in model.modules():
+        if isinstance(m, GatedDeltaNet):
+            m.rule_backend = backend
+
+
+def state_of(run: StepDriver, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    slot = run.seqs[name]["slot"]
+    return run.state.conv[:, slot].clone(), run.state.recurrent[:, slot].clone()
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the tiny model's step driver runs on CPU tensors")
+def test_a_tiny_qwen3_5_forced_to_triton_steps_as_pytorch_and_rolls_back(model, monkeypatch):
+    """Prefill (two sequences), a decode batch, then a verification of 3 drafts beside a plain
+    decode: logits and states as the PyTorch path's; accepting 1 of the 3 drafts leaves the
+    state of decoding those 2 tokens."""
+    calls = {"decode": 0, "chunk": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(triton_gated_delta, "decode_step", counted("decode", triton_gated_delta.decode_step))
+    monkeypatch.setattr(triton_gated_delta_chunk, "chunk_gated_delta_rule",
+                        counted("chunk", triton_gated_delta_chunk.chunk_gated_delta_rule))
+    steps = [({"a": ids(9, 1), "b": ids(5, 2)}, None), ({"a": ids(1, 3), "b": ids(1, 4)}, None),
+             ({"a": ids(4, 5), "b": ids(1, 6)}, {"a": 3})]
+    runs = {}
+    try:
+        for backend in ("torch", "triton"):
+            set_rule_backend(model, backend)
+            run = runs[backend] = StepDriver(model)
+            run.add("a")
+            run.add("b")
+            run.logits = [run.step(new, drafts=drafts) for new, drafts in steps]
+            run.state.accept_rows(run.seqs["a"]["slot"], 2)  # the last sampled token and 1 draft taken
+        set_rule_backend(model, "torch")
+        decoded = StepDriver(model)  # the same tokens, the 2 taken rows decoded one by one (PyTorch: cheaper)
+        decoded.add("a")
+        for new in (steps[0][0]["a"], steps[1][0]["a"], *[[t] for t in steps[2][0]["a"][:2]]):
+            decoded.step({"a": new})
+    finally:
+        set_rule_backend(model, "auto")
+    assert calls["decode"] > 0 and calls["chunk"] > 0, f"the Triton path did not run: {calls}"
+    for step, (want, ours) in enumerate(zip(runs["torch"].logits, runs["triton"].logits)):
+        for name in want:
+            assert (ours[name] - want[name]).abs().max().item() < 1e-4, f"step {step}, sequence {name}"
+    for name in ("a", "b"):
+        for ours, want in zip(state_of(runs["triton"], name), state_of(runs["torch"], name)):
+            close(ours, want, torch.float32, f"state of {name}")
+    for ours, want in zip(state_of(runs["triton"], "a"), state_of(decoded, "a")):
+        close(ours, want, torch.float32, "state after accepting 1 of 3 drafts")
+
+
+def test_auto_picks_triton_on_cuda_only():
+    assert use_triton("auto", "cuda", torch.bfloat16, 128, 128)
+    assert use_triton("auto", torch.device("cuda", 1), torch.float32, 16, 16)
+    assert not use_triton("torch", "cuda", torch.bfloat16, 128, 128)
+    assert not use_triton("auto", "cpu", torch.float32, 16, 16)  # CPU: the C kernel / PyTorch, as before
+    # a step whose attention runs the "triton" backend: Triton here too where it serves (the interpreter on CPU)
+    assert use_triton("auto", "cpu", torch.float32, 16, 16, triton_step=True) == triton_gated_delta.interpreting()
+    assert not use_triton("auto", "cuda", torch.int8, 16, 16)
+
+
+def test_forced_triton_says_why_it_cannot_serve(monkeypatch):
+    with pytest.raises(ValueError, match="rule_backend must be one of"):
+        use_triton("fla", "cuda", torch.float32, 16, 16)
+    with pytest.raises(ValueError, match="head dims 16 / 512"):
+        use_triton("triton", "cuda", torch.float32, 16, 512)
+    monkeypatch.setattr(triton_gated_delta, "interpreting", lambda: False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        use_triton("triton", "cpu", torch.float32, 16, 16)
+    real_import = builtins.__import__
+
+    def no_triton(name, *args, **kwargs):
+        if name == "atlas_vlm.kernels" and "triton_gated_delta" in (args[2] or ()):
+            raise ImportError("No module named 'triton'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_triton)
+    assert not use_triton("auto", "cuda", torch.float32, 16, 16)
+    with pytest.raises(ValueError, match="triton does not import"):
+        use_triton("triton", "cuda", torch.float32, 16, 16)
+
+
+def test_bad_inputs_are_named():
+    args, (conv, rec), slots = decode_inputs(2, 2, (1, 1), 16, 16, 4, torch.float32, 0)
+    init = torch.ones(2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="keep must be"):
+        decode_rows(**args, conv_state=conv, recurrent_state=rec, slots=slots, has_initial_state=init, num_k_heads=1,
+                    head_k_dim=16, head_v_dim=16, keep=(conv, rec))
+    with pytest.raises(ValueError, match="recurrent_state must be contiguous fp32"):
+        decode_rows(**args, conv_state=conv, recurrent_state=rec.double(), slots=slots, has_initial_state=init,
+                    num_k_heads=1, head_k_dim=16, head_v_dim=16)
+    q = torch.zeros(1, 3, 1, 16)
+    with pytest.raises(ValueError, match="chunk_size must be 16, 32 or 64"):
+        chunk_gated_delta_rule(q, q, q, torch.zeros(1, 3, 1), torch.zeros(1, 3, 1), chunk_size=128)
+    with pytest.raises(ValueError, match="g \\(1, 2, 1\\)"):
+        chunk_gated_delta_rule(q, q, q, torch.zeros(1, 2, 1), torch.zeros(1, 3, 1))
