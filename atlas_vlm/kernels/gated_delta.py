@@ -66,35 +66,6 @@ def unsupported_reason(device: torch.device | str, dtype: torch.dtype, num_k_hea
     return None
 
 
-RULE_BACKENDS = ("auto", "triton", "torch")  # GatedDeltaNet.rule_backend
-
-
-def use_triton(requested: str, device: torch.device | str, dtype: torch.dtype, head_k_dim: int, head_v_dim: int,
-               triton_step: bool = False) -> bool:
-    """Whether a Gated DeltaNet layer runs its rule through Triton (``triton_gated_delta``,
-    ``triton_gated_delta_chunk``) rather than this C kernel / PyTorch.
-
-    ``requested``: ``"auto"``: on CUDA (or in a step whose attention runs the ``"triton"``
-    backend, ``triton_step``) where Triton imports and serves; ``"triton"``: always (CPU
-    tensors need ``TRITON_INTERPRET=1``); ``"torch"``: never.
-
-    Raises:
-        ValueError: ``requested`` unknown, or ``"triton"`` where it cannot serve (the reason).
-    """
-    if requested not in RULE_BACKENDS:
-        raise ValueError(f"rule_backend must be one of {RULE_BACKENDS}, got {requested!r}")
-    if requested == "torch" or (requested == "auto" and torch.device(device).type != "cuda" and not triton_step):
-        return False
-    try:
-        from atlas_vlm.kernels import triton_gated_delta
-        why = triton_gated_delta.unsupported_reason(device, dtype, head_k_dim, head_v_dim)
-    except ImportError as e:  # no triton (or a broken one): C / PyTorch serve
-        why = f"triton does not import ({e})"
-    if why is not None and requested == "triton":
-        raise ValueError(f"rule_backend='triton' cannot serve this Gated DeltaNet layer: {why}")
-    return why is None
-
-
 def _check(qkv, b, a, conv_weight, conv_state, recurrent_state, slots, has_initial_state, num_k_heads, head_k_dim,
            head_v_dim) -> tuple[int, int]:
     """(num_v_heads, conv kernel) after checking every shape; ValueError naming the input otherwise."""

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atlas_vlm.kernels.gated_delta import _check, decode_step_reference  # noqa: F401 (the reference)
+from atlas_vlm.kernels.gated_delta import _check
 
 
 def interpreting() -> bool:

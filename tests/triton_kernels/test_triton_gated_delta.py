@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
 from conftest import DEVICE
-from atlas_vlm.kernels import gated_delta, triton_gated_delta, triton_gated_delta_chunk
-from atlas_vlm.kernels.gated_delta import decode_step_reference, use_triton
+from atlas_vlm.kernels import triton_gated_delta, triton_gated_delta_chunk
+from atlas_vlm.kernels.gated_delta import decode_step_reference
+from atlas_vlm.kernels.gated_delta_backend import use_triton
 from atlas_vlm.kernels.triton_gated_delta import decode_rows
 from atlas_vlm.kernels.triton_gated_delta_chunk import chunk_gated_delta_rule
 from atlas_vlm.loader import load_model

@@ -9,7 +9,7 @@ Tokens arrive flattened across sequences (``meta.query_lens``, in order). Each s
 sees its own tokens: sequences with one new token (decode) run together as one batch of the
 recurrent rule (on CPU through the C kernel ``atlas_vlm.kernels.gated_delta`` where it builds:
 conv, rule and state update in one call, the same answer); every longer one runs alone
-through the chunked rule. On CUDA (``rule_backend``, ``gated_delta.use_triton``) both run in
+through the chunked rule. On CUDA (``rule_backend``, ``gated_delta_backend.use_triton``) both run in
 Triton (``kernels.triton_gated_delta``, ``kernels.triton_gated_delta_chunk``). A sequence reads its
 conv and recurrent state from ``meta.state.cache`` at slot ``meta.state.slots[i]`` (zero when
 ``has_initial_state[i]`` is False) and writes the final state back there (fp32).
@@ -37,7 +37,7 @@ from transformers.activations import ACT2FN
 from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delta_rule,
                                                           torch_recurrent_gated_delta_rule)
 
-from atlas_vlm.kernels import gated_delta
+from atlas_vlm.kernels import gated_delta, gated_delta_backend
 
 
 class RMSNormGated(nn.Module):
@@ -87,7 +87,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
         self.act_name = config.hidden_act
         self.act = ACT2FN[config.hidden_act]
-        self.rule_backend = "auto"  # gated_delta.use_triton: "auto" (Triton on CUDA), "triton" (forced), "torch"
+        self.rule_backend = "auto"  # gated_delta_backend.use_triton: "auto" (Triton on CUDA), "triton", "torch"
 
     def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden]`` (sequences flattened as ``meta.query_lens``) ->
@@ -110,7 +110,7 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"meta.state gives {len(state.slots)} slots and {len(state.has_initial_state)} "
                              f"has_initial_state flags for {len(q_lens)} sequences")
         drafts = self._num_drafts(q_lens, state)
-        triton = gated_delta.use_triton(self.rule_backend, x.device, x.dtype, self.head_k_dim, self.head_v_dim,
+        triton = gated_delta_backend.use_triton(self.rule_backend, x.device, x.dtype, self.head_k_dim, self.head_v_dim,
                                         getattr(meta, "triton", None) is not None)
         qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)  # [T, conv_dim], [T, value_dim]
         b, a = self.in_proj_b(x), self.in_proj_a(x)  # [T, num_v_heads]
@@ -164,7 +164,8 @@ class GatedDeltaNet(nn.Module):
         ``[n * length, value_dim]``."""
         n = len(seqs)
         decode = gated_delta.decode_step
-        if triton and length == 1 and self.act_name == "silu" and state is not None and state.cache.conv.device == x.device:
+        if triton and length == 1 and self.act_name == "silu" and state is not None and \
+                state.cache.conv.device == x.device:
             from atlas_vlm.kernels import triton_gated_delta
             decode = triton_gated_delta.decode_step
         if length == 1 and (decode is not gated_delta.decode_step or self._kernel_serves(x, state)):
