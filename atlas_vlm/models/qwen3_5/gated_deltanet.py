@@ -9,7 +9,8 @@ Tokens arrive flattened across sequences (``meta.query_lens``, in order). Each s
 sees its own tokens: sequences with one new token (decode) run together as one batch of the
 recurrent rule (on CPU through the C kernel ``atlas_vlm.kernels.gated_delta`` where it builds:
 conv, rule and state update in one call, the same answer); every longer one runs alone
-through the chunked rule. A sequence reads its
+through the chunked rule. On CUDA (``rule_backend``, ``gated_delta_backend.use_triton``) both run in
+Triton (``kernels.triton_gated_delta``, ``kernels.triton_gated_delta_chunk``). A sequence reads its
 conv and recurrent state from ``meta.state.cache`` at slot ``meta.state.slots[i]`` (zero when
 ``has_initial_state[i]`` is False) and writes the final state back there (fp32).
 
@@ -36,7 +37,7 @@ from transformers.activations import ACT2FN
 from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delta_rule,
                                                           torch_recurrent_gated_delta_rule)
 
-from atlas_vlm.kernels import gated_delta
+from atlas_vlm.kernels import gated_delta, gated_delta_backend
 
 
 class RMSNormGated(nn.Module):
@@ -86,6 +87,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
         self.act_name = config.hidden_act
         self.act = ACT2FN[config.hidden_act]
+        self.rule_backend = "auto"  # gated_delta_backend.use_triton: "auto" (Triton on CUDA), "triton", "torch"
 
     def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden]`` (sequences flattened as ``meta.query_lens``) ->
@@ -108,6 +110,8 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"meta.state gives {len(state.slots)} slots and {len(state.has_initial_state)} "
                              f"has_initial_state flags for {len(q_lens)} sequences")
         drafts = self._num_drafts(q_lens, state)
+        triton = gated_delta_backend.use_triton(self.rule_backend, x.device, x.dtype, self.head_k_dim, self.head_v_dim,
+                                        getattr(meta, "triton", None) is not None)
         qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)  # [T, conv_dim], [T, value_dim]
         b, a = self.in_proj_b(x), self.in_proj_a(x)  # [T, num_v_heads]
         out = torch.empty(x.shape[0], self.value_dim, dtype=x.dtype, device=x.device)
@@ -121,12 +125,12 @@ class GatedDeltaNet(nn.Module):
             else:
                 rows = torch.tensor([r for i in seqs for r in range(starts[i], starts[i] + q_lens[i])],
                                     device=x.device)
-            out[rows] = self._run_rows(seqs, rows, length, qkv, b, a, state, x)
+            out[rows] = self._run_rows(seqs, rows, length, qkv, b, a, state, x, triton)
         verify = [i for i, k in enumerate(drafts) if k]
         for t in range(max(drafts) + 1 if verify else 0):  # verification rows: row t of each, as a decode
             seqs = [i for i in verify if drafts[i] >= t]
             rows = torch.tensor([starts[i] + t for i in seqs], device=x.device)
-            out[rows] = self._run_rows(seqs, rows, 1, qkv, b, a, state, x)
+            out[rows] = self._run_rows(seqs, rows, 1, qkv, b, a, state, x, triton)
             for i in seqs:
                 if t < drafts[i]:  # the state after this row, for accept_rows
                     state.cache.keep_row(self.state_layer, int(state.slots[i]), t, drafts[i])
@@ -153,19 +157,25 @@ class GatedDeltaNet(nn.Module):
                                  f"(has_initial_state={bool(state.has_initial_state[i])})")
         return drafts
 
-    def _run_rows(self, seqs: list[int], rows, length: int, qkv, b, a, state, x) -> torch.Tensor:
+    def _run_rows(self, seqs: list[int], rows, length: int, qkv, b, a, state, x, triton: bool) -> torch.Tensor:
         """Conv + rule for ``len(seqs)`` sequences of ``length`` rows each (``rows``: their
         flat indices, sequence after sequence), reading and writing their slots; one-row
-        sequences through the C kernel where it serves. Returns ``[n * length, value_dim]``."""
+        sequences through Triton (``triton``) or the C kernel where it serves. Returns
+        ``[n * length, value_dim]``."""
         n = len(seqs)
-        if length == 1 and self._kernel_serves(x, state):
-            return gated_delta.decode_step(
+        decode = gated_delta.decode_step
+        if triton and length == 1 and self.act_name == "silu" and state is not None and \
+                state.cache.conv.device == x.device:
+            from atlas_vlm.kernels import triton_gated_delta
+            decode = triton_gated_delta.decode_step
+        if length == 1 and (decode is not gated_delta.decode_step or self._kernel_serves(x, state)):
+            return decode(
                 qkv[rows], b[rows], a[rows], self.conv1d.weight, self.A_log, self.dt_bias,
                 state.cache.conv[self.state_layer], state.cache.recurrent[self.state_layer], state.slots[seqs],
                 state.has_initial_state[seqs], self.num_k_heads, self.head_k_dim,
                 self.head_v_dim).reshape(n, self.value_dim)
         core = self._mix(seqs, qkv[rows].view(n, length, -1), b[rows].view(n, length, -1),
-                         a[rows].view(n, length, -1), state)  # [n, length, num_v_heads, head_v_dim]
+                         a[rows].view(n, length, -1), state, triton)  # [n, length, num_v_heads, head_v_dim]
         return core.reshape(n * length, self.value_dim)
 
     def _kernel_serves(self, x: torch.Tensor, state) -> bool:
@@ -175,12 +185,16 @@ class GatedDeltaNet(nn.Module):
                 and gated_delta.unsupported_reason(x.device, x.dtype, self.num_k_heads, self.num_v_heads,
                                                    self.head_k_dim, self.head_v_dim, self.kernel) is None)
 
-    def _mix(self, seqs: list[int], qkv, b, a, state) -> torch.Tensor:
+    def _mix(self, seqs: list[int], qkv, b, a, state, triton: bool) -> torch.Tensor:
         """Conv + gated delta rule for ``len(seqs)`` sequences of equal length ``L``:
-        ``qkv`` ``[n, L, conv_dim]``, ``b``/``a`` ``[n, L, num_v_heads]`` -> ``[n, L, num_v_heads, head_v_dim]``."""
+        ``qkv`` ``[n, L, conv_dim]``, ``b``/``a`` ``[n, L, num_v_heads]`` -> ``[n, L, num_v_heads, head_v_dim]``;
+        the chunked rule in Triton when ``triton``."""
         n, length, _ = qkv.shape
+        chunk_rule = torch_chunk_gated_delta_rule
+        if triton:
+            from atlas_vlm.kernels.triton_gated_delta_chunk import chunk_gated_delta_rule as chunk_rule
         if n == 1 and length > 1 and state is not None and state.snapshots and state.snapshots[seqs[0]]:
-            return self._mix_snapshots(seqs, qkv, b, a, state)  # a prefill that also snapshots its state
+            return self._mix_snapshots(seqs, qkv, b, a, state, chunk_rule)  # a prefill that also snapshots its state
         conv_state, rec_state = self._read_state(seqs, state, qkv)
         weight = self.conv1d.weight  # [conv_dim, 1, kernel]
         window = torch.cat([conv_state.to(weight.dtype), qkv.transpose(1, 2).to(weight.dtype)], dim=-1)
@@ -192,7 +206,7 @@ class GatedDeltaNet(nn.Module):
         value = value.reshape(n, length, -1, self.head_v_dim)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # HF: fp32 so A never overflows
-        rule = torch_recurrent_gated_delta_rule if length == 1 else torch_chunk_gated_delta_rule
+        rule = torch_recurrent_gated_delta_rule if length == 1 and not triton else chunk_rule
         core, final = rule(query, key, value, g=g, beta=beta, initial_state=rec_state, output_final_state=True,
                            use_qk_l2norm_in_kernel=True)
         if state is not None:
@@ -201,7 +215,7 @@ class GatedDeltaNet(nn.Module):
             state.cache.recurrent[self.state_layer, slots] = final.to(state.cache.recurrent.dtype)
         return core
 
-    def _mix_snapshots(self, seqs: list[int], qkv, b, a, state) -> torch.Tensor:
+    def _mix_snapshots(self, seqs: list[int], qkv, b, a, state, chunk_rule) -> torch.Tensor:
         """``_mix`` for one prefill sequence (``seqs == [i]``) that snapshots its state: the
         chunk is split after each ``k`` of ``state.snapshots[i]``; the state after a piece goes
         to its snapshot slot of ``state.snapshot_cache`` and seeds the next piece."""
@@ -216,7 +230,7 @@ class GatedDeltaNet(nn.Module):
                 mixed = self.act(F.conv1d(window, weight, groups=self.conv_dim)).to(qkv.dtype).transpose(1, 2)
                 query, key, value = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
                 g = -self.A_log.float().exp() * F.softplus(a[:, prev:end].float() + self.dt_bias)
-                core, rec_state = torch_chunk_gated_delta_rule(
+                core, rec_state = chunk_rule(
                     query.reshape(1, end - prev, -1, self.head_k_dim), key.reshape(1, end - prev, -1, self.head_k_dim),
                     value.reshape(1, end - prev, -1, self.head_v_dim), g=g, beta=b[:, prev:end].sigmoid(),
                     initial_state=rec_state, output_final_state=True, use_qk_l2norm_in_kernel=True)
