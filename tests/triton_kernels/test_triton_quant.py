@@ -2,7 +2,8 @@
 GGUF blocks as stored (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K) against gguf-py's ``dequantize`` +
 ``F.linear``, ``Int8Linear`` / ``Int4Linear`` tiles against ``forward_reference``; the split-K
 GEMV (1-8 rows, one or several K slices) and the tiled GEMM (16-40 rows); fp32 to 1e-5 of
-``|x| @ |W|.T``, fp16 / bf16 to 2e-2 of it. And the choice: CUDA -> Triton, CPU -> as before.
+``|x| @ |W|.T``, fp16 / bf16 to 2e-2 of it. The choice (CUDA -> Triton, CPU -> as before) with
+the device faked, and a tiny int4 model's greedy tokens with the Triton path forced.
 Small shapes and few examples: on CPU the interpreter runs every program in numpy."""
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from hypothesis import strategies as st
 
 from conftest import DEVICE
 from atlas_vlm.kernels import triton_quant
-from atlas_vlm.kernels.triton_quant import gguf_matmul_reference, gguf_matmul_triton, quant_matmul_triton
+from atlas_vlm.kernels.triton_quant import (GEMV_MAX_ROWS, gguf_matmul_reference, gguf_matmul_triton,
+                                            quant_matmul_triton)
 from atlas_vlm.layers import quant_linear
 from atlas_vlm.layers.quant_linear import Int4Linear, Int8Linear
 
@@ -135,3 +137,27 @@ def test_bad_inputs_are_named():
         gguf_matmul_triton(x[:, :48], blocks, G.Q8_0, 4, 48)
     with pytest.raises(ValueError, match=r"x must be \[M, 64\]"):
         gguf_matmul_triton(x[:, :32], blocks, G.Q8_0, 4, 64)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the engine on CPU tensors needs the interpreter")
+def test_engine_int4_greedy_tokens_with_triton_forced(tiny_models, monkeypatch):
+    """A tiny int4 model (round to nearest at load) gives the same greedy tokens with every
+    quantized linear through the Triton kernels (CUDA faked) as through the PyTorch reference."""
+    from helpers import CPU_FP32
+    from atlas_vlm import LLM, SamplingParams
+
+    folder = str(tiny_models["qwen3"][0])
+    prompts = [[(7 * i + j) % 5000 + 10 for j in range(n)] for i, n in enumerate([3, 12])]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    calls = []
+    real = triton_quant.quant_linear_triton
+    monkeypatch.setattr(triton_quant, "quant_linear_triton", lambda *a, **kw: calls.append(a[0].shape[0]) or
+                        real(*a, **kw))
+    tokens = {}
+    for faked_cuda in (False, True):
+        monkeypatch.setattr(quant_linear, "quant_kernel_available", lambda *a, **kw: False)
+        monkeypatch.setattr(quant_linear, "triton_quant_available", lambda device: faked_cuda)
+        llm = LLM(folder, quantization="int4", max_model_len=64, num_kvcache_blocks=16, **CPU_FP32)
+        tokens[faked_cuda] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens[True] == tokens[False] and all(len(t) == 3 for t in tokens[True])
+    assert max(calls) > GEMV_MAX_ROWS and min(calls) <= GEMV_MAX_ROWS  # both kernels ran
