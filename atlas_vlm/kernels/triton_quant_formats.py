@@ -25,6 +25,9 @@ import triton.language as tl
 INT8, INT8_MIN, INT4 = 100, 101, 102
 Q4_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 8, 12, 13, 14  # gguf.GGMLQuantizationType
 GGUF_BLOCK = {Q4_0: (32, 18), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}  # (values, bytes)
+# the same ids as constexpr globals: compiled Triton reads no other kind of global
+_INT8, _INT8_MIN, _INT4 = tl.constexpr(INT8), tl.constexpr(INT8_MIN), tl.constexpr(INT4)
+_Q4_0, _Q8_0, _Q4_K, _Q5_K = tl.constexpr(Q4_0), tl.constexpr(Q8_0), tl.constexpr(Q4_K), tl.constexpr(Q5_K)
 
 
 @triton.jit
@@ -61,40 +64,42 @@ def dequant(FMT: tl.constexpr, w_ptr, s_ptr, m_ptr, n, k, ok, K, group):
     per row; ``group``: the INT* group size."""
     n = n.to(tl.int64)
     k = k.to(tl.int64)
-    if FMT == INT8 or FMT == INT8_MIN or FMT == INT4:
+    if FMT == _INT8 or FMT == _INT8_MIN or FMT == _INT4:
         t = n // 16
         r = n % 16
         sm = (t * (K // group) + k // group) * 16 + r
         s = tl.load(s_ptr + sm, mask=ok, other=0.0).to(tl.float32)
-        if FMT == INT4:
+        if FMT == _INT4:
             b = _byte(w_ptr, ((t * (K // 8) + k // 8) * 16 + r) * 4 + k % 4, ok)
             q = tl.where(k % 8 < 4, b & 15, b >> 4).to(tl.float32)
             w = q * s + tl.load(m_ptr + sm, mask=ok, other=0.0).to(tl.float32)
         else:
             q = tl.load(w_ptr + ((t * (K // 4) + k // 4) * 16 + r) * 4 + k % 4, mask=ok, other=0).to(tl.float32)
             w = q * s
-            if FMT == INT8_MIN:
+            if FMT == _INT8_MIN:
                 w = w + tl.load(m_ptr + sm, mask=ok, other=0.0).to(tl.float32)
-    elif FMT == Q8_0:
+    elif FMT == _Q8_0:
         blk = n * (K // 32 * 34) + k // 32 * 34
         q = tl.load(w_ptr + blk + 2 + k % 32, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         w = q * _half(w_ptr, blk, ok)
-    elif FMT == Q4_0:
+    elif FMT == _Q4_0:
         blk = n * (K // 32 * 18) + k // 32 * 18
         j = k % 32
         b = _byte(w_ptr, blk + 2 + j % 16, ok)
         q = (tl.where(j < 16, b & 15, b >> 4) - 8).to(tl.float32)
         w = _half(w_ptr, blk, ok) * q
-    elif FMT == Q4_K or FMT == Q5_K:
-        bytes_per: tl.constexpr = 144 if FMT == Q4_K else 176
-        qs_at: tl.constexpr = 16 if FMT == Q4_K else 48
+    elif FMT == _Q4_K or FMT == _Q5_K:
+        if FMT == _Q4_K:  # bytes a block, offset of the 4-bit values
+            bytes_per, qs_at = 144, 16
+        else:
+            bytes_per, qs_at = 176, 48
         blk = n * (K // 256 * bytes_per) + k // 256 * bytes_per
         j = k % 256
         s = j // 32  # sub-block of 32
         sc, mn = _k_scale_min(w_ptr, blk, s, ok)
         b = _byte(w_ptr, blk + qs_at + (j // 64) * 32 + j % 32, ok)
         q = tl.where(s % 2 == 0, b & 15, b >> 4)
-        if FMT == Q5_K:
+        if FMT == _Q5_K:
             q = q | (((_byte(w_ptr, blk + 16 + j % 32, ok) >> s) & 1) << 4)
         d = _half(w_ptr, blk, ok) * sc
         dm = _half(w_ptr, blk + 2, ok) * mn

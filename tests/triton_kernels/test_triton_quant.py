@@ -29,7 +29,7 @@ QTYPES = [G.Q4_0, G.Q8_0, G.Q4_K, G.Q5_K, G.Q6_K]
 HALF_AT = {G.Q4_0: (0,), G.Q8_0: (0,), G.Q4_K: (0, 2), G.Q5_K: (0, 2), G.Q6_K: (208,)}  # fp16 fields' offsets
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TOL = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
-FEW = settings(max_examples=25, deadline=None, derandomize=True,
+FEW = settings(max_examples=15, deadline=None, derandomize=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 rows = st.one_of(st.integers(1, 8), st.integers(16, 40))  # GEMV rows, GEMM rows
 
@@ -147,8 +147,8 @@ def test_engine_int4_greedy_tokens_with_triton_forced(tiny_models, monkeypatch):
     from atlas_vlm import LLM, SamplingParams
 
     folder = str(tiny_models["qwen3"][0])
-    prompts = [[(7 * i + j) % 5000 + 10 for j in range(n)] for i, n in enumerate([3, 12])]
-    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompts = [[(7 * i + j) % 5000 + 10 for j in range(n)] for i, n in enumerate([2, 9])]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     calls = []
     real = triton_quant.quant_linear_triton
     monkeypatch.setattr(triton_quant, "quant_linear_triton", lambda *a, **kw: calls.append(a[0].shape[0]) or
@@ -159,5 +159,42 @@ def test_engine_int4_greedy_tokens_with_triton_forced(tiny_models, monkeypatch):
         monkeypatch.setattr(quant_linear, "triton_quant_available", lambda device: faked_cuda)
         llm = LLM(folder, quantization="int4", max_model_len=64, num_kvcache_blocks=16, **CPU_FP32)
         tokens[faked_cuda] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert tokens[True] == tokens[False] and all(len(t) == 3 for t in tokens[True])
+    assert tokens[True] == tokens[False] and all(len(t) == 2 for t in tokens[True])
     assert max(calls) > GEMV_MAX_ROWS and min(calls) <= GEMV_MAX_ROWS  # both kernels ran
+
+
+COMPILE_FOR_H100 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from atlas_vlm.kernels import triton_quant as tq
+from atlas_vlm.kernels.triton_quant_formats import GGUF_BLOCK, INT4, INT8, INT8_MIN
+
+for fmt in (INT8, INT8_MIN, INT4, *GGUF_BLOCK):
+    for kern, x, consts in ((tq._gemm_kernel, "*bf16", dict(FP32_DOT=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)),
+                            (tq._gemv_kernel, "*fp32", dict(BLOCK_M=8, BLOCK_N=32, BLOCK_K=64))):
+        if kern is tq._gemv_kernel and fmt != INT4:
+            continue
+        consts.update(FMT=fmt, HAS_BIAS=True)
+        types = dict(x_ptr=x, w_ptr="*i8" if fmt in (INT8, INT8_MIN) else "*u8", s_ptr="*fp16", m_ptr="*fp16",
+                     bias_ptr=x, out_ptr=x)
+        sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in kern.arg_names}
+        assert "cubin" in triton.compile(ASTSource(kern, sig, consts), target=GPUTarget("cuda", 90, 32)).asm
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_an_h100_without_one(tmp_path):
+    """The interpreter runs Python, not Triton's compiler: compile every format's GEMM (and the int4
+    GEMV) to an sm_90 cubin, which needs no GPU, in a process without
+    ``TRITON_INTERPRET`` (compiled Triton refuses what the interpreter lets pass, e.g.
+    non-constexpr globals)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
