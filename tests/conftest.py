@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+
+# Triton reads TRITON_INTERPRET when it is imported, and importing atlas_vlm (collected before
+# tests/triton_kernels/) may import it: set here, before anything else, for the interpreter tests.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from transformers import AutoTokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "tests" / "data"

@@ -15,14 +15,18 @@ Storage: tiles of 16 output rows (``quant_format``, the layout ``quant_kernel`` 
 fp16 where every value is exact in fp16 (GGUF, round to nearest at load), else fp32 (AWQ /
 GPTQ mins); ``model.to(dtype)`` moves them, never rounds them.
 
-``forward``: on CPU with the kernel built (``quant_kernel_available``), up to
+``forward``: on CUDA (``triton_quant_available``) through the Triton matmuls that dequantize the
+tiles in registers (``kernels/triton_quant``: a split-K GEMV for up to 8 rows, a tiled GEMM
+above). On CPU with the kernel built (``quant_kernel_available``), up to
 ``KERNEL_MAX_ROWS`` rows (decode; fp32: every call) go through ``quant_kernel.quant_matmul``
 (activations quantized to int8 per block of 32, as llama.cpp), more rows (bf16 prefill)
-through the weight dequantized by the kernel and a dense ``F.linear``. Elsewhere (CUDA, no compiler, fp16)
+through the weight dequantized by the kernel and a dense ``F.linear``. Elsewhere (no compiler, fp16 on CPU)
 ``forward`` is the reference: ``F.linear`` over :meth:`dequantize` in the input's dtype.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +51,12 @@ def quant_kernel_available(device: torch.device | str = "cpu") -> bool:
     ``quant_kernel`` builds (any x86-64 or aarch64 with a C compiler). Tests patch this to
     fake either answer."""
     return torch.device(device).type == "cpu" and quant_kernel.available()
+
+
+def triton_quant_available(device: torch.device | str) -> bool:
+    """Whether quantized linears on ``device`` run the Triton matmuls (``kernels/triton_quant``):
+    a CUDA device with ``triton`` installed. Tests patch this to fake a CUDA device."""
+    return torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
 # ---- modules ------------------------------------------------------------------------------------
@@ -111,6 +121,12 @@ class _QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in_features]`` -> ``[..., out_features]`` in ``x.dtype``."""
+        if x.dtype in (torch.float32, torch.float16, torch.bfloat16) and triton_quant_available(x.device):
+            from atlas_vlm.kernels.triton_quant import quant_linear_triton
+
+            out = quant_linear_triton(x.reshape(-1, self.in_features), self.qweight, self.scales, self._mins(),
+                                      self.out_features, self.group_size, self.bias)  # [rows, N]
+            return out.view(*x.shape[:-1], self.out_features)
         if not (self.use_kernel and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)):
             return self.forward_reference(x)
         x2 = x.reshape(-1, self.in_features).contiguous()  # [rows, K]
