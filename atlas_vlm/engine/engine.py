@@ -65,7 +65,7 @@ def _check_hybrid(config: EngineConfig, model, snapshots) -> bool:
     """
     model_name = type(model).__name__
     method = config.speculative_config.method
-    if method is not None and not getattr(model, "supports_state_rollback", False):
+    if method is not None and not model.capabilities().state_rollback:
         raise ValueError(f"speculative={method!r} cannot run {model_name}, a hybrid model: its "
                          "recurrent state cannot roll back rejected drafts; pass speculative=None")
     if method is not None and method not in _HYBRID_SPECULATIVE:

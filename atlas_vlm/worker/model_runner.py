@@ -53,19 +53,14 @@ def kv_cache_budget_bytes(config: EngineConfig, device: torch.device, hf_config=
 
 
 def hybrid_state_spec(model) -> StateSpec | None:
-    """A hybrid model's ``state_spec()`` (its class has ``state_spec`` and ``num_kv_layers``:
-    the full-attention layers, which alone have K/V); None for a model without recurrent state.
+    """A hybrid model's state spec, as its class declares it (``CausalLM.capabilities``: its
+    ``state_spec()`` and ``num_kv_layers``, the full-attention layers, which alone have K/V);
+    None for a model without recurrent state.
 
     Raises:
         ValueError: ``num_kv_layers`` is not an int in ``1 .. arch.num_layers`` (named).
     """
-    if not callable(getattr(model, "state_spec", None)):
-        return None
-    n = getattr(model, "num_kv_layers", None)
-    if not isinstance(n, int) or not 1 <= n <= model.arch.num_layers:
-        raise ValueError(f"{type(model).__name__}.num_kv_layers must be an int in 1..{model.arch.num_layers} "
-                         f"(its full-attention layers), got {n!r}")
-    return model.state_spec()
+    return model.capabilities().state_spec
 
 
 def num_state_snapshots(config: EngineConfig, model) -> int:
@@ -74,8 +69,7 @@ def num_state_snapshots(config: EngineConfig, model) -> int:
     ``supports_state_snapshots``; with ``kv_cache_dir`` the snapshots also go to disk beside
     their blocks), else 0 (no pool: prefix caching off for it)."""
     cache = config.cache_config
-    on = cache.prefix_caching
-    return cache.max_state_snapshots if on and getattr(model, "supports_state_snapshots", False) else 0
+    return cache.max_state_snapshots if cache.prefix_caching and model.capabilities().state_snapshots else 0
 
 
 class ModelRunner:
@@ -136,7 +130,7 @@ class ModelRunner:
                 self.num_packed_linears += pack_linears(self.vision)
             if self.deterministic:
                 tile_linears(self.vision)
-        num_kv_layers = arch.num_layers if state_spec is None else self.model.num_kv_layers  # full attention only
+        num_kv_layers = self.model.capabilities().num_kv_layers  # full attention only  # full attention only
         self.drafter = None  # speculative="mtp": the MTP head, its K/V one more cache layer
         if config.speculative_config.method == "mtp":
             from atlas_vlm.spec_decode import placeholder_token_ids

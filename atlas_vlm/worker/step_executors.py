@@ -49,7 +49,7 @@ class StepInputs:
                              snapshot_cache=snapshots.storage if snapshots is not None else None)
         x = r.model.embed(inp.input_ids, inp.mm_embeds, inp.mm_token_index)  # [num_tokens, hidden]
         mm = dict(mm_embeds=inp.mm_embeds, mm_token_index=inp.mm_token_index) \
-            if getattr(r.model, "takes_mm_in_forward", False) else {}
+            if r.model.capabilities().multimodal_in_forward else {}
         self.inp = inp
         return inp, x, mm
 
@@ -63,7 +63,7 @@ class CompiledDecodeExecutor:
         self.impl = impl
 
     def run(self, step: StepInputs) -> torch.Tensor | None:
-        if not self.impl.applies(step.chunks, getattr(step.runner.model, "takes_mm_in_forward", False)):
+        if not self.impl.applies(step.chunks, step.runner.model.capabilities().multimodal_in_forward):
             return None
         logits = self.impl.run(step.chunks)  # None: a shape it has no graph for
         if logits is not None:
