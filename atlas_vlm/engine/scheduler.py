@@ -100,6 +100,20 @@ class Scheduler:
         self.speculative_disable_by_batch_size = speculative_disable_by_batch_size
         self.spec_decode_stats = {"drafts": 0, "proposed": 0, "accepted": 0}  # totals (/metrics)
 
+    @classmethod
+    def from_plan(cls, block_manager: BlockManager, limits, *, eos_token_ids=None, structured_output_manager=None,
+                  proposer=None) -> Scheduler:
+        """The engine's scheduler: its numbers from the plan's ``SchedulerLimits`` (``limits``:
+        ``engine.plan.plan_engine``), an empty ``EncoderCacheManager`` of
+        ``limits.encoder_cache_tokens``."""
+        return cls(block_manager, limits.max_num_seqs, limits.max_num_batched_tokens, limits.enable_chunked_prefill,
+                   max_model_len=limits.max_model_len, eos_token_ids=eos_token_ids,
+                   structured_output_manager=structured_output_manager,
+                   max_num_encoder_tokens=limits.max_num_encoder_tokens,
+                   encoder_cache=EncoderCacheManager(limits.encoder_cache_tokens), proposer=proposer,
+                   num_speculative_tokens=limits.num_speculative_tokens,
+                   speculative_disable_by_batch_size=limits.speculative_disable_by_batch_size)
+
     def add_request(self, req: Request) -> None:
         """Queue ``req``: ``WAITING_FOR_FSM`` while the manager compiles its grammar, else ``WAITING``."""
         compiling = self.structured_output_manager is not None and \

@@ -1,19 +1,24 @@
 """The engine plan without a model: every row of the exclusion table refuses with the message
 users get, every missing capability is refused or planned around, the choices carry their
-reasons (``engine.plan``, ``engine.plan_rules``)."""
+reasons, and the assembly constructors stay short (``engine.plan``, ``engine.plan_rules``)."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import textwrap
 
 import pytest
 import torch
 
 from atlas_vlm.config import EngineConfig
+from atlas_vlm.engine.engine import LLMEngine
 from atlas_vlm.engine.plan import KVBudgetError, plan_engine
 from atlas_vlm.engine.plan_rules import RULES, Environment, PlanContext
 from atlas_vlm.models.arch import ModelArch
 from atlas_vlm.models.interfaces import ModelCapabilities
+from atlas_vlm.worker.model_runner import ModelRunner
 from mm_kv_cache_management import StateSpec
 
 pytestmark = pytest.mark.text
@@ -114,3 +119,16 @@ def test_budget_refusals():
 def test_declared_num_kv_layers_is_checked():
     with pytest.raises(ValueError, match="num_kv_layers must be an int in 1..4"):
         ModelCapabilities("Bad", num_layers=4, num_kv_layers=5)
+
+
+def _body_lines(fn) -> int:
+    node = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+    body = node.body[1:] if isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) \
+        else node.body  # without the docstring
+    return body[-1].end_lineno - body[0].lineno + 1
+
+
+def test_constructors_stay_short():
+    assert _body_lines(ModelRunner.__init__) <= 40
+    assert _body_lines(LLMEngine.__init__) <= 40
+    assert _body_lines(inspect.unwrap(LLMEngine.reset)) <= 10
