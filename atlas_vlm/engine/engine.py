@@ -19,6 +19,7 @@ from atlas_vlm.config import EngineConfig
 from atlas_vlm.engine import assembly
 from atlas_vlm.engine.input_processor import InputProcessor, ProcessedPrompt, RequestTooLongError
 from atlas_vlm.engine.output_processor import OutputProcessor
+from atlas_vlm.engine.request_stream import EngineStats
 from atlas_vlm.loader import eos_token_ids, load_model
 from atlas_vlm.worker.kv_fingerprint import build_kv_tier
 from atlas_vlm.outputs import RequestOutput
@@ -209,6 +210,23 @@ class LLMEngine:
         the runner drops their rows now; a later request with the same media encodes it again."""
         self.scheduler.encoder_cache.clear()
         self.runner.drop_encoder_outputs(self.scheduler.encoder_cache.take_freed())
+
+    @_locked
+    def stats(self) -> EngineStats:
+        """The engine now, as one frozen value (``AsyncLLM`` and ``/metrics`` read this, not the
+        scheduler, block manager, disk tier or snapshot pool): requests running and waiting, KV
+        blocks, preemptions, speculative decoding, disk-tier and state-snapshot totals."""
+        sched, bm, tier, pool = self.scheduler, self.block_manager, self.kv_tier, self.block_manager.state_snapshots
+        spec = sched.spec_decode_stats
+        disk = (tier.disk.hits, tier.disk.misses, tier.disk.bytes_stored) if tier is not None else (0, 0, 0)
+        return EngineStats(len(sched.running), len(sched.waiting), bm.num_blocks, bm.num_free_blocks,
+                           sched.num_preemptions, spec["drafts"], spec["proposed"], spec["accepted"], *disk,
+                           *((pool.queries, pool.hits) if pool is not None else (0, 0)))
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued, not yet running (read without the lock: a length, safe from any thread)."""
+        return len(self.scheduler.waiting)
 
     @_locked
     def has_unfinished_requests(self) -> bool:
