@@ -24,8 +24,9 @@ from mm_kv_cache_management import BlockManager
 
 def probe_environment(config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> Environment:
     """The facts ``plan_engine`` reads, measured once (after the vision tower is built, so that
-    a CUDA budget sees its weights): the C decode kernel is asked only where the attention
-    backend may use it (``auto`` / ``decode_kernel`` / ``deterministic``)."""
+    a CUDA budget sees its weights; an MTP head, built after the plan, is taken off by its
+    checkpoint tensors' size): the C decode kernel is asked only where the attention backend
+    may use it (``auto`` / ``decode_kernel`` / ``deterministic``)."""
     from atlas_vlm.kernels import decode_kernel
     from atlas_vlm.layers.quant_linear import quantized_modules
     from atlas_vlm.memory_plan import engine_max_pixels
@@ -37,6 +38,9 @@ def probe_environment(config: EngineConfig, loaded: LoadedModel, max_model_len: 
                                                kv_dtype) \
         if dev.attention_backend in ("auto", "decode_kernel") or dev.deterministic else None
     budget = kv_cache_budget_bytes(config, device, loaded.hf_config, engine_max_pixels(config, loaded.image_settings))
+    if device.type == "cuda" and config.speculative_config.method == "mtp" and model.mtp_state_dict:
+        # the MTP head is built after the plan: its weights (model dtype) come off the measured budget now
+        budget = max(0, budget - sum(t.numel() for t in model.mtp_state_dict.values()) * dtype.itemsize)
     return Environment(device, dtype, arch, quantized=bool(quantized_modules(model)), decode_kernel_reason=why_not,
                        compile_decode=resolve_compile_decode(dev.compile_decode, device, kv_dtype),
                        budget_bytes=budget, max_model_len=max_model_len)
