@@ -266,8 +266,8 @@ class LLMEngine:
             raise
         for req, new_token_ids in self.scheduler.update_from_output(sched, runner_output):
             out, stopped = self.output_processor.process(req, new_token_ids)
-            if stopped:  # a stop string: the output processor ended it
-                self.scheduler.finish(req)
+            if stopped or (out is not None and out.finish_reason == "stop" != req.finish_reason):
+                self.scheduler.finish(req, "stop")  # a stop string: reported by the output processor, ended here
             if req.finish_reason is not None:
                 del self.requests[req.request_id]
             if out is not None:
