@@ -95,9 +95,8 @@ def build_engine_parts(plan: EnginePlan, runner: ModelRunner, services: EngineSe
                                  enable_prefix_caching=plan.prefix_caching.value, kv_tier=services.kv_tier,
                                  state_cache=runner.state_cache, state_snapshots=runner.state_snapshots,
                                  drop_last_hit_block=plan.drop_last_hit_block)
-    scheduler = Scheduler.from_plan(block_manager, plan.scheduler, eos_token_ids=eos_token_ids,
-                                    structured_output_manager=services.structured_output_manager,
-                                    proposer=services.proposer)
+    scheduler = Scheduler(block_manager, plan.scheduler, eos_token_ids=eos_token_ids,
+                          structured_output_manager=services.structured_output_manager, proposer=services.proposer)
     if previous is not None:  # running totals (metrics)
         scheduler.num_preemptions, scheduler.spec_decode_stats = previous.num_preemptions, previous.spec_decode_stats
     return block_manager, scheduler

@@ -55,17 +55,30 @@ class KVPlan:
 
 @dataclass(frozen=True)
 class SchedulerLimits:
-    """The scheduler's numbers: running requests, token budget per step (without chunked
-    prefill at least ``max_model_len``), encoder budgets, drafts per step."""
+    """The scheduler's numbers (``engine.scheduler.Scheduler``'s settings).
 
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    enable_chunked_prefill: bool
-    max_model_len: int
-    max_num_encoder_tokens: int
-    encoder_cache_tokens: int
-    num_speculative_tokens: int
-    speculative_disable_by_batch_size: int | None
+    Attributes:
+        max_num_seqs: running requests at most.
+        max_num_batched_tokens: tokens computed per step at most (the plan: without chunked
+            prefill at least ``max_model_len``).
+        enable_chunked_prefill: a prompt may be split across steps; if off, a prompt is
+            computed in one step (alone if it is longer than the budget).
+        max_model_len: tokens per request (None: no limit here; the engine checks at entry).
+        max_num_encoder_tokens: encoder rows (image / video tokens) computed per step at most;
+            None: no limit.
+        encoder_cache_tokens: rows the scheduler's ``EncoderCacheManager`` keeps.
+        num_speculative_tokens: drafts per decode step at most (with a proposer).
+        speculative_disable_by_batch_size: no drafts while more requests than this run (None: any).
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None
+    max_num_encoder_tokens: int | None = None
+    encoder_cache_tokens: int = 0
+    num_speculative_tokens: int = 0
+    speculative_disable_by_batch_size: int | None = None
 
 
 @dataclass(frozen=True)
