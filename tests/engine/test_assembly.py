@@ -132,3 +132,25 @@ def test_constructors_stay_short():
     assert _body_lines(ModelRunner.__init__) <= 40
     assert _body_lines(LLMEngine.__init__) <= 40
     assert _body_lines(inspect.unwrap(LLMEngine.reset)) <= 10
+
+
+def test_engine_plan_stats_and_reset(tiny_models):
+    """A built engine keeps its plan; ``stats()`` is what the scheduler and block manager say;
+    ``reset`` builds them again from the same plan, totals carried on."""
+    from atlas_vlm import LLM, SamplingParams
+
+    llm = LLM(str(tiny_models["qwen2"][0]), dtype="float32", max_model_len=128, num_kvcache_blocks=24,
+              max_num_seqs=2)
+    engine = llm.engine
+    assert engine.plan.num_blocks.value == 24 and engine.plan.scheduler.max_num_seqs == 2
+    assert engine.plan.reasons["num_blocks"] == "num_kvcache_blocks"
+    llm.generate(["one two three"] * 3, SamplingParams(max_tokens=3, ignore_eos=True))
+    s = engine.stats()
+    assert (s.num_running, s.num_waiting, s.num_blocks) == (0, 0, 24)
+    assert s.num_free_blocks == engine.block_manager.num_free_blocks
+    engine.scheduler.num_preemptions = 5  # a running total the rebuilt scheduler keeps
+    old = engine.block_manager
+    engine.reset()
+    assert engine.block_manager is not old and engine.input_processor.block_manager is engine.block_manager
+    assert engine.stats().num_preemptions == 5 and engine.stats().num_free_blocks == 24
+    assert engine.scheduler.limits == engine.plan.scheduler
