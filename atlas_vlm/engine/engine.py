@@ -78,9 +78,10 @@ class LLMEngine:
         loaded = _load(config)
         self.tokenizer, self.hf_config = loaded.tokenizer, loaded.hf_config
         self.plan, self.runner = assembly.build_runner(config, loaded)  # what the engine is built from, and why
-        if self.runner.capabilities.hybrid and not self.plan.prefix_caching.value and config.cache_config.prefix_caching:
+        caps = self.runner.capabilities
+        if caps.hybrid and config.cache_config.prefix_caching and not self.plan.prefix_caching.value:
             log.info("prefix caching off for %s: a hybrid model's prefix hit would skip tokens whose recurrent "
-                     "state is not stored", self.runner.capabilities.model_class)
+                     "state is not stored", caps.model_class)
         self.max_model_len, self.vocab_size = self.plan.max_model_len, loaded.model.arch.vocab_size
         # the disk tier below the prefix cache (None without kv_cache_dir)
         self.kv_tier = build_kv_tier(config, loaded.model_dir, loaded.hf_config, self.runner)
