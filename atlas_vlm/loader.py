@@ -102,9 +102,9 @@ def _load_weights(model: CausalLM, files: list[Path]) -> dict[str, torch.Tensor]
     arch = model.arch
     # rows of q / k / v in the fused qkv_proj: the model's own sizes where it has them (Qwen3.5's
     # q_proj is query + gate), else heads x head_dim / kv_heads x head_dim
-    qkv_sizes = getattr(model, "qkv_sizes", None) or \
+    qkv_sizes = model.qkv_sizes or \
         [arch.num_heads * arch.head_dim] + [arch.num_kv_heads * arch.head_dim] * 2
-    mtp = getattr(model, "mtp_state_dict", None)  # a model that keeps the checkpoint's mtp.* tensors
+    mtp = model.mtp_state_dict  # declared (CausalLM): a model that keeps the checkpoint's mtp.* tensors
     for path in tqdm(files, desc="Loading safetensors", unit="file", leave=False):
         with safe_open(str(path), framework="pt") as f:
             for hf_name in f.keys():
@@ -214,7 +214,7 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
     from atlas_vlm.quantization import resolve_quantization
 
     method, quant_config = resolve_quantization(quantization, hf_config)
-    if method is not None and not getattr(model_class(family), "quantizable", True):
+    if method is not None and not model_class(family).quantizable:  # declared (CausalLM)
         from atlas_vlm.quantization import UnsupportedQuantizationError
 
         raise UnsupportedQuantizationError(f"quantization={method!r} is not supported for {family.name} yet; "

@@ -23,7 +23,7 @@ with figures computed from the config. Figures, for a dtype of ``b`` bytes:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -214,20 +214,18 @@ class MemoryPlan:
         return self.num_blocks // self.blocks_per_seq
 
 
-def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_utilization: float = 0.9,
-         max_model_len: int | None = None, max_pixels: int | None = None, dtype: str = "bf16",
-         block_size: int = 16, image_settings=None, quantization: str | None = None,
-         video_seconds: float = 10.0, video_sampling: dict | None = None, video_fps: float | None = None,
-         video_max_frames: int | None = None, video_frames: int | None = None,
-         kv_cache_dtype: str = "auto", max_num_seqs: int = 64, max_state_snapshots: int = 16) -> MemoryPlan:
-    """Plan one model on one GPU (see the module docstring for every formula).
+@dataclass(frozen=True)
+class PlanOptions:
+    """What ``plan`` plans for: the engine options that size memory, and the device.
 
-    Args:
-        hf_config: a transformers config (``AutoConfig.from_pretrained(folder)``).
+    Attributes:
+        model: the name shown in the plan.
+        gpu_memory: bytes of the device; ``gpu_memory_utilization``: the engine's fraction of it.
         max_model_len: L; ``None``: ``min(max_position_embeddings, 4096)`` as the engine.
         max_pixels: the one image's bound; ``None``: the checkpoint's, as the engine takes it
             (``image_settings``, i.e. ``mm_token_pipeline.image_processor_settings`` of the
             folder; the family's released defaults when that is None too).
+        dtype: a key of ``DTYPE_BYTES``; ``block_size``: the engine's ``kvcache_block_size``.
         quantization: None (dense) or "int8" / "int4" / "awq" / "gptq": the decoder's
             projections at that scheme's bytes (``quantization.sizes``); the rest dense.
         video_seconds: the planned clip (``video_tokens_per_clip``); ``video_sampling``: a
@@ -239,12 +237,44 @@ def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_u
             slots; its sequences held at once are at most that many.
         max_state_snapshots: the engine's (default 16; 0: prefix caching off): a hybrid model's
             state-snapshot pool, ``max_state_snapshots`` sequences' state more.
+    """
+
+    model: str = ""
+    gpu_memory: int = 24 * GiB
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    max_pixels: int | None = None
+    dtype: str = "bf16"
+    block_size: int = 16
+    image_settings: object = None
+    quantization: str | None = None
+    video_seconds: float = 10.0
+    video_sampling: dict | None = None
+    video_fps: float | None = None
+    video_max_frames: int | None = None
+    video_frames: int | None = None
+    kv_cache_dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_state_snapshots: int = 16
+
+
+def plan(hf_config, options: PlanOptions | None = None, **overrides) -> MemoryPlan:
+    """Plan one model on one GPU (see the module docstring for every formula).
+
+    Args:
+        hf_config: a transformers config (``AutoConfig.from_pretrained(folder)``).
+        options: a ``PlanOptions`` (None: its defaults); ``overrides``: its fields by name,
+            over it (``plan(cfg, dtype="fp32")``).
 
     Raises:
         ValueError: unknown ``dtype`` or ``quantization``, or a vision tower without a formula.
+        TypeError: an override that is not a ``PlanOptions`` field.
     """
     from atlas_vlm.quantization.sizes import text_weight_bytes
 
+    o = replace(options or PlanOptions(), **overrides)
+    dtype, max_pixels, image_settings, block_size = o.dtype, o.max_pixels, o.image_settings, o.block_size
+    quantization, kv_cache_dtype, video_seconds = o.quantization, o.kv_cache_dtype, o.video_seconds
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
     b = DTYPE_BYTES[dtype]
@@ -261,24 +291,24 @@ def plan(hf_config, *, model: str = "", gpu_memory: int = 24 * GiB, gpu_memory_u
     peak = vision_activation_peak(hf_config, max_pixels, b)
     spec = kv_cache_spec(num_full_attention_layers(text), num_kv_heads(text), head_dim(text), TORCH_DTYPES[b],
                          kv_cache_dtype)
-    budget = kv_cache_budget(gpu_memory, gpu_memory_utilization, weights + RUNTIME_OVERHEAD_BYTES,
+    budget = kv_cache_budget(o.gpu_memory, o.gpu_memory_utilization, weights + RUNTIME_OVERHEAD_BYTES,
                              ACTIVATION_RESERVE_BYTES + peak)
     state = state_spec_from_config(text)
-    slots = max_num_seqs if state is not None else 0
+    slots = o.max_num_seqs if state is not None else 0
     state_per_seq = state.bytes_per_seq if state is not None else 0
-    snaps = max_state_snapshots if state is not None else 0
+    snaps = o.max_state_snapshots if state is not None else 0
     off = (slots + snaps) * state_per_seq
     blocks = num_kv_blocks(budget - off, spec, block_size) if budget >= off else 0
-    length = max_model_len or min(text.max_position_embeddings, 4096)
+    length = o.max_model_len or min(text.max_position_embeddings, 4096)
     image_tokens = visual_tokens_per_image(hf_config, max_pixels) if vis else 0
     seqs = blocks // -(-length // block_size) if length >= image_tokens else 0
     seqs = min(seqs, slots) if state is not None else seqs
     frames, frame_pixels, video_tokens = video_tokens_per_clip(
-        hf_config, video_seconds, video_sampling, fps=video_fps, max_frames=video_max_frames,
-        nframes=video_frames) if vis else (0, 0, 0)
+        hf_config, video_seconds, o.video_sampling, fps=o.video_fps, max_frames=o.video_max_frames,
+        nframes=o.video_frames) if vis else (0, 0, 0)
     usable = min(largest_image_pixels(hf_config, int(length * IMAGE_SHARE_OF_L)), max_pixels) if vis else 0
-    return MemoryPlan(model, b, weights, vis, peak, spec.bytes_per_token, spec.bytes_per_token * block_size,
-                      block_size, gpu_memory, gpu_memory_utilization, budget, blocks, length, max_pixels,
+    return MemoryPlan(o.model, b, weights, vis, peak, spec.bytes_per_token, spec.bytes_per_token * block_size,
+                      block_size, o.gpu_memory, o.gpu_memory_utilization, budget, blocks, length, max_pixels,
                       image_tokens, seqs, source, video_seconds, frames, frame_pixels, video_tokens, quantization,
                       usable, kv_cache_dtype=kv_cache_dtype, state_bytes_per_seq=state_per_seq, state_slots=slots,
                       state_snapshots=snaps)

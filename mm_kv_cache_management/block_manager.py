@@ -69,7 +69,7 @@ class BlockManager:
     drop_last_hit_block: bool = False
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False,
-                 kv_tier=None, state_cache=None, state_snapshots=None):
+                 kv_tier=None, state_cache=None, state_snapshots=None, drop_last_hit_block: bool = False):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}: the KV budget holds no block")
         if block_size < 1:
@@ -77,6 +77,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.drop_last_hit_block = drop_last_hit_block
         if kv_tier is not None and not enable_prefix_caching:
             raise ValueError("a KV tier (kv_cache_dir) needs prefix caching on (enable_prefix_caching=True)")
         self.kv_tier = kv_tier

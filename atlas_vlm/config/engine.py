@@ -119,7 +119,7 @@ class EngineConfig:
             object.__setattr__(self, attr, _build(cls, values[attr], base) if values[attr] or base is None else base)
         # a check spanning two sub-configs goes here, after both are built; today every check is
         # within one (kv_cache_dir needing prefix caching is CacheConfig's: both fields are there), and
-        # those that need the loaded model run at load (engine._check_hybrid, layers.batch_invariant)
+        # those that need the loaded model run at load (the exclusion table, engine/plan_rules.py)
 
     # ---- flat view (read-only), generated from FLAT_ROUTES -------------------------------------
     def __getattr__(self, name: str):

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
-from atlas_vlm.engine.request_stream import (SHUTDOWN, EngineDeadError, EngineStats, EngineStepError, QueueFullError,
+from atlas_vlm.engine.request_stream import (SHUTDOWN, EngineDeadError, EngineStepError, QueueFullError,
                                              RequestStream, RequestStreamState, count_tokens, iterate,
                                              settle)
 from atlas_vlm.outputs import RequestOutput
@@ -71,8 +71,7 @@ class AsyncLLM:
         self.on_dead = on_dead
         self.num_step_failures = 0  # total failed steps (each followed by a reset or death)
         self._consecutive_failures = 0
-        self.stats = EngineStats(num_blocks=engine.block_manager.num_blocks,
-                                 num_free_blocks=engine.block_manager.num_free_blocks)
+        self.stats = engine.stats()  # the engine's snapshot, refreshed after each step (/metrics)
         self._inputs = concurrent.futures.ThreadPoolExecutor(input_workers, thread_name_prefix="atlas-input")
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -100,7 +99,7 @@ class AsyncLLM:
     @property
     def num_waiting(self) -> int:
         """Requests queued but not yet running (scheduler waiting, plus being prepared or added)."""
-        return len(self.engine.scheduler.waiting) + self._pending_adds
+        return self.engine.num_waiting + self._pending_adds
 
     def _check_admitting(self) -> None:
         if not self._accepting or self._dead is not None:
@@ -329,13 +328,7 @@ class AsyncLLM:
             pass
 
     def _snapshot(self, batch_size: int) -> None:
-        sched, bm, tier = self.engine.scheduler, self.engine.block_manager, getattr(self.engine, "kv_tier", None)
-        spec = sched.spec_decode_stats
-        disk = (tier.disk.hits, tier.disk.misses, tier.disk.bytes_stored) if tier is not None else (0, 0, 0)
-        pool = getattr(bm, "state_snapshots", None)
-        self.stats = EngineStats(len(sched.running), len(sched.waiting), bm.num_blocks, bm.num_free_blocks,
-                                 sched.num_preemptions, spec["drafts"], spec["proposed"], spec["accepted"], *disk,
-                                 *((pool.queries, pool.hits) if pool is not None else (0, 0)))
+        self.stats = self.engine.stats()
         if self.stat_logger is not None and batch_size:
             self.stat_logger.on_step(self.stats, batch_size)
 

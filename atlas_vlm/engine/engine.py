@@ -16,29 +16,24 @@ import threading
 
 from atlas_vlm import hardware
 from atlas_vlm.config import EngineConfig
-from atlas_vlm.engine.encoder_cache_manager import EncoderCacheManager
+from atlas_vlm.engine import assembly
 from atlas_vlm.engine.input_processor import InputProcessor, ProcessedPrompt, RequestTooLongError
 from atlas_vlm.engine.output_processor import OutputProcessor
+from atlas_vlm.engine.request_stream import EngineStats
 from atlas_vlm.loader import eos_token_ids, load_model
 from atlas_vlm.worker.kv_fingerprint import build_kv_tier
-from atlas_vlm.worker.model_runner import ModelRunner
 from atlas_vlm.outputs import RequestOutput
 from atlas_vlm.pooling_params import PoolingParams
 from atlas_vlm.request import Request
 from atlas_vlm.sampling_params import SamplingParams, check_for_model
-from atlas_vlm.engine.scheduler import Scheduler
 from atlas_vlm.reasoning import get_reasoning_parser
 from atlas_vlm.structured_output.manager import StructuredOutputManager
-from mm_kv_cache_management import BlockManager
 
 __all__ = ["LLMEngine", "RequestTooLongError"]
 
 log = logging.getLogger(__name__)
 
 _COMPILE_WAIT_S = 0.05  # longest a step with nothing to run waits for a grammar to compile
-# drafters tested on hybrid models (their recurrent state rolls back by accepted counts alone,
-# whatever the drafter: ``StateCache.accept_rows``); add one here once its hybrid runs are tested
-_HYBRID_SPECULATIVE = ("ngram", "mtp")
 
 
 def _locked(method):
@@ -50,50 +45,18 @@ def _locked(method):
     return wrapper
 
 
-def _check_hybrid(config: EngineConfig, model, snapshots) -> bool:
-    """The options a hybrid ``model`` (recurrent-state layers) runs with; returns whether prefix
-    caching is on: only with a state-snapshot pool (``snapshots``, the runner's
-    ``state_snapshots``), else off (a hit would skip tokens whose recurrent state is not stored;
-    one log line when it was asked for).
+def _load(config: EngineConfig):
+    """Set the CPU threads, then ``load_model`` with the model config's checkpoint options.
 
     Raises:
-        ValueError: speculative decoding with a model whose layers do not keep a state per
-            verified row (no ``supports_state_rollback``: rejected drafts could not be rolled
-            back) or a drafter not in ``_HYBRID_SPECULATIVE``; ``kv_cache_dir`` without a
-            snapshot pool (``max_state_snapshots=0``: no prefix caching). With one, the disk
-            tier serves hybrid models: their snapshots are written beside their blocks.
+        ModelNotFoundError, UnsupportedModelError: from loading.
     """
-    model_name = type(model).__name__
-    method = config.speculative_config.method
-    if method is not None and not getattr(model, "supports_state_rollback", False):
-        raise ValueError(f"speculative={method!r} cannot run {model_name}, a hybrid model: its "
-                         "recurrent state cannot roll back rejected drafts; pass speculative=None")
-    if method is not None and method not in _HYBRID_SPECULATIVE:
-        raise ValueError(f"speculative={method!r} is not tested on hybrid models such as {model_name} "
-                         f"yet; pass one of {_HYBRID_SPECULATIVE} or None")
-    if snapshots is not None:
-        return True
-    if config.cache_config.kv_cache_dir is not None:
-        raise ValueError(f"kv_cache_dir needs prefix caching, which {model_name}, a hybrid model, only has with "
-                         "state snapshots: set max_state_snapshots >= 1, or unset kv_cache_dir")
-    if config.cache_config.prefix_caching:
-        log.info("prefix caching off for %s: a hybrid model's prefix hit would skip tokens whose recurrent "
-                 "state is not stored", model_name)
-    return False
-
-
-def _check_mtp(config: EngineConfig) -> None:
-    """The options ``speculative="mtp"`` runs with. Its prefix hits drop their last block
-    (``BlockManager.drop_last_hit_block``, set by the engine): that block's last MTP K/V were
-    made with the next token of the request that wrote it.
-
-    Raises:
-        ValueError: ``kv_cache_dir`` asked for (a disk hit would resume past the last memory
-            hit, whose last block's MTP K/V are the writer's).
-    """
-    if config.cache_config.kv_cache_dir is not None:
-        raise ValueError("kv_cache_dir cannot serve speculative='mtp' (a disk hit's last block holds MTP K/V made "
-                         "with another request's next token); unset kv_cache_dir or use speculative='ngram'")
+    device, model_config = config.torch_device(), config.model_config
+    if device.type == "cpu":
+        hardware.apply_num_threads(config.device_config.num_threads)
+    return load_model(model_config.model, dtype=config.torch_dtype(), device=device, revision=model_config.revision,
+                      quantization=model_config.quantization, mmproj=model_config.mmproj,
+                      hf_file=model_config.hf_file)
 
 
 class LLMEngine:
@@ -105,71 +68,38 @@ class LLMEngine:
     Raises:
         ModelNotFoundError, UnsupportedModelError: from loading.
         KVBudgetError: the KV budget holds no block (or not a hybrid model's state slots).
-        ValueError: an option a hybrid model cannot run with (``_check_hybrid``).
+        ValueError: a combination of options the engine refuses (``engine.plan_rules.RULES``).
+
+    What it is built from, and why, is ``plan`` (``engine.plan.EnginePlan``, made once by
+    ``engine.assembly``; ``reset`` builds the block manager and scheduler again from it).
     """
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        device, dtype = config.torch_device(), config.torch_dtype()
-        model_config, cache_config = config.model_config, config.cache_config
-        scheduler_config, spec_config = config.scheduler_config, config.speculative_config
-        if device.type == "cpu":
-            hardware.apply_num_threads(config.device_config.num_threads)
-        loaded = load_model(model_config.model, dtype=dtype, device=device, revision=model_config.revision,
-                            quantization=model_config.quantization, mmproj=model_config.mmproj,
-                            hf_file=model_config.hf_file)
-        self.tokenizer = loaded.tokenizer
-        self.hf_config = loaded.hf_config
-        arch = loaded.model.arch
-        self.max_model_len = model_config.max_model_len or min(arch.max_position_embeddings, 4096)
-        self.runner = ModelRunner(loaded, config, self.max_model_len)
-        state_cache = self.runner.state_cache  # hybrid models' recurrent-state slots (None otherwise)
-        prefix_caching = cache_config.prefix_caching
-        if state_cache is not None:
-            prefix_caching = _check_hybrid(config, loaded.model, self.runner.state_snapshots)
-        if spec_config.method == "mtp":
-            _check_mtp(config)
+        loaded = _load(config)
+        self.tokenizer, self.hf_config = loaded.tokenizer, loaded.hf_config
+        self.plan, self.runner = assembly.build_runner(config, loaded)  # what the engine is built from, and why
+        caps = self.runner.capabilities
+        if caps.hybrid and config.cache_config.prefix_caching and not self.plan.prefix_caching.value:
+            log.info("prefix caching off for %s: a hybrid model's prefix hit would skip tokens whose recurrent "
+                     "state is not stored", caps.model_class)
+        self.max_model_len, self.vocab_size = self.plan.max_model_len, loaded.model.arch.vocab_size
         # the disk tier below the prefix cache (None without kv_cache_dir)
         self.kv_tier = build_kv_tier(config, loaded.model_dir, loaded.hf_config, self.runner)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
-                                          enable_prefix_caching=prefix_caching, kv_tier=self.kv_tier,
-                                          state_cache=state_cache, state_snapshots=self.runner.state_snapshots)
-        self.block_manager.drop_last_hit_block = spec_config.method == "mtp"
-        budget = scheduler_config.max_num_batched_tokens
-        if not scheduler_config.enable_chunked_prefill:
-            budget = max(budget, self.max_model_len)
         eos = eos_token_ids(self.tokenizer, loaded.model_dir)
-        self.reasoning_parser = get_reasoning_parser(model_config.reasoning_parser, self.tokenizer)
-        self.structured_output_manager = StructuredOutputManager(self.tokenizer, arch.vocab_size, eos,
+        self.reasoning_parser = get_reasoning_parser(config.model_config.reasoning_parser, self.tokenizer)
+        self.structured_output_manager = StructuredOutputManager(self.tokenizer, self.vocab_size, eos,
                                                                  self.reasoning_parser)
-        self.scheduler = Scheduler(self.block_manager, scheduler_config.max_num_seqs, budget,
-                                   scheduler_config.enable_chunked_prefill,
-                                   max_model_len=self.max_model_len, eos_token_ids=eos,
-                                   structured_output_manager=self.structured_output_manager,
-                                   max_num_encoder_tokens=scheduler_config.max_num_encoder_tokens or budget,
-                                   encoder_cache=EncoderCacheManager(scheduler_config.encoder_cache_tokens),
-                                   proposer=self._proposer(), num_speculative_tokens=spec_config.speculative_tokens,
-                                   speculative_disable_by_batch_size=spec_config.disable_by_batch_size)
-        self.input_processor = InputProcessor(self.tokenizer, self.hf_config, config, arch.vocab_size,
+        self.services = assembly.EngineServices(self.kv_tier, self.structured_output_manager,
+                                                assembly.build_proposer(config, self.runner, self.hf_config))
+        self.block_manager, self.scheduler = assembly.build_engine_parts(self.plan, self.runner, self.services, eos)
+        self.input_processor = InputProcessor(self.tokenizer, self.hf_config, config, self.vocab_size,
                                               self.max_model_len, self.block_manager, self.runner.device,
                                               loaded.image_settings)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.vocab_size = arch.vocab_size
         self.requests: dict[str, Request] = {}
         self._finished_outside_step: list[RequestOutput] = []  # aborts, handed out by the next step
         self._lock = threading.RLock()
-
-    def _proposer(self):
-        """The draft proposer of ``speculative_config.method`` (None: off); placeholder ids of
-        the model's media are never drafted."""
-        spec = self.config.speculative_config
-        if spec.method is None:
-            return None
-        if spec.method == "mtp":  # drafts made by the runner's MTP head after each step
-            return self.runner.drafter.proposer
-        from atlas_vlm.spec_decode import NgramProposer, placeholder_token_ids
-
-        return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min, placeholder_token_ids(self.hf_config))
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -266,32 +196,14 @@ class LLMEngine:
         tier stay. For after a step raised midway, when request and block state can no longer
         be trusted. Returns the ids of the requests dropped (their outputs are not handed out)."""
         dropped = list(self.requests)
-        old = self.block_manager
-        for req in self.requests.values():  # their state slots back (the blocks go with the old manager)
-            old.free_request(req)
-        self.block_manager = BlockManager(old.num_blocks, old.block_size,
-                                          enable_prefix_caching=old.enable_prefix_caching, kv_tier=old.kv_tier,
-                                          state_cache=old.state_cache, state_snapshots=old.state_snapshots)
-        self.block_manager.drop_last_hit_block = old.drop_last_hit_block
-        sched = self.scheduler
-        self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
-                                   sched.enable_chunked_prefill, max_model_len=sched.max_model_len,
-                                   eos_token_ids=sched.eos_token_ids,
-                                   structured_output_manager=sched.structured_output_manager,
-                                   max_num_encoder_tokens=sched.max_num_encoder_tokens,
-                                   encoder_cache=EncoderCacheManager(sched.encoder_cache.capacity_tokens),
-                                   proposer=sched.proposer, num_speculative_tokens=sched.num_speculative_tokens,
-                                   speculative_disable_by_batch_size=sched.speculative_disable_by_batch_size)
-        self.scheduler.num_preemptions = sched.num_preemptions  # running totals (metrics)
-        self.scheduler.spec_decode_stats = sched.spec_decode_stats
-        self.input_processor.block_manager = self.block_manager
-        self.output_processor = OutputProcessor(self.tokenizer)
+        for req in self.requests.values():  # state slots back (the blocks go with the old manager), grammars dropped
+            self.block_manager.free_request(req)
+            self.structured_output_manager.remove_request(req.request_id)
+        self.block_manager, self.scheduler = assembly.build_engine_parts(
+            self.plan, self.runner, self.services, self.scheduler.eos_token_ids, previous=self.scheduler)
+        self.input_processor.block_manager, self.output_processor = self.block_manager, OutputProcessor(self.tokenizer)
         self.runner.encoder_outputs.clear()
-        for req in self.requests.values():
-            if self.structured_output_manager is not None:
-                self.structured_output_manager.remove_request(req.request_id)
-        self.requests = {}
-        self._finished_outside_step = []
+        self.requests, self._finished_outside_step = {}, []
         return dropped
 
     @_locked
@@ -300,6 +212,23 @@ class LLMEngine:
         the runner drops their rows now; a later request with the same media encodes it again."""
         self.scheduler.encoder_cache.clear()
         self.runner.drop_encoder_outputs(self.scheduler.encoder_cache.take_freed())
+
+    @_locked
+    def stats(self) -> EngineStats:
+        """The engine now, as one frozen value (``AsyncLLM`` and ``/metrics`` read this, not the
+        scheduler, block manager, disk tier or snapshot pool): requests running and waiting, KV
+        blocks, preemptions, speculative decoding, disk-tier and state-snapshot totals."""
+        sched, bm, tier, pool = self.scheduler, self.block_manager, self.kv_tier, self.block_manager.state_snapshots
+        spec = sched.spec_decode_stats
+        disk = (tier.disk.hits, tier.disk.misses, tier.disk.bytes_stored) if tier is not None else (0, 0, 0)
+        return EngineStats(len(sched.running), len(sched.waiting), bm.num_blocks, bm.num_free_blocks,
+                           sched.num_preemptions, spec["drafts"], spec["proposed"], spec["accepted"], *disk,
+                           *((pool.queries, pool.hits) if pool is not None else (0, 0)))
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued, not yet running (read without the lock: a length, safe from any thread)."""
+        return len(self.scheduler.waiting)
 
     @_locked
     def has_unfinished_requests(self) -> bool:
@@ -339,8 +268,8 @@ class LLMEngine:
             raise
         for req, new_token_ids in self.scheduler.update_from_output(sched, runner_output):
             out, stopped = self.output_processor.process(req, new_token_ids)
-            if stopped:  # a stop string: the output processor ended it
-                self.scheduler.finish(req)
+            if stopped or (out is not None and out.finish_reason == "stop" != req.finish_reason):
+                self.scheduler.finish(req, "stop")  # a stop string: reported by the output processor, ended here
             if req.finish_reason is not None:
                 del self.requests[req.request_id]
             if out is not None:

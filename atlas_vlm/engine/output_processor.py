@@ -90,13 +90,14 @@ class OutputProcessor:
         """Take one step's new ids of ``req`` (an ``atlas_vlm.request.Request`` whose
         ``finish_reason`` the scheduler has set if the step ended it). Returns the output
         (None for a FINAL_ONLY request still running) and whether a stop string ended the
-        request in this step (then ``req.finish_reason`` is set to "stop" and the caller must
-        free the request). Several ids (a speculative step's accepted run) are detokenized
-        one by one, as the plain decode steps would; a stop string completed by one of them
+        request in this step (the output says ``finish_reason="stop"``; the request itself is
+        not written: the caller has the scheduler finish it, ``Scheduler.finish(req, "stop")``,
+        the one writer of ``finish_reason``). Several ids (a speculative step's accepted run)
+        are detokenized one by one, as the plain decode steps would; a stop string completed by one of them
         drops the ids after it from ``req`` (``Request.drop_last_tokens``) and from the output."""
         state = self.states[req.request_id]
         stopped = False
-        was_finished = req.finish_reason is not None
+        was_finished = finish_reason = req.finish_reason
         # several ids (a speculative step's accepted run) go in one by one, as plain decode
         # steps would: a stop string completed by one of them voids the ids after it
         steps = [[t] for t in new_token_ids] if len(new_token_ids) > 1 else [new_token_ids]
@@ -105,19 +106,18 @@ class OutputProcessor:
             if cut is not None:
                 if j < len(steps) - 1:
                     req.drop_last_tokens(len(steps) - j - 1)
-                stopped = not was_finished
-                req.finish_reason = "stop"
+                stopped, finish_reason = was_finished is None, "stop"
                 break
         committed = state.cleanup.committed
-        if req.finish_reason is not None:
+        if finish_reason is not None:
             text = committed + state.cleanup.tail_text(pending)
             end = len(text) if cut is None else cut
         else:
             text, end = committed, _hold_back(committed, state.released, state.stops)
-        if req.finish_reason is None and state.kind is RequestOutputKind.FINAL_ONLY:
+        if finish_reason is None and state.kind is RequestOutputKind.FINAL_ONLY:
             state.released = end
             return None, stopped
-        return self._emit(state, req, text, end), stopped
+        return self._emit(state, req, text, end, finish_reason), stopped
 
     @staticmethod
     def _advance(state: RequestOutputState, ids: list[int]) -> tuple[str, int | None]:
@@ -141,15 +141,16 @@ class OutputProcessor:
         """The last output of a request ended outside a step (abort, error): its text is what
         was released so far (for a stream: what was already sent)."""
         state = self.states[req.request_id]
-        return self._emit(state, req, state.cleanup.committed, state.released)
+        return self._emit(state, req, state.cleanup.committed, state.released, req.finish_reason)
 
-    def _emit(self, state: RequestOutputState, req, text: str, end: int) -> RequestOutput:
-        """The output showing ``text[:end]`` (the released text; never shorter than before)."""
+    def _emit(self, state: RequestOutputState, req, text: str, end: int, finish_reason: str | None) -> RequestOutput:
+        """The output showing ``text[:end]`` (the released text; never shorter than before),
+        finished with ``finish_reason`` (None: still running)."""
         if end < state.released:
             raise RuntimeError(f"request {state.request_id!r}: the text would shrink from {state.released} to "
                                f"{end} characters after being released")
         state.released = end
-        finished = req.finish_reason is not None
+        finished = finish_reason is not None
         if finished:
             del self.states[state.request_id]
         asked = req.sampling_params.logprobs is not None
@@ -170,7 +171,7 @@ class OutputProcessor:
         state.sent_logprobs = len(req.logprobs)
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=prompt_ids,
-            text=out_text, token_ids=out_ids, finish_reason=req.finish_reason, logprobs=lps, top_logprobs=tops,
+            text=out_text, token_ids=out_ids, finish_reason=finish_reason, logprobs=lps, top_logprobs=tops,
             error=getattr(req, "error", None), new_token_ids=new_ids, new_text=new_text,
             embedding=getattr(req, "embedding", None),
             stop_reason=state.stop_reason if finished else None,

@@ -28,9 +28,10 @@ class QueueFullError(RuntimeError):
     """More requests wait than ``max_waiting_requests`` allows (HTTP 503)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineStats:
-    """Snapshot of the engine after a step (read by ``/metrics``)."""
+    """The engine at one moment (``LLMEngine.stats``; ``AsyncLLM`` keeps the one after each
+    step, which ``/metrics`` reads)."""
 
     num_running: int = 0
     num_waiting: int = 0

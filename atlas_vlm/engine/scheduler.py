@@ -36,10 +36,11 @@ rolled back (``spec_decode.scheduling``).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from atlas_vlm.engine.encoder_cache_manager import EncoderCacheManager
 from atlas_vlm.engine.encoder_scheduling import fit_encoder_budget, release_computed_media, schedule_media
+from atlas_vlm.engine.plan import SchedulerLimits
 from atlas_vlm.request import Request
 from atlas_vlm.spec_decode.scheduling import add_drafts, commit_verified, take_verified
 from atlas_vlm.worker.sampler import SamplerOutput
@@ -65,39 +66,34 @@ class Scheduler:
 
     Args:
         block_manager: the KV blocks to hand out.
-        max_num_seqs: running requests at most.
-        max_num_batched_tokens: tokens computed per step at most.
-        enable_chunked_prefill: a prompt may be split across steps; if off, a prompt is
-            computed in one step (alone if it is longer than the budget).
+        limits: its numbers (``engine.plan.SchedulerLimits``: running requests, tokens and
+            encoder rows per step, chunked prefill, drafts per step; the engine passes the
+            plan's); ``limit_fields``: any of them by name, over ``limits``.
+        eos_token_ids: ids that end a request (unless ``ignore_eos``).
         structured_output_manager: the ``StructuredOutputManager`` of the engine, or None.
-        max_num_encoder_tokens: encoder rows (image / video tokens) computed per step at most;
-            None: no limit.
         encoder_cache: the ``EncoderCacheManager`` (items cached cost nothing); None: a fresh
-            one of capacity 0 (an item is kept only while a request needs it).
+            one of ``limits.encoder_cache_tokens`` (0: an item is kept only while a request needs it).
         proposer: a draft proposer (``spec_decode.NgramProposer``) or None (no speculation).
-        num_speculative_tokens: drafts per decode step at most (with a proposer).
-        speculative_disable_by_batch_size: no drafts while more requests than this run (None: any).
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, max_model_len: int | None = None,
-                 eos_token_ids: set[int] | None = None, structured_output_manager=None,
-                 max_num_encoder_tokens: int | None = None, encoder_cache=None, proposer=None,
-                 num_speculative_tokens: int = 0, speculative_disable_by_batch_size: int | None = None):
-        self.block_manager = block_manager
+    def __init__(self, block_manager: BlockManager, limits: SchedulerLimits | None = None, *, eos_token_ids=None,
+                 structured_output_manager=None, encoder_cache=None, proposer=None, **limit_fields):
+        limits = replace(limits or SchedulerLimits(), **limit_fields)
+        self.block_manager, self.limits = block_manager, limits
         self.structured_output_manager = structured_output_manager
-        self.max_model_len = max_model_len  # None: no limit here (the engine checks at entry)
+        self.max_model_len = limits.max_model_len  # None: no limit here (the engine checks at entry)
         self.eos_token_ids = set(eos_token_ids or ())
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.enable_chunked_prefill = enable_chunked_prefill
-        self.max_num_encoder_tokens = max_num_encoder_tokens
-        self.encoder_cache = encoder_cache if encoder_cache is not None else EncoderCacheManager(0)
+        self.max_num_seqs = limits.max_num_seqs
+        self.max_num_batched_tokens = limits.max_num_batched_tokens
+        self.enable_chunked_prefill = limits.enable_chunked_prefill
+        self.max_num_encoder_tokens = limits.max_num_encoder_tokens
+        self.encoder_cache = encoder_cache if encoder_cache is not None else \
+            EncoderCacheManager(limits.encoder_cache_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # total, for tests and benchmarks
-        self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens
-        self.speculative_disable_by_batch_size = speculative_disable_by_batch_size
+        self.proposer, self.num_speculative_tokens = proposer, limits.num_speculative_tokens
+        self.speculative_disable_by_batch_size = limits.speculative_disable_by_batch_size
         self.spec_decode_stats = {"drafts": 0, "proposed": 0, "accepted": 0}  # totals (/metrics)
 
     def add_request(self, req: Request) -> None:

@@ -62,7 +62,7 @@ def resolve_attention_backend(requested: str, device: torch.device | str, dtype:
     if requested not in (*ATTENTION_BACKENDS, "auto"):
         raise ValueError(f"attention backend must be 'auto' or one of {ATTENTION_BACKENDS}, got {requested!r}")
     if requested == "triton" or (requested == "auto" and torch.device(device).type == "cuda"):
-        why_not = _triton_unsupported_reason(device, dtype, head_dim, kv_cache_dtype)
+        why_not = triton_unsupported_reason(device, dtype, head_dim, kv_cache_dtype)
         if why_not is None:
             return "triton"
         if requested == "triton":
@@ -77,7 +77,7 @@ def resolve_attention_backend(requested: str, device: torch.device | str, dtype:
     return "bucketed"
 
 
-def _triton_unsupported_reason(device, dtype: torch.dtype, head_dim: int, kv_cache_dtype: str) -> str | None:
+def triton_unsupported_reason(device, dtype: torch.dtype, head_dim: int, kv_cache_dtype: str) -> str | None:
     """``kernels.triton_attention.unsupported_reason``, or why Triton does not import."""
     try:
         from atlas_vlm.kernels import triton_attention

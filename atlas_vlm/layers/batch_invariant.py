@@ -134,35 +134,3 @@ def per_row_layout(query_lens: list[int], context_lens: list[int], tables: torch
         token_index=torch.arange(len(lens), device=device),
         block_tables=tables.index_select(0, seq.to(tables.device)).contiguous(),
         context_lens=torch.tensor(lens, dtype=torch.long, device=device), all_tokens=True))
-
-
-def enable_batch_invariance(model: nn.Module, config, device: torch.device, dtype: torch.dtype) -> str:
-    """Turn ``deterministic=True`` on for a loaded decoder (once, at load): its linears run
-    in ``ROW_TILE``-row tiles (``tile_linears``) and its attention through the C decode kernel
-    row by row (``per_row_layout``).
-
-    Args:
-        model: the ``CausalLM`` (already packed, ``layers.linear.pack_linears``).
-        config: the ``EngineConfig``.
-
-    Returns:
-        the attention backend name the runner uses: ``"batch_invariant"``.
-
-    Raises:
-        ValueError: the settings are not covered (``deterministic_unsupported_reason``), or the
-            C decode kernel cannot serve the model (its reason named).
-    """
-    from atlas_vlm.kernels import decode_kernel
-    from atlas_vlm.layers.quant_linear import quantized_modules
-
-    device_config = config.device_config
-    why = deterministic_unsupported_reason(device, bool(quantized_modules(model)), device_config.attention_backend,
-                                           device_config.compile_decode)
-    arch = model.arch
-    if why is None:
-        why = decode_kernel.unsupported_reason(device, dtype, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                                               config.cache_config.kv_cache_dtype)
-    if why is not None:
-        raise ValueError(f"deterministic=True cannot run here: {why}")
-    tile_linears(model)
-    return "batch_invariant"

@@ -18,6 +18,7 @@ from atlas_vlm.kernels import fused
 from atlas_vlm.layers.attention import AttentionMetadata, paged_attention
 from atlas_vlm.layers.rotary import RotaryEmbedding, apply_rotary
 from atlas_vlm.models.arch import ModelArch
+from atlas_vlm.models.interfaces import ModelCapabilities
 
 
 class RMSNorm(nn.Module):
@@ -119,7 +120,38 @@ class CausalLM(nn.Module):
     Args:
         arch: hyper-parameters (``ModelArch.from_hf_config``).
         hf_text_config: the HF text config, for the RoPE variant and its scaling.
+
+    Its capabilities are declared by the class attributes below (the defaults of a plain
+    decoder; a class that has one overrides it) and read through ``capabilities()`` alone
+    (``models.interfaces.ModelCapabilities``).
     """
+
+    takes_mm_in_forward = False  # forward takes mm_embeds / mm_token_index (Qwen3-VL)
+    quantizable = True  # load_model(quantization=...) may quantize its linears
+    supports_state_snapshots = False  # hybrid: its state layers write snapshots (prefix caching)
+    supports_state_rollback = False  # hybrid: its state layers keep per-verified-row state
+    num_kv_layers: int | None = None  # hybrid: its full-attention layers (None: every layer)
+    mtp_state_dict: dict | None = None  # the checkpoint's mtp.* tensors where the class keeps them
+    qkv_sizes: list[int] | None = None  # rows of the fused qkv_proj per HF projection (None: heads x head_dim)
+
+    def state_spec(self):
+        """The per-sequence recurrent state (``mm_kv_cache_management.StateSpec``) of a hybrid
+        model; None here (no recurrent-state layers)."""
+        return None
+
+    def capabilities(self) -> ModelCapabilities:
+        """This model's declared capabilities, as one frozen value (the plan's input).
+
+        Raises:
+            ValueError: a hybrid class's ``num_kv_layers`` outside ``1 .. num_layers``.
+        """
+        spec = self.state_spec()
+        n = self.arch.num_layers if spec is None else self.num_kv_layers
+        return ModelCapabilities(
+            model_class=type(self).__name__, num_layers=self.arch.num_layers, num_kv_layers=n, state_spec=spec,
+            state_snapshots=self.supports_state_snapshots, state_rollback=self.supports_state_rollback,
+            mtp=self.mtp_state_dict is not None, multimodal_in_forward=self.takes_mm_in_forward,
+            quantizable=self.quantizable, qkv_sizes=tuple(self.qkv_sizes) if self.qkv_sizes else None)
 
     def __init__(self, arch: ModelArch, hf_text_config):
         super().__init__()

@@ -182,7 +182,7 @@ def build_drafter(model, config, kv_layer: int, model_name: str,
             its checkpoint lacks the weights (``models.qwen3_5.mtp.build_mtp``; both name
             ``model_name``).
     """
-    if getattr(model, "mtp_state_dict", None) is None:
+    if not model.capabilities().mtp:
         raise ValueError(f"speculative='mtp' needs a model with a multi-token-prediction head (Qwen3.5's mtp.*); "
                          f"{model_name} ({type(model).__name__}) has none; use speculative='ngram'")
     from atlas_vlm.models.qwen3_5.mtp import build_mtp

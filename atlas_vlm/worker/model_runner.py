@@ -4,17 +4,14 @@ one batched forward per engine step. Scheduling and stopping rules live elsewher
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Callable
 
 import torch
 
-from atlas_vlm import hardware
 from atlas_vlm.config import EngineConfig
-from atlas_vlm.layers.attention import resolve_attention_backend
-from atlas_vlm.layers.batch_invariant import enable_batch_invariance, tile_linears
-from atlas_vlm.layers.linear import can_pack, pack_linears
+from atlas_vlm.engine.plan import EnginePlan, KVBudgetError  # noqa: F401 - KVBudgetError: its old home
+from atlas_vlm.worker import runner_build
 from atlas_vlm.worker.input_prep import ModelInput
 from atlas_vlm.worker.step_executors import (CompiledDecodeExecutor, DecodeStepExecutor, EagerExecutor,
                                              StepInputs)
@@ -22,15 +19,6 @@ from atlas_vlm.loader import LoadedModel
 from atlas_vlm.worker.pooler import pool_step
 from atlas_vlm.worker.sampler import SamplerOutput
 from atlas_vlm.spec_decode.rejection import sample_with_drafts  # worker.sampler.sample unless a sampled row has drafts
-from atlas_vlm.memory_plan import kv_cache_spec, num_kv_blocks
-from mm_kv_cache_management import ContiguousKVCache, PagedKVCache, StateCache, StateSpec
-from mm_kv_cache_management.state_snapshots import StateSnapshotPool
-
-log = logging.getLogger(__name__)
-
-
-class KVBudgetError(ValueError):
-    """The KV memory budget cannot hold a single block."""
 
 
 def kv_cache_budget_bytes(config: EngineConfig, device: torch.device, hf_config=None,
@@ -52,160 +40,44 @@ def kv_cache_budget_bytes(config: EngineConfig, device: torch.device, hf_config=
     return memory_plan.kv_cache_budget(total, config.cache_config.gpu_memory_utilization, total - free, reserve)
 
 
-def hybrid_state_spec(model) -> StateSpec | None:
-    """A hybrid model's ``state_spec()`` (its class has ``state_spec`` and ``num_kv_layers``:
-    the full-attention layers, which alone have K/V); None for a model without recurrent state.
-
-    Raises:
-        ValueError: ``num_kv_layers`` is not an int in ``1 .. arch.num_layers`` (named).
-    """
-    if not callable(getattr(model, "state_spec", None)):
-        return None
-    n = getattr(model, "num_kv_layers", None)
-    if not isinstance(n, int) or not 1 <= n <= model.arch.num_layers:
-        raise ValueError(f"{type(model).__name__}.num_kv_layers must be an int in 1..{model.arch.num_layers} "
-                         f"(its full-attention layers), got {n!r}")
-    return model.state_spec()
-
-
-def num_state_snapshots(config: EngineConfig, model) -> int:
-    """Snapshots the state-snapshot pool of a hybrid ``model`` holds: ``max_state_snapshots``
-    when prefix caching can serve it (asked for, and a model class with
-    ``supports_state_snapshots``; with ``kv_cache_dir`` the snapshots also go to disk beside
-    their blocks), else 0 (no pool: prefix caching off for it)."""
-    cache = config.cache_config
-    on = cache.prefix_caching
-    return cache.max_state_snapshots if on and getattr(model, "supports_state_snapshots", False) else 0
-
-
 class ModelRunner:
-    """Runs the decoder (and the vision tower) for the engine.
+    """Runs the decoder (and the vision tower) for the engine, built as the plan says
+    (``engine.plan.EnginePlan``; the pieces: ``worker.runner_build``).
 
     Args:
         loaded: weights, config and tokenizer from ``load_model``.
-        config: engine settings (cache kind, block size, budget).
-        max_model_len: resolved tokens per request.
+        config: engine settings (``cache_config.hybrid_snapshot_interval``, ``max_num_seqs``).
+        plan: the engine plan (attention backend, KV spec and blocks, state, drafter, decode paths).
+        vision: the vision tower (``runner_build.load_vision_tower``), or None.
 
-    A hybrid model (``hybrid_state_spec``) gets a ``StateCache`` of ``max_num_seqs`` slots
-    (``state_cache``; None otherwise) under the same budget: state bytes first, KV blocks of
-    its ``num_kv_layers`` layers from the rest; its steps run eager (``meta.state`` set). With
-    prefix caching it also gets a ``StateSnapshotPool`` (``state_snapshots``, None otherwise;
-    ``num_state_snapshots``), whose bytes come off the budget with the slots.
-
-    With ``speculative="mtp"`` it also holds the MTP drafter (``drafter``, else None;
-    ``spec_decode.mtp``): its layer's K/V are one more cache layer, every step runs eager, and
-    ``run`` hands it each step's hidden states after sampling.
+    A hybrid model gets a ``StateCache`` of ``max_num_seqs`` slots (``state_cache``; None
+    otherwise), its bytes off the KV budget first; its steps run eager (``meta.state`` set).
+    With prefix caching it also gets a ``StateSnapshotPool`` (``state_snapshots``, None
+    otherwise). With ``speculative="mtp"`` it also holds the MTP drafter (``drafter``, else
+    None; ``spec_decode.mtp``): its layer's K/V are one more cache layer, every step runs
+    eager, and ``run`` hands it each step's hidden states after sampling.
 
     Raises:
-        KVBudgetError: the budget holds no block (or, contiguous, no strip), or not the state slots.
-        ValueError: ``deterministic=True`` with a hybrid model; ``speculative="mtp"`` with a
-            model or checkpoint without an MTP head (``spec_decode.mtp.build_drafter``).
+        ValueError: ``speculative="mtp"`` with a checkpoint without the MTP weights
+            (``models.qwen3_5.mtp.build_mtp``). Every other refusal is the plan's.
     """
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int):
-        self.model = loaded.model
-        self.device = next(self.model.parameters()).device
-        self.dtype = next(self.model.parameters()).dtype
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not hardware.cpu_features().fast_bf16:
-            log.warning("bfloat16 on this CPU (%s) is emulated through fp32 and slower than float32; "
-                        "dtype='auto' picks float32 here", hardware.cpu_features().describe())
-        pack = can_pack(self.dtype, self.device)  # CPU bf16: linear weights packed for oneDNN once
-        self.num_packed_linears = pack_linears(self.model) if pack else 0
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, plan: EnginePlan, vision=None):
+        self.model, self.vision, self.plan = loaded.model, vision, plan
+        self.capabilities = self.model.capabilities()  # what the model class declares
+        self.device, self.dtype, self.deterministic = plan.device, plan.dtype, plan.deterministic
         self.mrope = self.model.arch.mrope_section is not None
-        arch = self.model.arch
-        cache, device_config = config.cache_config, config.device_config
-        max_num_seqs = config.scheduler_config.max_num_seqs
-        self.attention_backend = resolve_attention_backend(device_config.attention_backend, self.device, self.dtype,
-                                                           arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                                                           cache.kv_cache_dtype)
-        state_spec = hybrid_state_spec(self.model)  # None: no recurrent-state layers
-        self.deterministic = device_config.deterministic
-        if self.deterministic and state_spec is not None:
-            raise ValueError(f"deterministic=True does not serve hybrid models ({type(self.model).__name__}: "
-                             "recurrent-state layers); run it with deterministic=False")
-        if self.deterministic:  # layers/batch_invariant.py: fixed-row linears, every row through the C kernel
-            self.attention_backend = enable_batch_invariance(self.model, config, self.device, self.dtype)
-        self.vision = None  # built before the KV cache so the CUDA budget sees its weights
-        if loaded.vision_state_dict is not None:
-            from atlas_vlm.models.registry import import_named, resolve_family
-
-            tower = import_named(resolve_family(loaded.hf_config).vision_tower)  # the family's tower class
-            self.vision = tower.from_hf_config(loaded.hf_config, loaded.vision_state_dict,
-                                               dtype=self.dtype, device=self.device)
-            if pack:
-                self.num_packed_linears += pack_linears(self.vision)
-            if self.deterministic:
-                tile_linears(self.vision)
-        num_kv_layers = arch.num_layers if state_spec is None else self.model.num_kv_layers  # full attention only
-        self.drafter = None  # speculative="mtp": the MTP head, its K/V one more cache layer
-        if config.speculative_config.method == "mtp":
-            from atlas_vlm.spec_decode import placeholder_token_ids
-            from atlas_vlm.spec_decode.mtp import build_drafter
-
-            self.drafter = build_drafter(self.model, config, num_kv_layers, str(config.model_config.model),
-                                         placeholder_token_ids(loaded.hf_config))
-            if pack:
-                self.num_packed_linears += pack_linears(self.drafter.mtp)
-            num_kv_layers += 1
-        spec = kv_cache_spec(num_kv_layers, arch.num_kv_heads, arch.head_dim, self.dtype, cache.kv_cache_dtype)
-        contiguous = cache.kv_cache == "contiguous"
-        self.block_size = max_model_len if contiguous else cache.block_size
-        from atlas_vlm.memory_plan import engine_max_pixels
-
-        max_pixels = engine_max_pixels(config, loaded.image_settings)  # the checkpoint's, engine options over it
-        budget = kv_cache_budget_bytes(config, self.device, loaded.hf_config, max_pixels)
-        self.state_cache, state_bytes = None, 0  # hybrid: one state slot per running sequence, first
-        self.state_snapshots = None  # hybrid + prefix caching: the state at block boundaries
-        if state_spec is not None:
-            snaps = num_state_snapshots(config, self.model)
-            state_bytes = state_spec.bytes_per_seq * (max_num_seqs + snaps)
-            if state_bytes > budget and cache.num_kvcache_blocks == -1:  # explicit blocks: no budget to share
-                pool = f" + max_state_snapshots={snaps}" if snaps else ""
-                raise KVBudgetError(
-                    f"KV budget of {budget} bytes cannot hold the state slots of this hybrid model: "
-                    f"max_num_seqs={max_num_seqs}{pool} x {state_spec.bytes_per_seq} bytes = {state_bytes} "
-                    "bytes; raise kv_cache_memory / gpu_memory_utilization or lower max_num_seqs"
-                    + (" / max_state_snapshots" if snaps else ""))
-            self.state_cache = StateCache(state_spec, max_num_seqs, device=self.device)
-            if snaps:
-                self.state_snapshots = StateSnapshotPool(state_spec, snaps, cache.hybrid_snapshot_interval,
-                                                         self.block_size, device=self.device)
-            budget -= state_bytes
-        num_blocks = cache.num_kvcache_blocks
-        if num_blocks == -1:
-            num_blocks = num_kv_blocks(budget, spec, self.block_size)
-        if num_blocks < 1:
-            unit = "strip" if contiguous else "block"
-            after = f" (after {state_bytes} bytes of state slots)" if state_bytes else ""
-            raise KVBudgetError(
-                f"KV budget of {budget} bytes{after} is too small for one {unit} of {self.block_size} tokens "
-                f"({spec.bytes_per_token * self.block_size} bytes); raise kv_cache_memory / "
-                f"gpu_memory_utilization or lower {'max_model_len' if contiguous else 'kvcache_block_size'}"
-            )
-        if contiguous:
-            self.kv_cache = ContiguousKVCache(spec, num_blocks, max_model_len, device=self.device)
-        else:
-            self.kv_cache = PagedKVCache(spec, num_blocks, self.block_size, device=self.device)
-        self.num_blocks = num_blocks
-        from atlas_vlm.worker.compiled_decode import CompiledDecode, resolve_compile_decode
-
-        on, self.compile_decode_reason = resolve_compile_decode(device_config.compile_decode, self.device,
-                                                                cache.kv_cache_dtype)
-        if state_spec is not None:  # the fast decode paths carry no state slots: eager runs hybrids
-            on, self.compile_decode_reason = False, "hybrid model (recurrent-state layers): decode runs eager"
-        if self.drafter is not None:  # the drafter reads every step's hidden states: eager keeps them
-            on, self.compile_decode_reason = False, "speculative='mtp': every step runs eager"
-        compiled = CompiledDecode(
-            self.model, self.kv_cache, self.block_size, max_model_len, max_num_seqs, self.mrope,
-            use_kernel=self.attention_backend == "decode_kernel") if on else None  # None: eager decode
-        from atlas_vlm.kernels.decode_step import DecodeStep
-
-        # quantized models on CPU: decode-only steps through every layer in one C call (None: op by op)
-        c_step, self.decode_step_reason = DecodeStep.build(self.model, self.kv_cache, self.attention_backend) \
-            if self.device.type == "cpu" and state_spec is None else \
-            (None, "CPU only" if state_spec is None else "hybrid model (recurrent-state layers)")
-        if self.drafter is not None:
-            c_step, self.decode_step_reason = None, "speculative='mtp': every step runs eager"
+        self.attention_backend = plan.attention_backend.value
+        self.num_packed_linears = runner_build.prepare_weights(self.model, vision, plan)
+        self.block_size, self.num_blocks = plan.kv.block_size, plan.num_blocks.value
+        self.kv_cache = runner_build.build_kv_cache(plan)
+        # hybrid models: one state slot per running sequence, and the state at block boundaries
+        self.state_cache, self.state_snapshots = runner_build.build_state(
+            plan, config.cache_config.hybrid_snapshot_interval)
+        self.drafter, packed = runner_build.build_drafter(loaded, config, plan)  # speculative="mtp": the MTP head
+        self.num_packed_linears += packed
+        compiled, self.compile_decode_reason, c_step, self.decode_step_reason = runner_build.build_decode_paths(
+            self.model, self.kv_cache, plan, config.scheduler_config.max_num_seqs, self.mrope)
         # the step executors, asked in order; the first that serves a step runs it (eager serves all)
         self.executors: list = []
         self.compiled_decode, self.decode_step = compiled, c_step

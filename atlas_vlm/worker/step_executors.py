@@ -43,13 +43,13 @@ class StepInputs:
         ``encoder_outputs``, by content hash), input embeddings ``x`` ``[num_tokens, hidden]`` and the decoder's extra
         keyword arguments (Qwen3-VL's DeepStack rows)."""
         r = self.runner
-        snapshots = getattr(r, "state_snapshots", None)
+        snapshots = r.state_snapshots
         inp = prepare_inputs(self.chunks, r.device, r.mrope, r.attention_backend, r.state_cache,
                              encoder_outputs=r.encoder_outputs,
                              snapshot_cache=snapshots.storage if snapshots is not None else None)
         x = r.model.embed(inp.input_ids, inp.mm_embeds, inp.mm_token_index)  # [num_tokens, hidden]
         mm = dict(mm_embeds=inp.mm_embeds, mm_token_index=inp.mm_token_index) \
-            if getattr(r.model, "takes_mm_in_forward", False) else {}
+            if r.capabilities.multimodal_in_forward else {}
         self.inp = inp
         return inp, x, mm
 
@@ -63,7 +63,7 @@ class CompiledDecodeExecutor:
         self.impl = impl
 
     def run(self, step: StepInputs) -> torch.Tensor | None:
-        if not self.impl.applies(step.chunks, getattr(step.runner.model, "takes_mm_in_forward", False)):
+        if not self.impl.applies(step.chunks, step.runner.capabilities.multimodal_in_forward):
             return None
         logits = self.impl.run(step.chunks)  # None: a shape it has no graph for
         if logits is not None:

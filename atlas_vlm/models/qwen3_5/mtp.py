@@ -87,7 +87,7 @@ def build_mtp(model, kv_layer: int, model_name: str) -> Qwen3_5MTP:
     if layers != 1:
         raise ValueError(f"speculative='mtp' runs one MTP layer; {model_name} has mtp_num_hidden_layers={layers}")
     mtp = Qwen3_5MTP(model.arch, config, kv_layer)
-    state = getattr(model, "mtp_state_dict", None) or {}
+    state = model.mtp_state_dict or {}  # declared (CausalLM; None: the class keeps no MTP head)
     missing = [n for n in mtp_weight_names(mtp) if n not in state]
     if missing:
         raise ValueError(f"speculative='mtp' needs the checkpoint's multi-token-prediction weights, but {model_name} "

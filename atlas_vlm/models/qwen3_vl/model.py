@@ -39,7 +39,7 @@ class Qwen3VLForCausalLM(CausalLM):
         hf_text_config: ``Qwen3VLTextConfig`` (RoPE theta and ``mrope_section``).
     """
 
-    takes_mm_in_forward = True  # the runner passes mm_embeds / mm_token_index to forward
+    takes_mm_in_forward = True  # declared (CausalLM.capabilities): the runner passes mm_embeds / mm_token_index
 
     def __init__(self, arch: ModelArch, hf_text_config):
         super().__init__(arch, hf_text_config)  # arch.qk_norm: Attention carries q_norm / k_norm
