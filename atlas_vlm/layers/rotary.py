@@ -20,7 +20,9 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-__all__ = ["RotaryEmbedding", "rope_parameters"]
+from atlas_vlm.kernels.fused import apply_rotary
+
+__all__ = ["RotaryEmbedding", "apply_rotary", "rope_parameters"]
 
 
 def rope_parameters(hf_config) -> dict:
@@ -122,15 +124,3 @@ def _interleaved_axes(mrope_section: list[int], num_freqs: int) -> torch.Tensor:
     for dim, offset in ((1, 1), (2, 2)):
         axis[offset:mrope_section[dim] * 3:3] = dim
     return axis
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[num_tokens, heads, head_dim]`` by cos/sin ``[num_tokens, rotary_dim]`` (HF rotate_half
-    form). Partial rotary (``rotary_dim < head_dim``, Qwen3.5): the first ``rotary_dim`` channels
-    rotate, the rest pass through (HF ``apply_rotary_pos_emb`` of Qwen3.5)."""
-    if cos.shape[-1] < x.shape[-1]:
-        rot, rest = x[..., :cos.shape[-1]], x[..., cos.shape[-1]:]
-        return torch.cat((apply_rotary(rot, cos, sin), rest), dim=-1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]

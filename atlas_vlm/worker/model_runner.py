@@ -198,7 +198,7 @@ class ModelRunner:
         compiled = CompiledDecode(
             self.model, self.kv_cache, self.block_size, max_model_len, max_num_seqs, self.mrope,
             use_kernel=self.attention_backend == "decode_kernel") if on else None  # None: eager decode
-        from atlas_vlm.kernels.decode_step import DecodeStep
+        from atlas_vlm.worker.decode_step import DecodeStep
 
         # quantized models on CPU: decode-only steps through every layer in one C call (None: op by op)
         c_step, self.decode_step_reason = DecodeStep.build(self.model, self.kv_cache, self.attention_backend) \
@@ -264,7 +264,7 @@ class ModelRunner:
 
     @property
     def decode_step(self):
-        """The one-call C decode step (``kernels.decode_step.DecodeStep``), or None where decode
+        """The one-call C decode step (``worker.decode_step.DecodeStep``), or None where decode
         steps run op by op (``decode_step_reason`` says why); setting None takes it out."""
         return self._executor("decode_step")
 
