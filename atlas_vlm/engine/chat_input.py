@@ -109,7 +109,7 @@ class ChatInput:
 
     def __init__(self, tokenizer, config, hf_config, image_settings=None, max_model_len: int | None = None):
         from atlas_vlm.models.registry import import_named, resolve_family
-        from mm_token_pipeline import image_processor_settings
+        from atlas_vlm.models.processor_settings import image_processor_settings
 
         self.tokenizer = tokenizer
         self.config = config

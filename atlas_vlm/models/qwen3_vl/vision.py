@@ -4,7 +4,7 @@ Scope: what differs from Qwen2.5-VL. Images are resized with the same qwen-vl-ut
 ``smart_resize`` rule but with factor 32 (patch 16 x merge 2), so ``max_pixels`` allows at
 most ``max_pixels // (32*32)`` visual tokens, and normalised with mean = std = 0.5; bounds,
 geometry and normalisation come from the checkpoint's ``preprocessor_config.json``
-(``processor_config.image_processor_settings``; released: 65536 / 16777216 pixels); patchify stays
+(``models.processor_settings.image_processor_settings``; released: 65536 / 16777216 pixels); patchify stays
 ``Qwen2VLImageProcessor(do_resize=False)`` with ``patch_size=16`` given explicitly, so the
 slow processor's ignored-``size`` fault (transformers #42910) cannot change the grid.
 The vision tower is HF's ``Qwen3VLVisionModel``: it returns the merged features and one
