@@ -4,7 +4,7 @@ Layout: ``<root>/<fingerprint>/<block hash hex>.kvb``, one file per block, holdi
 block's K and V for every layer; a hybrid model's state snapshot at that block's end (conv +
 recurrent state of every linear-attention layer, ``state_snapshots.py``) goes beside it as
 ``<block hash hex>.kvs`` (``save_snapshot`` / ``load_snapshot``: same header, checksum,
-atomic write, byte cap and LRU as a block). ``fingerprint`` (``atlas_vlm.worker.kv_fingerprint``) hashes
+atomic write, byte cap and LRU as a block). ``fingerprint`` (``atlas_vlm.worker.kv_tier_builder``) hashes
 everything that changes K/V (weights identity, dtypes, shapes, RoPE, ...), so a directory
 shared by several models or settings never serves one model's K/V to another.
 
