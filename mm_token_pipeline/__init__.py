@@ -41,7 +41,8 @@ with HF's video processor into a ``ProcessedVideo`` (``pixel_values``, ``grid_th
 it takes images; ``build_prompt_ids`` expands ``<|video_pad|>`` (``extract_mm_items`` lists
 images and videos in prompt order; ``video_timestamps=True`` for Qwen3-VL);
 ``get_rope_index(..., video_token_id, video_grid_thw, second_per_grid_ts, tokens_per_second)``
-and ``get_rope_index_qwen3_vl`` give the positions. Bad input raises ``VideoInputError``.
+gives the positions (Qwen3-VL's: ``atlas_vlm.models.qwen3_vl.mrope.get_rope_index_qwen3_vl``).
+Bad input raises ``VideoInputError``.
 
 Other families live in their own folders: ``atlas_vlm.models.qwen3_vl`` (patch 16, DeepStack
 tower, chat template) and ``atlas_vlm.models.smolvlm`` (prompt and tiles from the HF
@@ -57,7 +58,7 @@ from .fetch_policy import DEFAULT_VIDEO_MAX_BYTES, MediaFetchPolicy, MediaRefuse
 from .http_fetch import DownloadError, fetch_url
 from .image_io import (DEFAULT_HTTP_MAX_BYTES, DEFAULT_HTTP_TIMEOUT_S, DEFAULT_MAX_IMAGE_PIXELS, ImageInputError,
                        load_image, to_rgb)
-from .mrope import decode_position, get_rope_index, get_rope_index_qwen3_vl
+from .mrope import decode_position, get_rope_index
 from .options import MultiModalOptions
 from .processor import ProcessedImage, preprocess_image
 from .prompt import (QWEN2_5_VL_CHAT_TEMPLATE, build_prompt_ids, expand_image_pads, extract_image_items, extract_images,
@@ -96,7 +97,6 @@ __all__ = [
     "qwen_tokenizer_dir",
     "QWEN2_5_VL_CHAT_TEMPLATE",
     "get_rope_index",
-    "get_rope_index_qwen3_vl",
     "decode_position",
     "VideoInputError",
     "VideoProbe",

@@ -19,7 +19,8 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
 
 import mm_token_pipeline as mtp
 from helpers import mm_token_type_ids
-from mm_token_pipeline import decode_position, get_rope_index, get_rope_index_qwen3_vl
+from atlas_vlm.models.qwen3_vl.mrope import get_rope_index_qwen3_vl
+from mm_token_pipeline import decode_position, get_rope_index
 
 pytestmark = pytest.mark.vlm
 

@@ -13,7 +13,7 @@ hands them back side by side in ONE tensor per image, so any slicing by token (c
 prefill, encoder cache) keeps the DeepStack rows with the main ones.
 M-RoPE positions for images follow the same rule as Qwen2.5-VL (HF
 ``Qwen3VLModel.get_rope_index`` differs only for videos, whose grids it splits per temporal
-group): :func:`get_rope_index_qwen3_vl` (in ``mrope``, re-exported here) covers both. Video
+group): :func:`get_rope_index_qwen3_vl` (``qwen3_vl/mrope.py``, re-exported here) covers both. Video
 prompts: ``build_prompt_ids(..., video_timestamps=True)`` with :data:`QWEN3_VL_CHAT_TEMPLATE`.
 """
 
@@ -23,8 +23,8 @@ import torch
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
-from mm_token_pipeline.mrope import get_rope_index_qwen3_vl
 from atlas_vlm.models.qwen2_vl.vision import VisionEncoder
+from atlas_vlm.models.qwen3_vl.mrope import get_rope_index_qwen3_vl
 
 __all__ = ["QWEN3_VL_CHAT_TEMPLATE", "QWEN3_VL_IMAGE_MEAN", "QWEN3_VL_IMAGE_STD",
            "Qwen3VLVisionEncoder", "get_rope_index_qwen3_vl"]
