@@ -38,5 +38,5 @@ def get_rope_index_qwen3_vl(
     """
     frames = [(1, h, w) for t, h, w in grid_rows(video_grid_thw, "video_grid_thw") for _ in range(t)]
     return run_positions(input_ids, {image_token_id: "image", video_token_id: "video"},
-                      {"image": grid_rows(image_grid_thw, "image_grid_thw"), "video": frames}, [1] * len(frames),
-                      spatial_merge_size, vision_start_token_id)
+                         {"image": grid_rows(image_grid_thw, "image_grid_thw"), "video": frames}, [1] * len(frames),
+                         spatial_merge_size, vision_start_token_id)
