@@ -16,8 +16,9 @@ Data path of one request (shapes for the default geometry: patch 14 px, merge 2)
 
     from transformers import AutoTokenizer
     import mm_token_pipeline as mtp
+    from atlas_vlm.models.qwen2_vl.tokenizer_files import qwen_tokenizer_dir
 
-    tok = AutoTokenizer.from_pretrained(mtp.qwen_tokenizer_dir())
+    tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
     messages = [{"role": "user", "content": [
         {"type": "image", "image": "tests/data/images/chelsea.png"},
         {"type": "text", "text": "Describe this image."}]}]
@@ -62,7 +63,7 @@ from .mrope import decode_position, get_rope_index
 from .options import MultiModalOptions
 from .processor import ProcessedImage, preprocess_image
 from .prompt import (QWEN2_5_VL_CHAT_TEMPLATE, build_prompt_ids, expand_image_pads, extract_image_items, extract_images,
-                     extract_mm_items, qwen_tokenizer_dir)
+                     extract_mm_items)
 from .processor_config import ImageProcessorSettings
 from .resize import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, MAX_ASPECT_RATIO, smart_resize
 from .video_io import (VideoFrameBounds, VideoFrames, VideoInputError, VideoProbe, load_video, probe_video,
@@ -94,7 +95,6 @@ __all__ = [
     "extract_images",
     "extract_image_items",
     "extract_mm_items",
-    "qwen_tokenizer_dir",
     "QWEN2_5_VL_CHAT_TEMPLATE",
     "get_rope_index",
     "decode_position",

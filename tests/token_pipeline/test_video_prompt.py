@@ -19,6 +19,7 @@ from transformers import (AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLImageProces
                           Qwen3VLProcessor, Qwen3VLVideoProcessor)
 
 import mm_token_pipeline as mtp
+from atlas_vlm.models.qwen2_vl.tokenizer_files import qwen_tokenizer_dir
 from atlas_vlm.models.qwen3_vl.mrope import get_rope_index_qwen3_vl
 from helpers import IMAGES, VIDEO_PAD_ID
 from atlas_vlm.models.qwen3_vl.vision import QWEN3_VL_CHAT_TEMPLATE, QWEN3_VL_IMAGE_MEAN, QWEN3_VL_IMAGE_STD
@@ -45,7 +46,7 @@ CONVERSATIONS = {
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(mtp.qwen_tokenizer_dir())
+    return AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
 
 
 def media(messages, qwen3: bool):
