@@ -29,9 +29,10 @@ Adding a family = one folder + one ``ModelFamily`` line in ``FAMILIES`` + its te
   tower code picks its HF class from the vision config.
 
 The line's fields name code as ``"module:attr"`` strings, imported on demand
-(``import_named``): this module imports nothing from the rest of ``atlas_vlm`` at import time,
-so ``arch.py``, ``loader.py``, ``param_count.py`` and ``mm_token_pipeline`` can all read it
-without import circles (``tests/test_import_graph.py``).
+(``import_named``), so naming a family loads none of its code. ``tests/test_import_graph.py``
+counts these strings as imports: the registry sits above the family folders it names, and a
+family module never imports the registry or what reads it (``arch``'s ``from_hf_config``,
+``param_count``, ``processor_settings``); ``loader``, ``memory_plan`` and the engine read it.
 """
 
 from __future__ import annotations
