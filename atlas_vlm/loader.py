@@ -240,7 +240,7 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
     # transformers 4.57.3-4.57.x flags every local tokenizer saved by those versions as a
     # Mistral one with a bad regex (a false positive); saying False keeps it as it is, quietly.
     tokenizer = AutoTokenizer.from_pretrained(path, fix_mistral_regex=False)
-    from mm_token_pipeline import image_processor_settings
+    from atlas_vlm.models.processor_settings import image_processor_settings
 
     settings = image_processor_settings(path, hf_config) if family.multimodal else None
     visual = visual if family.multimodal else None  # a family registered text-only has no tower to take them
@@ -259,7 +259,7 @@ def _load_gguf_pair(path: Path, mmproj: Path, dtype, device, quantization: str |
     folder = gguf_pair_folder(path, mmproj, dense=quantization is None)
     if quantization is None:
         return load_model(folder, dtype=dtype, device=device)
-    from mm_token_pipeline import image_processor_settings
+    from atlas_vlm.models.processor_settings import image_processor_settings
     from atlas_vlm.quantization.gguf import load_gguf_quantized
 
     loaded = load_gguf_quantized(path, dtype=dtype, device=device, meta_folder=folder)

@@ -223,7 +223,7 @@ class PlanOptions:
         gpu_memory: bytes of the device; ``gpu_memory_utilization``: the engine's fraction of it.
         max_model_len: L; ``None``: ``min(max_position_embeddings, 4096)`` as the engine.
         max_pixels: the one image's bound; ``None``: the checkpoint's, as the engine takes it
-            (``image_settings``, i.e. ``mm_token_pipeline.image_processor_settings`` of the
+            (``image_settings``, i.e. ``models.processor_settings.image_processor_settings`` of the
             folder; the family's released defaults when that is None too).
         dtype: a key of ``DTYPE_BYTES``; ``block_size``: the engine's ``kvcache_block_size``.
         quantization: None (dense) or "int8" / "int4" / "awq" / "gptq": the decoder's
@@ -282,7 +282,7 @@ def plan(hf_config, options: PlanOptions | None = None, **overrides) -> MemoryPl
     vis = vision_params(hf_config) * b
     source = f"max_pixels={max_pixels:,}" if max_pixels is not None else ""
     if vis and max_pixels is None:
-        from mm_token_pipeline import image_processor_settings
+        from atlas_vlm.models.processor_settings import image_processor_settings
 
         image_settings = image_settings or image_processor_settings(None, hf_config)
         max_pixels, source = image_settings.max_pixels, image_settings.source

@@ -64,7 +64,7 @@ def _checkpoint(name: str, out: Path) -> None:
     """Random bf16 weights (seed 0) with ``name``'s shapes and the Qwen2.5 tokenizer, saved."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mm_token_pipeline import qwen_tokenizer_dir
+    from atlas_vlm.models.qwen2_vl.tokenizer_files import qwen_tokenizer_dir
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(text_config(name), dtype=torch.bfloat16)

@@ -28,7 +28,7 @@ def build(folder: Path) -> None:
     import torch
     from transformers import AutoTokenizer, Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    from mm_token_pipeline import qwen_tokenizer_dir
+    from atlas_vlm.models.qwen2_vl.tokenizer_files import qwen_tokenizer_dir
     from atlas_vlm.models.qwen3_vl.vision import QWEN3_VL_CHAT_TEMPLATE
 
     text = dict(vocab_size=151936, hidden_size=256, intermediate_size=896, num_hidden_layers=8,

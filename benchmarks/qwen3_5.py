@@ -52,7 +52,7 @@ def build(folder: Path, dtype: torch.dtype):
     model in ``dtype`` (eval)."""
     from transformers import AutoTokenizer, Qwen3_5ForCausalLM
 
-    from mm_token_pipeline import qwen_tokenizer_dir
+    from atlas_vlm.models.qwen2_vl.tokenizer_files import qwen_tokenizer_dir
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

@@ -4,8 +4,8 @@ Layout: ``<root>/<fingerprint>/<block hash hex>.kvb``, one file per block, holdi
 block's K and V for every layer; a hybrid model's state snapshot at that block's end (conv +
 recurrent state of every linear-attention layer, ``state_snapshots.py``) goes beside it as
 ``<block hash hex>.kvs`` (``save_snapshot`` / ``load_snapshot``: same header, checksum,
-atomic write, byte cap and LRU as a block). ``fingerprint`` (``atlas_vlm.worker.kv_fingerprint``) hashes
-everything that changes K/V (weights identity, dtypes, shapes, RoPE, ...), so a directory
+atomic write, byte cap and LRU as a block). ``fingerprint`` (``atlas_vlm.worker.kv_tier_builder``)
+hashes everything that changes K/V (weights identity, dtypes, shapes, RoPE, ...), so a directory
 shared by several models or settings never serves one model's K/V to another.
 
 File: ``MAGIC``, a 4-byte little-endian header length, a JSON header (format version,
@@ -13,13 +13,14 @@ fingerprint, block hash, shape, dtype, blake2b of the payload), then the payload
 raw bytes). A file that is truncated, corrupt or from another fingerprint / shape is a miss:
 it is deleted and the first such case is logged (once per tier).
 
-Writes are atomic (a temporary name in the same folder, fsync, ``os.replace``), so processes
-sharing the folder never read a half-written block; a temporary file left by a writer that
-died is deleted by the next tier opened on the folder once it is an hour old. The tier holds at most ``max_bytes``
-(summed over every fingerprint folder of ``root``): past it the least recently used files
-(by mtime, which a hit refreshes) are deleted, down to ``EVICT_TO`` of the cap. An ``OSError`` while creating the folder or
-writing (read-only folder, full disk) turns writing off with one warning; reads go on and no
-request fails.
+Writes are atomic (``atomic_files.write_atomic``: a locked temporary ``.tmp-*.part`` in the same
+folder, fsync, ``os.replace``), so processes sharing the folder never read a half-written block;
+the temporaries a killed writer left (SIGKILL mid-write) are deleted when a tier opens ``root``
+(their lock is free; a live writer's is held). The tier holds at most ``max_bytes`` (summed over
+every fingerprint folder of ``root``): past it the least recently used files (by mtime, which a
+hit refreshes) are deleted, down to ``EVICT_TO`` of the cap. An ``OSError`` while creating the
+folder or writing (read-only folder, full disk) turns writing off with one warning; reads go on
+and no request fails.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ import logging
 import math
 import os
 import struct
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from mm_kv_cache_management.atomic_files import remove_dead_temporaries, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ SNAPSHOT_SUFFIX = ".kvs"  # a hybrid model's state snapshot at the end of the bl
 SUFFIXES = (SUFFIX, SNAPSHOT_SUFFIX)
 EVICT_TO = 0.9  # eviction goes down to this fraction of max_bytes
 TMP_PREFIX = ".tmp-"  # files being written (then renamed to <hash>.kvb)
-STALE_TMP_S = 3600  # a temporary file this old (seconds) was left by a writer that died
+STALE_TMP_S = 3600  # without file locks (not POSIX): a temporary this old (seconds) was left by a dead writer
 
 
 class DiskKVTier:
@@ -103,15 +105,12 @@ class DiskKVTier:
         self._total = sum(size for size, _ in index.values())
 
     def _remove_stale_temporaries(self) -> None:
-        """Delete temporary files left by a writer that died mid-write (older than
-        ``STALE_TMP_S``; a younger one may belong to a live process)."""
-        cutoff = time.time() - STALE_TMP_S
-        for path in self.dir.glob(TMP_PREFIX + "*") if self.dir.is_dir() else ():
-            try:
-                if path.stat().st_mtime < cutoff:
-                    path.unlink()
-            except OSError:
-                continue
+        """Delete the temporaries a writer that died left in any fingerprint folder of ``root``
+        (``atomic_files.remove_dead_temporaries``: lock free, so no live process writes them)."""
+        folders = [p for p in self.root.iterdir() if p.is_dir()] if self.root.is_dir() else []
+        removed = remove_dead_temporaries(folders, TMP_PREFIX, STALE_TMP_S)
+        if removed:
+            log.info("disk KV tier: removed %d temporary file(s) a killed writer left under %s", removed, self.root)
 
     def _forget(self, path: Path) -> None:
         size, _ = self._index.pop(path, (0, 0))
@@ -173,20 +172,10 @@ class DiskKVTier:
             "shape": shape_meta, "dtype": str(tensors[0].dtype).removeprefix("torch."),
             "blake2b": hashlib.blake2b(payload).hexdigest(),
         }).encode()
-        tmp = None
         try:
-            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=TMP_PREFIX, suffix=suffix + ".part")
-            with os.fdopen(fd, "wb") as f:
-                f.write(MAGIC + struct.pack("<I", len(header)) + header + payload)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
+            if not write_atomic(target, MAGIC + struct.pack("<I", len(header)) + header + payload, TMP_PREFIX):
+                return False  # our temporary was taken for a dead writer's: not written, nothing lost
         except OSError as e:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
             self._disable_writes(e)
             return False
         self._forget(target)  # (a file another process wrote since the last scan)

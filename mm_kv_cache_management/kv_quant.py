@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-# the stored format: a disk-tier file written under another one must not be read (worker/kv_fingerprint.py)
+# the stored format: a disk-tier file written under another one must not be read (worker/kv_tier_builder.py)
 KV_FORMAT = "per_token_head_fp16_scale+hadamard_v1"
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # "auto": the model's dtype, no scales
 QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}

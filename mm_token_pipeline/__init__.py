@@ -7,18 +7,18 @@ with ``min_pixels``/``max_pixels``, patchify with HF ``Qwen2VLImageProcessor``
 (``preprocess_image``), placeholder expansion and prompt ids (``build_prompt_ids``), M-RoPE
 positions (``get_rope_index``): the stages every family shares. Imports only torch, Pillow,
 numpy, transformers, qwen-vl-utils, PyAV (``av``, on first video use) and the standard
-library; never ``atlas_vlm`` or ``mm_kv_cache_management`` at import time. Each family's own
-code (its vision tower, prompt rules, media inputs) lives in its folder under
-``atlas_vlm/models/`` (see ``atlas_vlm.models.registry``); ``mm_token_pipeline.VisionEncoder``
-(the Qwen2-VL / Qwen2.5-VL tower, ``atlas_vlm.models.qwen2_vl.vision``) is still importable
-from here, on first use.
+library; never ``atlas_vlm`` or ``mm_kv_cache_management`` (``tests/test_import_graph.py``).
+Each family's own code (its vision tower, prompt rules, media inputs, image-processor
+settings) lives in its folder under ``atlas_vlm/models/`` (see ``atlas_vlm.models.registry``):
+the Qwen2-VL / Qwen2.5-VL tower is ``atlas_vlm.models.qwen2_vl.vision.VisionEncoder``.
 
 Data path of one request (shapes for the default geometry: patch 14 px, merge 2)::
 
     from transformers import AutoTokenizer
     import mm_token_pipeline as mtp
+    from atlas_vlm.models.qwen2_vl.tokenizer_files import qwen_tokenizer_dir
 
-    tok = AutoTokenizer.from_pretrained(mtp.qwen_tokenizer_dir())
+    tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
     messages = [{"role": "user", "content": [
         {"type": "image", "image": "tests/data/images/chelsea.png"},
         {"type": "text", "text": "Describe this image."}]}]
@@ -28,8 +28,8 @@ Data path of one request (shapes for the default geometry: patch 14 px, merge 2)
     positions, rope_delta = mtp.get_rope_index(
         ids, [p.grid_thw for p in processed],
         image_token_id=151655, vision_start_token_id=151652)                 # [3, N], int
-    encoder = mtp.VisionEncoder.from_state_dict(vision_config, visual_state_dict,
-                                                dtype=torch.float32, device="cpu")
+    encoder = VisionEncoder.from_state_dict(vision_config, visual_state_dict,   # models.qwen2_vl.vision
+                                            dtype=torch.float32, device="cpu")
     embeds = encoder.encode(processed)                # [num_tokens_i, out_hidden] each
     next_pos = mtp.decode_position(len(ids), rope_delta)     # position of the first new token
 
@@ -42,7 +42,8 @@ with HF's video processor into a ``ProcessedVideo`` (``pixel_values``, ``grid_th
 it takes images; ``build_prompt_ids`` expands ``<|video_pad|>`` (``extract_mm_items`` lists
 images and videos in prompt order; ``video_timestamps=True`` for Qwen3-VL);
 ``get_rope_index(..., video_token_id, video_grid_thw, second_per_grid_ts, tokens_per_second)``
-and ``get_rope_index_qwen3_vl`` give the positions. Bad input raises ``VideoInputError``.
+gives the positions (Qwen3-VL's: ``atlas_vlm.models.qwen3_vl.mrope.get_rope_index_qwen3_vl``).
+Bad input raises ``VideoInputError``.
 
 Other families live in their own folders: ``atlas_vlm.models.qwen3_vl`` (patch 16, DeepStack
 tower, chat template) and ``atlas_vlm.models.smolvlm`` (prompt and tiles from the HF
@@ -58,12 +59,12 @@ from .fetch_policy import DEFAULT_VIDEO_MAX_BYTES, MediaFetchPolicy, MediaRefuse
 from .http_fetch import DownloadError, fetch_url
 from .image_io import (DEFAULT_HTTP_MAX_BYTES, DEFAULT_HTTP_TIMEOUT_S, DEFAULT_MAX_IMAGE_PIXELS, ImageInputError,
                        load_image, to_rgb)
-from .mrope import decode_position, get_rope_index, get_rope_index_qwen3_vl
+from .mrope import decode_position, get_rope_index
 from .options import MultiModalOptions
 from .processor import ProcessedImage, preprocess_image
 from .prompt import (QWEN2_5_VL_CHAT_TEMPLATE, build_prompt_ids, expand_image_pads, extract_image_items, extract_images,
-                     extract_mm_items, qwen_tokenizer_dir)
-from .processor_config import ImageProcessorSettings, image_processor_settings
+                     extract_mm_items)
+from .processor_config import ImageProcessorSettings
 from .resize import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, MAX_ASPECT_RATIO, smart_resize
 from .video_io import (VideoFrameBounds, VideoFrames, VideoInputError, VideoProbe, load_video, probe_video,
                        sample_frame_indices, video_frame_bounds, video_resized_size)
@@ -87,7 +88,6 @@ __all__ = [
     "DEFAULT_MIN_PIXELS",
     "DEFAULT_MAX_PIXELS",
     "ImageProcessorSettings",
-    "image_processor_settings",
     "ProcessedImage",
     "preprocess_image",
     "expand_image_pads",
@@ -95,12 +95,9 @@ __all__ = [
     "extract_images",
     "extract_image_items",
     "extract_mm_items",
-    "qwen_tokenizer_dir",
     "QWEN2_5_VL_CHAT_TEMPLATE",
     "get_rope_index",
-    "get_rope_index_qwen3_vl",
     "decode_position",
-    "VisionEncoder",
     "VideoInputError",
     "VideoProbe",
     "VideoFrames",
@@ -113,14 +110,3 @@ __all__ = [
     "ProcessedVideo",
     "preprocess_video",
 ]
-
-
-def __getattr__(name: str):
-    """``VisionEncoder``, imported on first use (PEP 562): the Qwen2-VL / Qwen2.5-VL tower now
-    lives in ``atlas_vlm.models.qwen2_vl.vision``, and this package imports no ``atlas_vlm``
-    module at import time."""
-    if name == "VisionEncoder":
-        from atlas_vlm.models.qwen2_vl.vision import VisionEncoder
-
-        return VisionEncoder
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

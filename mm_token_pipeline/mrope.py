@@ -1,4 +1,5 @@
-"""M-RoPE positions of one request: ``get_rope_index``, ``get_rope_index_qwen3_vl``, ``decode_position``.
+"""M-RoPE positions of one request: ``get_rope_index``, ``decode_position`` (Qwen3-VL's variant,
+``get_rope_index_qwen3_vl``, lives in its family folder: ``atlas_vlm.models.qwen3_vl.mrope``).
 
 Scope: the 3-axis (temporal, height, width) rotary positions of Qwen2-VL, Qwen2.5-VL and
 Qwen3-VL decoders for ONE request (no batch, no padding), images and videos. The rule is HF
@@ -25,10 +26,12 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["get_rope_index", "get_rope_index_qwen3_vl", "decode_position"]
+__all__ = ["get_rope_index", "decode_position", "grid_rows", "run_positions"]
 
 
-def _grids(value, name: str) -> list[tuple[int, int, int]]:
+def grid_rows(value, name: str) -> list[tuple[int, int, int]]:
+    """``(t, h, w)`` grids as int tuples (None: none). Raises ValueError naming ``name`` for a
+    row that is not three values >= 1."""
     if value is None:
         return []
     rows = value.tolist() if isinstance(value, torch.Tensor) else list(value)
@@ -38,9 +41,12 @@ def _grids(value, name: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def _positions(input_ids, kinds: dict[int, str], grids: dict[str, list], intervals: list,
+def run_positions(input_ids, kinds: dict[int, str], grids: dict[str, list], intervals: list,
                merge: int, vision_start_token_id: int) -> tuple[torch.Tensor, int]:
-    """Positions ``[3, N]`` and rope_delta; ``intervals`` holds one float32 tensor (or 1) per video grid."""
+    """Positions ``[3, N]`` and rope_delta of ``input_ids`` whose vision runs (token id -> kind in
+    ``kinds``) take ``grids[kind]`` in order (the module docstring's rule); ``intervals`` holds
+    one float32 tensor (or 1) per video grid. A family's own position rule (Qwen3-VL's per-frame
+    video grids: ``atlas_vlm.models.qwen3_vl.mrope``) builds on it."""
     ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else [int(x) for x in input_ids]
     n = len(ids)
     if n == 0:
@@ -116,7 +122,7 @@ def get_rope_index(
             differs from its grid, a different number of runs and grids (per modality), video
             grids without ``video_token_id``, or a ``second_per_grid_ts`` count mismatch.
     """
-    videos = _grids(video_grid_thw, "video_grid_thw")
+    videos = grid_rows(video_grid_thw, "video_grid_thw")
     if videos and video_token_id is None:
         raise ValueError("video_grid_thw given without video_token_id")
     intervals: list = [1] * len(videos)
@@ -129,33 +135,9 @@ def get_rope_index(
     kinds = {image_token_id: "image"}
     if video_token_id is not None:
         kinds[video_token_id] = "video"
-    return _positions(input_ids, kinds, {"image": _grids(image_grid_thw, "image_grid_thw"), "video": videos}, intervals,
-                      spatial_merge_size, vision_start_token_id)
-
-
-def get_rope_index_qwen3_vl(
-    input_ids: Sequence[int] | torch.Tensor,
-    image_grid_thw: Sequence[Sequence[int]] | torch.Tensor | None = None,
-    video_grid_thw: Sequence[Sequence[int]] | torch.Tensor | None = None,
-    *,
-    spatial_merge_size: int = 2,
-    image_token_id: int,
-    video_token_id: int,
-    vision_start_token_id: int,
-) -> tuple[torch.Tensor, int]:
-    """Qwen3-VL's M-RoPE positions ``[3, N]`` and ``rope_delta`` (HF ``Qwen3VLModel.get_rope_index``).
-
-    Each video grid ``(t, h, w)`` becomes ``t`` grids ``(1, h, w)``, one per timestamped run
-    ``<t seconds><|vision_start|>pads<|vision_end|>`` of ``build_prompt_ids(...,
-    video_timestamps=True)``; the timestamp text is ordinary text. Images as :func:`get_rope_index`.
-
-    Raises:
-        ValueError: as :func:`get_rope_index`; grid counts are per frame for videos.
-    """
-    frames = [(1, h, w) for t, h, w in _grids(video_grid_thw, "video_grid_thw") for _ in range(t)]
-    return _positions(input_ids, {image_token_id: "image", video_token_id: "video"},
-                      {"image": _grids(image_grid_thw, "image_grid_thw"), "video": frames}, [1] * len(frames),
-                      spatial_merge_size, vision_start_token_id)
+    images = grid_rows(image_grid_thw, "image_grid_thw")
+    return run_positions(input_ids, kinds, {"image": images, "video": videos}, intervals,
+                         spatial_merge_size, vision_start_token_id)
 
 
 def decode_position(context_len: int, rope_delta: int) -> int:

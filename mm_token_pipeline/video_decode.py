@@ -57,14 +57,15 @@ def _av():
 
 
 @dataclass
-class _Index:
+class FrameIndex:
     """Presentation-order timestamps of a stream's frames and where its keyframes are."""
 
     pts: np.ndarray  # [N] int64, sorted
     keyframes: list[int] = field(default_factory=list)  # frame indices, sorted
 
 
-def _open(name: str, payload):
+def open_container(name: str, payload):
+    """``av.open`` of a path or bytes (``name`` labels errors); raises ``VideoInputError``."""
     av = _av()
     try:
         container = av.open(io.BytesIO(payload) if isinstance(payload, bytes) else payload, mode="r")
@@ -79,7 +80,7 @@ def _open(name: str, payload):
     return container
 
 
-def _build_index(name: str, container, stream) -> _Index:
+def build_frame_index(name: str, container, stream) -> FrameIndex:
     """One demux pass: packet timestamps and keyframe flags, no decoding (8 bytes a frame)."""
     av = _av()
     pts, key_pts = array("q"), array("q")
@@ -101,7 +102,7 @@ def _build_index(name: str, container, stream) -> _Index:
     keys = sorted(int(i) for i in np.searchsorted(order, np.frombuffer(key_pts, dtype=np.int64)))
     if not keys or keys[0] != 0:
         keys.insert(0, 0)  # decoding from the first frame always works
-    return _Index(pts=order, keyframes=keys)
+    return FrameIndex(pts=order, keyframes=keys)
 
 
 def _declared_duration_s(container, stream) -> float | None:
@@ -126,7 +127,8 @@ def _declared_duration_s(container, stream) -> float | None:
     return None
 
 
-def _probe(name: str, container, stream, index: _Index) -> VideoProbe:
+def probe_stream(name: str, container, stream, index: FrameIndex) -> VideoProbe:
+    """The stream's frame count, fps and duration (``VideoProbe``) from its index."""
     total = int(len(index.pts))
     declared_s = _declared_duration_s(container, stream)
     if total == 0:
@@ -173,7 +175,7 @@ def _decode_packet(packet):
     return packet.decode()
 
 
-def _decode_frames(name: str, container, stream, index: _Index, wanted: Sequence[int],
+def decode_frames(name: str, container, stream, index: FrameIndex, wanted: Sequence[int],
                    keep: Callable[[int, np.ndarray], None] | None = None):
     """Decode the ``wanted`` frame indices (sorted, unique), seeking between keyframes.
 

@@ -49,7 +49,8 @@ import torch
 from qwen_vl_utils import vision_process as _qvu
 
 from .image_io import ImageInputError, load_image
-from .video_decode import VideoProbe, _build_index, _decode_frames, _open, _probe
+from .video_decode import VideoProbe, build_frame_index, open_container, probe_stream
+from .video_decode import decode_frames as _decode_frames  # the name tests replace
 from .video_sampling import (DEFAULT_SAMPLE_FPS, FPS, FPS_MAX_FRAMES, FPS_MIN_FRAMES, FRAME_FACTOR,
                              VIDEO_MAX_TOKEN_NUM, VIDEO_MIN_TOKEN_NUM, SampledFrames, VideoFrameBounds,
                              VideoInputError, _check_options, _check_real, sample_frame_indices,
@@ -148,7 +149,7 @@ class VideoFrames:
                     total_num_frames=self.sampling.window_frames, video_backend="pyav")
 
 
-def _read_source(source, fetch: Callable[[str], bytes] | None):
+def read_video_source(source, fetch: Callable[[str], bytes] | None):
     """Return ``(name, path_or_bytes)`` for a single video source; raises VideoInputError."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
@@ -248,11 +249,11 @@ def probe_video(source, *, fetch: Callable[[str], bytes] | None = None) -> Video
             (MP4), or, where no count is declared (WebM / Matroska), frames that stop more
             than two frames plus 50 ms short of the stated duration.
     """
-    name, payload = _read_source(source, fetch)
-    container = _open(name, payload)
+    name, payload = read_video_source(source, fetch)
+    container = open_container(name, payload)
     try:
         stream = container.streams.video[0]
-        return _probe(name, container, stream, _build_index(name, container, stream))
+        return probe_stream(name, container, stream, build_frame_index(name, container, stream))
     finally:
         container.close()
 
@@ -303,16 +304,16 @@ def load_video(
                    video_start=video_start, video_end=video_end)
     if isinstance(source, (list, tuple)):
         return _frames_from_list(source, sample_fps, options)
-    name, payload = _read_source(source, fetch)
+    name, payload = read_video_source(source, fetch)
     if sample_fps is not None:
         raise VideoInputError(name, f"option sample_fps={sample_fps!r} applies to a list of frames; for a video "
                                     "file give fps or nframes")
     _check_options(name, fps, nframes, min_frames, max_frames, video_start, video_end)  # before any I/O
-    container = _open(name, payload)
+    container = open_container(name, payload)
     try:
         stream = container.streams.video[0]
-        index = _build_index(name, container, stream)
-        probe = _probe(name, container, stream, index)
+        index = build_frame_index(name, container, stream)
+        probe = probe_stream(name, container, stream, index)
         sampling = sample_frame_indices(probe.total_frames, probe.fps, source=name, **options)
         if before_decode is not None:
             before_decode(probe, sampling)

@@ -140,7 +140,7 @@ def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
     the toy and the planner read and HF's Llama ignores."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from mm_token_pipeline import qwen_tokenizer_dir
+    from atlas_vlm.models.qwen2_vl.tokenizer_files import qwen_tokenizer_dir
     from tiny_vlms import QWEN_VOCAB
 
     torch.manual_seed(seed)

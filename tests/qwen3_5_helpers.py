@@ -63,7 +63,7 @@ def build_tiny_qwen3_5(out_dir: Path, seed: int = 0, mtp: dict[str, torch.Tensor
     HF model (eval)."""
     from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
-    from mm_token_pipeline import qwen_tokenizer_dir
+    from atlas_vlm.models.qwen2_vl.tokenizer_files import qwen_tokenizer_dir
     from atlas_vlm.models.qwen3_vl.vision import QWEN3_VL_CHAT_TEMPLATE
 
     torch.manual_seed(seed)

@@ -35,7 +35,7 @@ def build_tiny_qwen3_vl(out_dir: Path, seed: int = 0):
     """Save a random tiny Qwen3-VL (``Qwen3VLForConditionalGeneration``) + tokenizer; return the HF model."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    from mm_token_pipeline import qwen_tokenizer_dir
+    from atlas_vlm.models.qwen2_vl.tokenizer_files import qwen_tokenizer_dir
     from atlas_vlm.models.qwen3_vl.vision import QWEN3_VL_CHAT_TEMPLATE
 
     torch.manual_seed(seed)
@@ -68,7 +68,7 @@ def smolvlm_tokenizer():
     """The Qwen2.5 tokenizer plus SmolVLM's special tokens (``<fake_token_around_image>``,
     ``<image>``, ``<global-img>``, ``<end_of_utterance>``, ``<row_i_col_j>`` for i, j <= 6),
     with ``<end_of_utterance>`` as EOS as in SmolVLM2. Ids 151665.. stay under the vocab."""
-    from mm_token_pipeline import qwen_tokenizer_dir
+    from atlas_vlm.models.qwen2_vl.tokenizer_files import qwen_tokenizer_dir
 
     tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
     extra = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]

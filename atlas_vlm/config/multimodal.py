@@ -28,7 +28,7 @@ class MultiModalConfig:
     """
 
     # per-image area bounds after smart_resize (pixels); None: the checkpoint's own
-    # (preprocessor_config.json, mm_token_pipeline.image_processor_settings)
+    # (preprocessor_config.json, models.processor_settings.image_processor_settings)
     min_pixels: int | None = None
     max_pixels: int | None = None
     limit_request_pixels: bool = False  # requests may lower max_pixels, never raise it (the server sets this)

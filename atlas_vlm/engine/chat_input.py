@@ -9,7 +9,7 @@ The chat prompt dict (the one interface ``LLM.chat``, the server and ``LLM.gener
      "chat_template_kwargs": None,          # extra variables for the template
      "mm_options": None,                    # MultiModalOptions | dict | None
      "tools": None}                         # OpenAI tools, rendered by the template (else
-                                            # by engine/tool_prompt.py's system prompt)
+                                            # by inputs/tool_prompt.py's system prompt)
 
 Rules (vLLM ``vllm/entrypoints/chat_utils.py`` and transformers ``apply_chat_template``):
 text-only templates get the "string" content format (text parts joined with ``"\\n"``,
@@ -20,7 +20,7 @@ refuses it too). Every key, role, content type and option is checked; none is ig
 
 from __future__ import annotations
 
-from atlas_vlm.engine.tool_prompt import render_with_tools
+from atlas_vlm.inputs.tool_prompt import render_with_tools
 from mm_token_pipeline import MultiModalOptions
 from mm_token_pipeline.messages import check_messages, content_type, to_string_content
 
@@ -97,7 +97,7 @@ class ChatInput:
         config: ``EngineConfig`` (its ``multimodal_config``: ``min_pixels``/``max_pixels`` over
             the checkpoint's, ``limit_request_pixels``, the media fetch policy).
         hf_config: the model's transformers config; its ``ModelFamily.mm_inputs`` handles
-            the media (``engine.mm_inputs.MediaInputs``, one subclass per family folder), text models take none.
+            the media (``inputs.media.MediaInputs``, one subclass per family folder), text models take none.
         image_settings: the checkpoint's ``ImageProcessorSettings`` (its
             ``preprocessor_config.json``; ``LoadedModel.image_settings``), None for text models
             (read from ``hf_config`` alone, i.e. the released defaults, when not given).
@@ -109,7 +109,7 @@ class ChatInput:
 
     def __init__(self, tokenizer, config, hf_config, image_settings=None, max_model_len: int | None = None):
         from atlas_vlm.models.registry import import_named, resolve_family
-        from mm_token_pipeline import image_processor_settings
+        from atlas_vlm.models.processor_settings import image_processor_settings
 
         self.tokenizer = tokenizer
         self.config = config

@@ -21,7 +21,7 @@ from atlas_vlm.engine.input_processor import InputProcessor, ProcessedPrompt, Re
 from atlas_vlm.engine.output_processor import OutputProcessor
 from atlas_vlm.engine.request_stream import EngineStats
 from atlas_vlm.loader import eos_token_ids, load_model
-from atlas_vlm.worker.kv_fingerprint import build_kv_tier
+from atlas_vlm.worker.kv_tier_builder import build_kv_tier
 from atlas_vlm.outputs import RequestOutput
 from atlas_vlm.pooling_params import PoolingParams
 from atlas_vlm.request import Request

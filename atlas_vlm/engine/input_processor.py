@@ -19,14 +19,11 @@ import torch
 
 from atlas_vlm.engine.chat_input import ChatInput
 from atlas_vlm.engine.token_ids import as_token_ids, is_token_id_sequence
+from atlas_vlm.inputs.media import RequestTooLongError
 from atlas_vlm.request import Request
 from atlas_vlm.pooling_params import PoolingParams
 from atlas_vlm.sampling_params import RequestOutputKind, SamplingParams
 from mm_kv_cache_management import PlaceholderRange, media_items
-
-
-class RequestTooLongError(ValueError):
-    """A request can never fit: over ``max_model_len`` or over the whole KV capacity."""
 
 
 @dataclass

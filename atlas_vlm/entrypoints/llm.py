@@ -229,7 +229,7 @@ class LLM:
             tools: OpenAI tool definitions (``{"type": "function", "function": {"name",
                 "description", "parameters"}}``), rendered by the model's chat template (one
                 that ignores them gets Qwen2.5's ``# Tools`` block in the system message:
-                ``atlas_vlm/engine/tool_prompt.py``).
+                ``atlas_vlm/inputs/tool_prompt.py``).
             tool_choice: "auto" (the model decides), "none" (no parsing), "required" or
                 ``{"type": "function", "function": {"name": N}}``: the output is forced by a
                 grammar into calls whose arguments follow the parameters schema, in the tool

@@ -59,7 +59,7 @@ def plan_model(model: str, args, **overrides) -> MemoryPlan:
     folder's processor settings unless ``--max-pixels`` is given (as the engine). Where that
     checkpoint bound is more visual tokens than L, the plan is made at the largest usable
     image (``MemoryPlan.usable_max_pixels``) and ``note`` says so (no ``--max-pixels`` given)."""
-    from mm_token_pipeline import image_processor_settings
+    from atlas_vlm.models.processor_settings import image_processor_settings
 
     cfg, folder = load_config(model, getattr(args, "revision", None))
     kwargs = dict(model=model, gpu_memory=args.gpu_memory, gpu_memory_utilization=args.gpu_memory_utilization,

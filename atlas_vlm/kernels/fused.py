@@ -10,7 +10,9 @@ job on GPUs):
 - :func:`rms_norm`: RMSNorm, optionally after adding the residual (``fused_add_rms_norm``);
 - :func:`silu_and_mul`: SwiGLU's ``silu(gate) * up`` over the fused ``gate_up`` output;
 - :func:`rope_write_kv`: split ``qkv``, Qwen3's q/k RMSNorm, RoPE on q and k, K and V
-  written to their cache slots, q returned.
+  written to their cache slots, q returned (its reference rotates with :func:`apply_rotary`,
+  HF's ``rotate_half`` RoPE in PyTorch, which ``layers.rotary`` re-exports for the decoders:
+  it lives here so the kernels import nothing from ``layers/``).
 
 Each rounds to the tensor dtype where the reference does, so fp32 differs only in reduction
 order (the norms sum squares in fp64) and bf16 by at most an ulp where a sum lands on a
@@ -30,7 +32,6 @@ import torch
 import torch.nn.functional as F
 
 from atlas_vlm.kernels import cbuild, decode_kernel
-from atlas_vlm.layers.rotary import apply_rotary
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_ops.c"
 MAX_NORM_DIM, MAX_HEAD_DIM = 16384, 1024  # as the C source (MAX_ROW: a norm's or SwiGLU's row)
@@ -129,6 +130,18 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 # ---- RoPE + K/V write ----------------------------------------------------------------------------
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[num_tokens, heads, head_dim]`` by cos/sin ``[num_tokens, rotary_dim]`` (HF rotate_half
+    form). Partial rotary (``rotary_dim < head_dim``, Qwen3.5): the first ``rotary_dim`` channels
+    rotate, the rest pass through (HF ``apply_rotary_pos_emb`` of Qwen3.5)."""
+    if cos.shape[-1] < x.shape[-1]:
+        rot, rest = x[..., :cos.shape[-1]], x[..., cos.shape[-1]:]
+        return torch.cat((apply_rotary(rot, cos, sin), rest), dim=-1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
 
 class _ScratchKV:
     """One layer of ``t`` K/V rows in ``like``'s dtype, shaped as a cache of one-token blocks

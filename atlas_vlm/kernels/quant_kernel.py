@@ -23,6 +23,7 @@ import ctypes
 import functools
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -32,6 +33,22 @@ from atlas_vlm.kernels import cbuild
 SOURCE = Path(__file__).with_name("csrc") / "quant_gemm.c"
 TILE = 16  # output rows per tile, as the C source
 QBLOCK = 32  # activation values per int8 block, as the C source
+
+
+class KernelTensors(NamedTuple):
+    """A quantized linear as the C kernels read it (a quantized linear's ``kernel_tensors()``,
+    ``layers.quant_linear``): tiled ``qweight``, ``scales`` (fp16 or fp32), ``mins`` (None:
+    symmetric), the fp32 ``bias`` (or None), ``out_features`` N, ``in_features`` K,
+    ``group_size`` and whether it is int4."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    bias: torch.Tensor | None
+    out_features: int
+    in_features: int
+    group_size: int
+    int4: bool
 
 
 def compile_flags(cpu: hardware.CpuFeatures | None = None, int8_dot: bool = True) -> list[str]:

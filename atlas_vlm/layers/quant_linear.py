@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atlas_vlm.kernels import quant_kernel
-from atlas_vlm.kernels.quant_kernel import dense_workspace
+from atlas_vlm.kernels.quant_kernel import KernelTensors, dense_workspace
 from atlas_vlm.layers.quant_format import (DEFAULT_INT4_GROUP_SIZE, TILE, fp16_exact, from_tiles,  # noqa: F401
                                            int4_group_size, num_tiles, pack_int4_row, quantize_activations,
                                            quantize_int4_rtn, quantize_int8_rtn, row_index, row_view, to_tiles,
@@ -115,6 +115,15 @@ class _QuantLinear(nn.Module):
 
     def _mins(self) -> torch.Tensor | None:
         return None
+
+    def kernel_tensors(self) -> KernelTensors | None:
+        """The tensors the C kernels read (``kernels.decode_step``'s one-call step), or None
+        when this linear is not on the kernel path (``finalize`` with ``use_kernel`` off or
+        sizes the kernels do not take)."""
+        if not self.use_kernel:
+            return None
+        return KernelTensors(self.qweight, self.scales, self._mins(), self._bias_f32, self.out_features,
+                             self.in_features, self.group_size, isinstance(self, Int4Linear))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -1,7 +1,8 @@
 """Rotary position embeddings: plain RoPE (Llama, Qwen2), Qwen2.5-VL's M-RoPE,
 Qwen3-VL's interleaved M-RoPE and partial rotary (Qwen3.5: ``partial_rotary_factor``).
 
-The RoPE settings come from ``models.arch.rope_parameters`` (either config layout). Plain
+The RoPE settings come from ``rope_parameters`` (here: either config layout, read for the
+layers and for ``models.arch.ModelArch``). Plain
 RoPE's inverse frequencies are HF's ``compute_default_rope_parameters``
 (``1 / theta ** (arange(0, dim, 2) / dim)``); scaled variants (llama3, linear, dynamic, yarn,
 ...) come from transformers' ``ROPE_INIT_FUNCTIONS``, so they follow HF exactly. M-RoPE (Qwen2-VL paper,
@@ -19,7 +20,47 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from atlas_vlm.models.arch import rope_parameters
+from atlas_vlm.kernels.fused import apply_rotary
+
+__all__ = ["RotaryEmbedding", "apply_rotary", "rope_parameters"]
+
+
+def rope_parameters(hf_config) -> dict:
+    """The RoPE settings of a (text) config as one dict, whichever layout wrote it.
+
+    transformers >= 5 writes ``rope_parameters`` (``rope_theta``, ``rope_type``,
+    ``mrope_section``, scaling fields); 4.x wrote ``rope_scaling`` (``type`` / ``rope_type``,
+    ``mrope_section``, scaling fields) beside a top-level ``rope_theta``. Either may sit on the
+    config itself or, for the VLMs, under ``text_config``: the text config's own settings win,
+    the outer config fills what it lacks. Returned keys: ``rope_theta`` (default 10000.0, as
+    HF's ``default_theta``), ``rope_type`` (``"default"`` when unset or ``"mrope"``), and every
+    other key as found (``mrope_section``, ``factor``, ...).
+    """
+    layers = [c for c in (getattr(hf_config, "text_config", None), hf_config) if c is not None]
+    merged: dict = {}
+    for config in reversed(layers):  # outer first, then the text config over it
+        found = {}
+        for key in ("rope_scaling", "rope_parameters"):
+            value = _as_dict(config, key)
+            if value:
+                found.update(value)
+        theta = _as_dict(config, "rope_theta")
+        if theta is not None and "rope_theta" not in found:
+            found["rope_theta"] = theta
+        merged.update({k: v for k, v in found.items() if v is not None})
+    rope_type = merged.pop("type", None)
+    merged["rope_type"] = merged.get("rope_type") or rope_type or "default"
+    if merged["rope_type"] == "mrope":
+        merged["rope_type"] = "default"
+    merged.setdefault("rope_theta", 10000.0)
+    return merged
+
+
+def _as_dict(config, key):
+    """``config.key`` for a transformers config or a plain dict (None when absent)."""
+    value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+    return dict(value) if isinstance(value, dict) else value
+
 
 
 class RotaryEmbedding(nn.Module):
@@ -83,15 +124,3 @@ def _interleaved_axes(mrope_section: list[int], num_freqs: int) -> torch.Tensor:
     for dim, offset in ((1, 1), (2, 2)):
         axis[offset:mrope_section[dim] * 3:3] = dim
     return axis
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[num_tokens, heads, head_dim]`` by cos/sin ``[num_tokens, rotary_dim]`` (HF rotate_half
-    form). Partial rotary (``rotary_dim < head_dim``, Qwen3.5): the first ``rotary_dim`` channels
-    rotate, the rest pass through (HF ``apply_rotary_pos_emb`` of Qwen3.5)."""
-    if cos.shape[-1] < x.shape[-1]:
-        rot, rest = x[..., :cos.shape[-1]], x[..., cos.shape[-1]:]
-        return torch.cat((apply_rotary(rot, cos, sin), rest), dim=-1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -5,45 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from atlas_vlm.layers.rotary import rope_parameters
 from atlas_vlm.models.registry import SUPPORTED_ARCHITECTURES, UnsupportedModelError, resolve_family, text_config_of
 
-__all__ = ["ModelArch", "SUPPORTED_ARCHITECTURES", "UnsupportedModelError", "rope_parameters"]
-
-def rope_parameters(hf_config) -> dict:
-    """The RoPE settings of a (text) config as one dict, whichever layout wrote it.
-
-    transformers >= 5 writes ``rope_parameters`` (``rope_theta``, ``rope_type``,
-    ``mrope_section``, scaling fields); 4.x wrote ``rope_scaling`` (``type`` / ``rope_type``,
-    ``mrope_section``, scaling fields) beside a top-level ``rope_theta``. Either may sit on the
-    config itself or, for the VLMs, under ``text_config``: the text config's own settings win,
-    the outer config fills what it lacks. Returned keys: ``rope_theta`` (default 10000.0, as
-    HF's ``default_theta``), ``rope_type`` (``"default"`` when unset or ``"mrope"``), and every
-    other key as found (``mrope_section``, ``factor``, ...).
-    """
-    layers = [c for c in (getattr(hf_config, "text_config", None), hf_config) if c is not None]
-    merged: dict = {}
-    for config in reversed(layers):  # outer first, then the text config over it
-        found = {}
-        for key in ("rope_scaling", "rope_parameters"):
-            value = _as_dict(config, key)
-            if value:
-                found.update(value)
-        theta = _as_dict(config, "rope_theta")
-        if theta is not None and "rope_theta" not in found:
-            found["rope_theta"] = theta
-        merged.update({k: v for k, v in found.items() if v is not None})
-    rope_type = merged.pop("type", None)
-    merged["rope_type"] = merged.get("rope_type") or rope_type or "default"
-    if merged["rope_type"] == "mrope":
-        merged["rope_type"] = "default"
-    merged.setdefault("rope_theta", 10000.0)
-    return merged
-
-
-def _as_dict(config, key):
-    """``config.key`` for a transformers config or a plain dict (None when absent)."""
-    value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
-    return dict(value) if isinstance(value, dict) else value
+__all__ = ["ModelArch", "SUPPORTED_ARCHITECTURES", "UnsupportedModelError"]
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ positions.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
@@ -17,8 +19,10 @@ from transformers.activations import ACT2FN
 from atlas_vlm.kernels import fused
 from atlas_vlm.layers.attention import AttentionMetadata, paged_attention
 from atlas_vlm.layers.rotary import RotaryEmbedding, apply_rotary
-from atlas_vlm.models.arch import ModelArch
 from atlas_vlm.models.interfaces import ModelCapabilities
+
+if TYPE_CHECKING:  # annotations only: ModelArch.from_hf_config reads the registry, which names this module
+    from atlas_vlm.models.arch import ModelArch
 
 
 class RMSNorm(nn.Module):

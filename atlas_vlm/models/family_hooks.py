@@ -6,9 +6,33 @@ registry line names the subclass (``ModelFamily.hooks``); callers reach it throu
 comparing ``model_type`` strings. Text-only families keep this base class: no vision tower
 (``vision_params`` 0), no image settings. Every method takes the model's full transformers
 config ``hf_config`` (``vision_config`` holds the tower's fields).
+
+The config-size helpers the hooks and ``param_count`` count with (``text_config``,
+``head_dim``, ``num_kv_heads``, ``linear_params``) live here too: a family module imports this
+base and never the registry (``param_count`` does: ``tests/test_import_graph.py``).
 """
 
 from __future__ import annotations
+
+
+def text_config(hf_config):
+    """The decoder's config (``get_text_config(decoder=True)``: itself for text models)."""
+    return hf_config.get_text_config(decoder=True)
+
+
+def head_dim(text) -> int:
+    """``head_dim`` when the config sets it, else ``hidden_size // num_attention_heads``."""
+    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
+def num_kv_heads(text) -> int:
+    """``num_key_value_heads`` when the config sets it, else ``num_attention_heads``."""
+    return getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+
+
+def linear_params(n_in: int, n_out: int, bias: bool = True) -> int:
+    """Parameters of ``nn.Linear(n_in, n_out, bias)``."""
+    return n_in * n_out + (n_out if bias else 0)
 
 
 class FamilyHooks:

@@ -11,21 +11,10 @@ modeling file (transformers 4.57.6) named beside it; tests compare every count w
 
 from __future__ import annotations
 
+from atlas_vlm.models.family_hooks import head_dim, linear_params, num_kv_heads, text_config
 from atlas_vlm.models.registry import find_family
 
-
-def text_config(hf_config):
-    """The decoder's config (``get_text_config(decoder=True)``: itself for text models)."""
-    return hf_config.get_text_config(decoder=True)
-
-
-def head_dim(text) -> int:
-    """``head_dim`` when the config sets it, else ``hidden_size // num_attention_heads``."""
-    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-
-
-def num_kv_heads(text) -> int:
-    return getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+__all__ = ["head_dim", "linear_params", "num_kv_heads", "text_config", "text_params", "vision_params"]
 
 
 def text_params(hf_config) -> int:
@@ -48,11 +37,6 @@ def text_params(hf_config) -> int:
     layer = attn + mlp + 2 * h
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     return t.vocab_size * h * (1 if tied else 2) + t.num_hidden_layers * layer + h
-
-
-def linear_params(n_in: int, n_out: int, bias: bool = True) -> int:
-    """Parameters of ``nn.Linear(n_in, n_out, bias)``."""
-    return n_in * n_out + (n_out if bias else 0)
 
 
 def vision_params(hf_config) -> int:

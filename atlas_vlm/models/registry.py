@@ -14,7 +14,7 @@ Adding a family = one folder + one ``ModelFamily`` line in ``FAMILIES`` + its te
   not fit (``model.py``: a ``CausalLM`` subclass built from ``ModelArch``; hybrid families also
   expose ``state_spec()`` and ``num_kv_layers``), its vision tower (``vision.py``: a class with
   ``from_hf_config(hf_config, state_dict, dtype=, device=)`` and ``encode(items)``),
-  its media inputs (``inputs.py``: an ``engine.mm_inputs.MediaInputs`` subclass: prompt ids,
+  its media inputs (``inputs.py``: an ``inputs.media.MediaInputs`` subclass: prompt ids,
   placeholder ids, M-RoPE positions) and its hooks (``family.py``: a
   ``family_hooks.FamilyHooks`` subclass: released image-processor defaults and settings,
   vision parameter count, vision activation shape, visual tokens per image / video).
@@ -29,9 +29,10 @@ Adding a family = one folder + one ``ModelFamily`` line in ``FAMILIES`` + its te
   tower code picks its HF class from the vision config.
 
 The line's fields name code as ``"module:attr"`` strings, imported on demand
-(``import_named``): this module imports nothing from the rest of ``atlas_vlm`` at import time,
-so ``arch.py``, ``loader.py``, ``param_count.py`` and ``mm_token_pipeline`` can all read it
-without import circles (``tests/test_import_graph.py``).
+(``import_named``), so naming a family loads none of its code. ``tests/test_import_graph.py``
+counts these strings as imports: the registry sits above the family folders it names, and a
+family module never imports the registry or what reads it (``arch``'s ``from_hf_config``,
+``param_count``, ``processor_settings``); ``loader``, ``memory_plan`` and the engine read it.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class ModelFamily:
         qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3, HF ``Qwen3Attention``).
         multimodal: takes images (has a ``vision_config``).
         mrope: positions are M-RoPE's ``[3, num_tokens]`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
-        mm_inputs: ``"module:Class"`` of the family's ``engine.mm_inputs.MediaInputs``
+        mm_inputs: ``"module:Class"`` of the family's ``inputs.media.MediaInputs``
             (media loading, preprocessing, placeholder ids, positions); None for text models.
         vision_tower: ``"module:Class"`` of its vision tower, built by
             ``Class.from_hf_config(hf_config, state_dict, dtype=, device=)``; None for text models.

@@ -21,8 +21,9 @@ from __future__ import annotations
 import torch
 
 from atlas_vlm.structured_output.backend import apply_token_bitmask
+from atlas_vlm.sample_ops import params_text, request_logprobs, sampling_probs
 from atlas_vlm.worker.logits_processors import apply_penalties
-from atlas_vlm.worker.sampler import SamplerOutput, _logprobs, _params_text, _sampling_probs, sample
+from atlas_vlm.worker.sampler import SamplerOutput, sample
 
 
 def rejection_sample(probs: torch.Tensor, drafts: list[int], generator: torch.Generator | None) -> list[int]:
@@ -61,19 +62,19 @@ def _verify_rows(logits: torch.Tensor, raw: torch.Tensor, req, rows: list[int], 
     distribution is not usable fails the request there (rows after it too)."""
     params = req.sampling_params
     try:
-        probs = _sampling_probs(logits, [params] * logits.shape[0], rows)  # [k + 1, vocab]
+        probs = sampling_probs(logits, [params] * logits.shape[0], rows)  # [k + 1, vocab]
         ok = (torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)).tolist()
         if not all(ok):
             raise ValueError("the filters masked every token or the probabilities are not finite")
         tokens = rejection_sample(probs, req.spec_token_ids, req.generator)
     except Exception as e:  # noqa: BLE001 - this request fails alone
         for r in rows:
-            out.errors[r] = (f"request {req.request_id!r}: sampling with {_params_text(params)} failed "
+            out.errors[r] = (f"request {req.request_id!r}: sampling with {params_text(params)} failed "
                              f"({type(e).__name__}: {e})")
         return
     asked = params.logprobs is not None
-    lps, tops = _logprobs(raw[rows], torch.tensor(tokens, device=logits.device), [req] * len(rows),
-                          list(range(len(rows))) if asked else [])
+    lps, tops = request_logprobs(raw[rows], torch.tensor(tokens, device=logits.device), [req] * len(rows),
+                                 list(range(len(rows))) if asked else [])
     for j, r in enumerate(rows):
         out.token_ids[r], out.logprobs[r], out.top_logprobs[r] = tokens[j], lps[j], tops[j]
 

@@ -11,13 +11,16 @@ has ``k + 1`` consecutive rows; row ``j`` sees the drafts before it (``history_l
 each verification row is penalised as the undrafted step at that position would be.
 Nothing is computed unless some row uses them.
 
-``apply_min_p`` is HF's ``MinPLogitsWarper``: after temperature, top-k and top-p, a token is
-masked when its probability is below ``min_p`` times the row's best.
+``apply_min_p`` (in ``sample_ops``, beside top-k / top-p; re-exported here) is HF's
+``MinPLogitsWarper``: after temperature, top-k and top-p, a token is masked when its
+probability is below ``min_p`` times the row's best.
 """
 
 from __future__ import annotations
 
 import torch
+
+from atlas_vlm.sample_ops import apply_min_p  # noqa: F401 - min-p lives with the other filters
 
 
 def history_lengths(requests) -> list[int]:
@@ -89,18 +92,3 @@ def apply_penalties(logits: torch.Tensor, requests) -> tuple[torch.Tensor, list[
         pres = torch.tensor([params[j].presence_penalty for j in pen], dtype=x.dtype, device=dev)[:, None]
         x = x.index_copy(0, pidx, x[pidx] - (freq * counts + pres * (counts > 0)))
     return logits.index_copy(0, idx, x), rows
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask (-inf) in each row the tokens whose probability is below ``min_p`` times the
-    row's highest (HF ``MinPLogitsWarper``; the best token is always kept).
-
-    Args:
-        logits: ``[rows, vocab]`` (temperature, top-k and top-p already applied).
-        min_p: ``[rows]`` float in [0, 1]; 0 keeps everything.
-    """
-    if not bool((min_p > 0).any()):
-        return logits
-    probs = logits.softmax(-1)  # [rows, vocab]
-    remove = probs < min_p[:, None] * probs.amax(-1, keepdim=True)
-    return logits.masked_fill(remove, float("-inf"))

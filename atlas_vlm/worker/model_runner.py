@@ -136,7 +136,7 @@ class ModelRunner:
 
     @property
     def decode_step(self):
-        """The one-call C decode step (``kernels.decode_step.DecodeStep``), or None where decode
+        """The one-call C decode step (``worker.decode_step.DecodeStep``), or None where decode
         steps run op by op (``decode_step_reason`` says why); setting None takes it out."""
         return self._executor("decode_step")
 

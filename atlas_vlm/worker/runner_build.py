@@ -104,7 +104,7 @@ def build_decode_paths(model, kv_cache, plan: EnginePlan, max_num_seqs: int, mro
                                   use_kernel=plan.attention_backend.value == "decode_kernel")
     c_step, c_reason = None, plan.decode_step.reason
     if plan.decode_step.value:  # quantized models on CPU: decode-only steps through every layer in one C call
-        from atlas_vlm.kernels.decode_step import DecodeStep
+        from atlas_vlm.worker.decode_step import DecodeStep
 
         c_step, c_reason = DecodeStep.build(model, kv_cache, plan.attention_backend.value)
     return compiled, plan.compile_decode.reason, c_step, c_reason

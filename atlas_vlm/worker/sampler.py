@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from atlas_vlm.sample_ops import params_text, request_logprobs, sampling_probs
 from atlas_vlm.sampling_params import is_greedy
 from atlas_vlm.structured_output.backend import apply_token_bitmask
-from atlas_vlm.worker.logits_processors import apply_min_p, apply_penalties
+from atlas_vlm.worker.logits_processors import apply_penalties
 
 
 @dataclass
@@ -33,64 +34,6 @@ class SamplerOutput:
     errors: list[str | None]
 
 
-def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (-inf) in each row all but its ``top_k`` best and the smallest set with mass
-    >= ``top_p`` (HF ``TopKLogitsWarper`` then ``TopPLogitsWarper`` order).
-
-    Args:
-        logits: ``[rows, vocab]`` (temperature already applied).
-        top_k: ``[rows]`` int; values <= 0 or >= vocab keep everything.
-        top_p: ``[rows]`` float in (0, 1]; 1 keeps everything.
-    """
-    vocab = logits.shape[-1]
-    k = torch.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
-    if bool((k < vocab).any()):
-        sorted_logits = logits.sort(dim=-1, descending=True).values  # [rows, vocab]
-        kth = sorted_logits.gather(1, (k - 1)[:, None])  # [rows, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    use_p = top_p < 1.0
-    if bool(use_p.any()):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        cut = (probs.cumsum(-1) - probs >= top_p[:, None]) & use_p[:, None]  # entirely past the nucleus
-        logits = logits.masked_fill(torch.zeros_like(cut).scatter(1, order, cut), float("-inf"))
-    return logits
-
-
-def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, requests, rows: list[int]):
-    """Raw-distribution logprobs (before temperature and filters, as vLLM reports them)."""
-    logprobs: list[float | None] = [None] * len(requests)
-    tops: list[dict[int, float] | None] = [None] * len(requests)
-    if not rows:
-        return logprobs, tops
-    idx = torch.tensor(rows, device=logits.device)
-    logp = logits[idx].log_softmax(-1)  # [n_asked, vocab]
-    chosen = logp.gather(1, tokens[idx][:, None])[:, 0].tolist()
-    ks = [requests[r].sampling_params.logprobs for r in rows]
-    values, ids = logp.topk(max(ks), dim=-1) if max(ks) > 0 else (None, None)
-    values_l, ids_l = (values.tolist(), ids.tolist()) if values is not None else (None, None)
-    for j, (r, k) in enumerate(zip(rows, ks, strict=True)):
-        logprobs[r] = chosen[j]
-        tops[r] = dict(zip(ids_l[j][:k], values_l[j][:k], strict=True)) if k > 0 else {}
-    return logprobs, tops
-
-
-def _params_text(p) -> str:
-    text = f"temperature={p.temperature!r}, top_k={p.top_k!r}, top_p={p.top_p!r}"
-    return text + (f", min_p={p.min_p!r}" if p.min_p else "")
-
-
-def _sampling_probs(logits: torch.Tensor, params: list, rows: list[int]) -> torch.Tensor:
-    """``[len(rows), vocab]`` probabilities of ``rows`` after temperature, top-k, top-p and min-p."""
-    dev = logits.device
-    idx = torch.tensor(rows, device=dev)
-    temps = torch.tensor([params[i].temperature for i in rows], dtype=logits.dtype, device=dev)
-    top_k = torch.tensor([params[i].top_k for i in rows], device=dev)
-    top_p = torch.tensor([params[i].top_p for i in rows], dtype=logits.dtype, device=dev)
-    min_p = torch.tensor([params[i].min_p for i in rows], dtype=logits.dtype, device=dev)
-    return apply_min_p(filter_top_k_top_p(logits[idx] / temps[:, None], top_k, top_p), min_p).softmax(-1)
-
-
 def _draw(logits: torch.Tensor, requests, params: list, rows: list[int], errors: list) -> dict[int, torch.Tensor]:
     """Seeded draws of the sampled ``rows``: ``{row: token tensor [1]}``; a row whose
     parameters leave no valid distribution, or whose draw raises, gets ``errors[row]``
@@ -99,32 +42,32 @@ def _draw(logits: torch.Tensor, requests, params: list, rows: list[int], errors:
         return (torch.isfinite(p).all(-1) & (p.sum(-1) > 0)).tolist()
 
     try:
-        batch = _sampling_probs(logits, params, rows)  # [len(rows), vocab]
+        batch = sampling_probs(logits, params, rows)  # [len(rows), vocab]
         probs, valid = list(batch), usable(batch)
     except Exception:  # noqa: BLE001 - one row's values broke the batched filter: redo row by row
         probs, valid = [], []
         for i in rows:
             try:
-                p = _sampling_probs(logits, params, [i])
+                p = sampling_probs(logits, params, [i])
                 probs.append(p[0])
                 valid.append(usable(p)[0])
             except Exception as e:  # noqa: BLE001 - this request fails alone
                 probs.append(None)
                 valid.append(False)
-                errors[i] = (f"request {requests[i].request_id!r}: sampling with {_params_text(params[i])} "
+                errors[i] = (f"request {requests[i].request_id!r}: sampling with {params_text(params[i])} "
                              f"failed ({type(e).__name__}: {e})")
     draws = {}
     for ok, p, i in zip(valid, probs, rows, strict=True):
         if errors[i] is not None:
             continue
         if not ok:
-            errors[i] = (f"request {requests[i].request_id!r}: {_params_text(params[i])} left no token to "
+            errors[i] = (f"request {requests[i].request_id!r}: {params_text(params[i])} left no token to "
                          f"sample (the filters masked every token or the probabilities are not finite)")
             continue
         try:
             draws[i] = torch.multinomial(p, 1, generator=requests[i].generator)
         except Exception as e:  # noqa: BLE001 - this request fails alone
-            errors[i] = (f"request {requests[i].request_id!r}: sampling with {_params_text(params[i])} "
+            errors[i] = (f"request {requests[i].request_id!r}: sampling with {params_text(params[i])} "
                          f"failed ({type(e).__name__}: {e})")
     return draws
 
@@ -197,12 +140,12 @@ def sample(logits: torch.Tensor, requests, grammar_bitmask: tuple[list[int], tor
             tokens = tokens.index_copy(0, idx, torch.cat(list(draws.values())))
     asked = [i for i, p in enumerate(params) if p.logprobs is not None and errors[i] is None]
     try:
-        logprobs, tops = _logprobs(raw, tokens, requests, asked)
+        logprobs, tops = request_logprobs(raw, tokens, requests, asked)
     except Exception:  # noqa: BLE001 - one row's logprobs broke the batch: redo row by row
         logprobs, tops = [None] * num_rows, [None] * num_rows
         for i in asked:
             try:
-                lp, top = _logprobs(raw, tokens, requests, [i])
+                lp, top = request_logprobs(raw, tokens, requests, [i])
                 logprobs[i], tops[i] = lp[i], top[i]
             except Exception as e:  # noqa: BLE001 - this request fails alone
                 errors[i] = (f"request {requests[i].request_id!r}: logprobs={params[i].logprobs!r} failed "

@@ -6,7 +6,7 @@ runs it) instead of branching on each fast path:
 - ``CompiledDecodeExecutor``: decode-only batches through a captured graph
   (``worker.compiled_decode``; CUDA graphs / ``torch.compile`` where resolved on);
 - ``DecodeStepExecutor``: decode-only steps (speculative verification rows included) of
-  quantized models on CPU through every decoder layer in one C call (``kernels.decode_step``;
+  quantized models on CPU through every decoder layer in one C call (``worker.decode_step``;
   the op-by-op bits);
 - ``EagerExecutor``: any step, layer by layer (the reference every other one is tested against);
   the only one that keeps the step's final hidden states (``StepInputs.hidden``), so a step
@@ -72,7 +72,7 @@ class CompiledDecodeExecutor:
 
 
 class DecodeStepExecutor:
-    """Decode-only steps of quantized CPU models in one C call (``kernels.decode_step.DecodeStep``
+    """Decode-only steps of quantized CPU models in one C call (``worker.decode_step.DecodeStep``
     or any object with its ``applies`` / ``__call__``, as ``impl``)."""
 
     name = "decode_step"

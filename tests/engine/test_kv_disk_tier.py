@@ -242,7 +242,7 @@ def test_an_8bit_cache_round_trips_codes_and_scales_and_has_its_own_fingerprint(
 
 @pytest.mark.text
 def test_files_of_an_older_8bit_format_are_misses_and_auto_keeps_its_folder(qwen2, tmp_path, monkeypatch):
-    from atlas_vlm.worker import kv_fingerprint
+    from atlas_vlm.worker import kv_tier_builder as kv_fingerprint
 
     written = engine(qwen2, tmp_path, kv_cache_dtype="int8")
     cold = gen(written, LONG)[0]

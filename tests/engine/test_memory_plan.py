@@ -16,7 +16,7 @@ from atlas_vlm.entrypoints.plan import BUNDLED_CONFIGS as BUNDLED
 from atlas_vlm.memory_plan import (ACTIVATION_RESERVE_BYTES, RUNTIME_OVERHEAD_BYTES, GiB, engine_max_pixels,
                                    kv_cache_spec, num_kv_blocks, plan, vision_activation_peak,
                                    visual_tokens_per_image)
-from mm_token_pipeline import image_processor_settings
+from atlas_vlm.models.processor_settings import image_processor_settings
 from atlas_vlm.models.param_count import text_params, vision_params
 from atlas_vlm.worker.model_runner import kv_cache_budget_bytes
 

@@ -20,7 +20,7 @@ from atlas_vlm.default_models import default_text_model
 from atlas_vlm.engine.detokenizer import IncrementalDetokenizer
 from atlas_vlm.engine.output_processor import OutputProcessor
 from atlas_vlm.loader import gguf_to_folder
-from mm_token_pipeline import qwen_tokenizer_dir
+from atlas_vlm.models.qwen2_vl.tokenizer_files import qwen_tokenizer_dir
 
 pytestmark = pytest.mark.text
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from mm_token_pipeline import qwen_tokenizer_dir
+from atlas_vlm.models.qwen2_vl.tokenizer_files import qwen_tokenizer_dir
 from atlas_vlm import LLM
 from atlas_vlm.layers import quant_linear
 from atlas_vlm.memory_plan import GiB, plan

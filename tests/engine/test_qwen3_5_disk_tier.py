@@ -197,7 +197,7 @@ def test_edited_gated_deltanet_weights_get_another_folder(folder, tmp_path):
 def test_the_fingerprint_covers_the_state_layout(folder):
     from types import SimpleNamespace
 
-    from atlas_vlm.worker.kv_fingerprint import engine_fingerprint
+    from atlas_vlm.worker.kv_tier_builder import engine_fingerprint
 
     llm = make_llm(folder, enable_prefix_caching=False)
     runner, cfg = llm.engine.runner, llm.engine.hf_config

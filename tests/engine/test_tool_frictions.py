@@ -107,11 +107,11 @@ NO_TOOLS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['
 
 
 def test_tools_fallback_system_prompt_for_a_template_without_tools(llm, caplog, monkeypatch):
-    from atlas_vlm.engine import tool_prompt
+    from atlas_vlm.inputs import tool_prompt
 
     monkeypatch.setattr(tool_prompt, "_warned", False)
     tok = llm.tokenizer
-    with caplog.at_level("WARNING", logger="atlas_vlm.engine.tool_prompt"):
+    with caplog.at_level("WARNING", logger="atlas_vlm.inputs.tool_prompt"):
         p = llm.engine.process_prompt({"messages": ASK, "tools": TOOLS, "chat_template": NO_TOOLS_TEMPLATE})
     assert "does not render tools" in caplog.text
     text = tok.decode(p.prompt_token_ids)

@@ -169,7 +169,8 @@ def test_engine_config_and_cli_flag():
 
 def test_server_refuses_forced_calls_without_a_forcing_parser():
     from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
-    from atlas_vlm.entrypoints.openai.serving_chat import _constraint, _tool_parser
+    from atlas_vlm.entrypoints.openai.serving_chat import chat_constraint as _constraint
+    from atlas_vlm.entrypoints.openai.serving_chat import chat_tool_parser as _tool_parser
 
     ctx = types.SimpleNamespace(tool_parser=ToolParserManager.get_tool_parser("qwen3_coder"),
                                 engine=types.SimpleNamespace(tokenizer=None))  # never read: refused first

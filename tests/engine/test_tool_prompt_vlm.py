@@ -1,6 +1,6 @@
 """The fallback tools prompt on the VLM path (issue 24): the tiny random Qwen2.5-VL takes the
 built-in Qwen2.5-VL template, which does not render ``tools``, so they go into the system
-message (``atlas_vlm/engine/tool_prompt.py``) with the image still in place."""
+message (``atlas_vlm/inputs/tool_prompt.py``) with the image still in place."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from helpers import CPU_FP32, IMAGES
 from atlas_vlm import LLM
-from atlas_vlm.engine.tool_prompt import tools_system_text
+from atlas_vlm.inputs.tool_prompt import tools_system_text
 
 pytestmark = pytest.mark.vlm
 

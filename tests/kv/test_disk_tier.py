@@ -10,6 +10,9 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -154,15 +157,44 @@ def test_full_disk_degrades_with_one_warning_and_leaves_no_partial_file(tmp_path
     assert torch.equal(tier.load(h(1), SHAPE, torch.float32)[1], kv(1)[1])  # reads go on
 
 
-def test_temporaries_of_a_dead_writer_are_removed_once_stale(tmp_path):
+_HOLD = """import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+os.write(fd, b"half a block")
+fcntl.flock(fd, fcntl.LOCK_EX)  # as write_atomic holds it while writing
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def _writer(path) -> subprocess.Popen:
+    """A process writing ``path`` as the tier does (its lock held), stopped mid-write."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_temporaries_of_a_killed_writer_are_removed_at_start(tmp_path):
+    """issue 33: a SIGKILL during a write left a .part file (outside the byte cap) that stayed
+    after the restart; now the next tier opened on the folder deletes it at once, in any
+    fingerprint folder, and keeps the one a live writer still holds."""
     (tmp_path / FP).mkdir()
-    stale, fresh = tmp_path / FP / ".tmp-dead.kvb.part", tmp_path / FP / ".tmp-live.kvb.part"
-    stale.write_bytes(b"half a block")
-    fresh.write_bytes(b"being written")
-    old = time.time() - 2 * 3600
-    os.utime(stale, (old, old))
-    tier = DiskKVTier(tmp_path, FP, 1 << 20)
-    assert not stale.exists() and fresh.exists() and tier.bytes_stored == 0
+    (tmp_path / ("b" * 32)).mkdir()
+    killed, live = tmp_path / FP / ".tmp-killed.kvb.part", tmp_path / FP / ".tmp-live.kvb.part"
+    left = tmp_path / ("b" * 32) / ".tmp-left.kvs.part"
+    left.write_bytes(b"half a snapshot")  # young, no lock: its writer is gone
+    dead, alive = _writer(killed), _writer(live)
+    try:
+        dead.send_signal(signal.SIGKILL)
+        dead.wait(timeout=30)
+        tier = DiskKVTier(tmp_path, FP, 1 << 20)
+        assert not killed.exists() and not left.exists() and live.exists() and tier.bytes_stored == 0
+        assert tier.save(h(1), *kv(1)) and not [p for p in (tmp_path / FP).iterdir()
+                                                 if p.name.endswith(".part") and p != live]
+    finally:
+        alive.kill()
+        alive.wait(timeout=30)
+    DiskKVTier(tmp_path, FP, 1 << 20)  # its writer gone too: removed by the next tier
+    assert not live.exists()
 
 
 def test_bad_arguments_are_named(tmp_path):

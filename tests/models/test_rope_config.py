@@ -1,4 +1,4 @@
-"""Both config layouts of RoPE settings, read through one function (``models.arch.rope_parameters``):
+"""Both config layouts of RoPE settings, read through one function (``layers.rotary.rope_parameters``):
 transformers 5's ``rope_parameters`` and 4.x's ``rope_scaling`` + ``rope_theta``, at the top
 level or under ``text_config``. Each family's tiny checkpoint rewritten in the other layout
 loads to the same decoder (RoPE tables, M-RoPE section) and the same greedy tokens; a family
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from atlas_vlm import LLM, SamplingParams
-from atlas_vlm.models.arch import ModelArch, rope_parameters
+from atlas_vlm.layers.rotary import rope_parameters
+from atlas_vlm.models.arch import ModelArch
 
 pytestmark = pytest.mark.text
 

@@ -115,7 +115,7 @@ def wide_models(tmp_path_factory):
     """Tiny models whose projections take 128 / 256 inputs (so group 128 fits every layer)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from mm_token_pipeline import qwen_tokenizer_dir
+    from atlas_vlm.models.qwen2_vl.tokenizer_files import qwen_tokenizer_dir
 
     root = tmp_path_factory.mktemp("wide")
     out = {}

@@ -17,7 +17,7 @@ import threading
 import pytest
 
 from atlas_vlm.config import EngineConfig
-from atlas_vlm.engine.mm_inputs import MediaInputs
+from atlas_vlm.inputs.media import MediaInputs
 from atlas_vlm.entrypoints import cli
 from atlas_vlm.entrypoints.openai.api_server import one_media_policy
 from atlas_vlm.entrypoints.openai.cli_args import engine_config_from_args

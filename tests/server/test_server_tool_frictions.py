@@ -47,7 +47,7 @@ def test_required_cut_by_length_same_calls_streamed_and_whole(text_server):
 
 
 def test_auto_tools_reach_a_template_without_tools(text_server, text_llm):
-    from atlas_vlm.engine.tool_prompt import tools_system_text
+    from atlas_vlm.inputs.tool_prompt import tools_system_text
 
     client = text_server.client()
     plain = client.chat.completions.create(model="smollm2", messages=USER, max_tokens=1, temperature=0)

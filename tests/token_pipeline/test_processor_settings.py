@@ -1,4 +1,4 @@
-"""The checkpoint's own image-processor settings (``mm_token_pipeline.image_processor_settings``)
+"""The checkpoint's own image-processor settings (``atlas_vlm.models.processor_settings.image_processor_settings``)
 are the engine's default bounds, with engine, request and item options over them in that
 order; the server's bounds bind (``limit_request_pixels``); and a Qwen3-VL folder with the
 released ``preprocessor_config.json`` gives transformers' own token counts for odd sizes with
@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 
 import mm_token_pipeline as mtp
+from atlas_vlm.models.processor_settings import image_processor_settings
 from atlas_vlm import LLM, EngineConfig
 from atlas_vlm.engine.chat_input import ChatInput
 from helpers import conv
@@ -45,7 +46,7 @@ def qwen3_vl_released(tmp_path_factory):
 def test_settings_come_from_the_folder(qwen3_vl_released):
     from transformers import AutoConfig
 
-    s = mtp.image_processor_settings(qwen3_vl_released, AutoConfig.from_pretrained(qwen3_vl_released))
+    s = image_processor_settings(qwen3_vl_released, AutoConfig.from_pretrained(qwen3_vl_released))
     assert (s.min_pixels, s.max_pixels, s.patch_size, s.merge_size, s.temporal_patch_size) == (65536, 16777216, 16, 2, 2)
     assert s.image_mean == s.image_std == (0.5, 0.5, 0.5)
     assert s.source == str(qwen3_vl_released / "preprocessor_config.json")
@@ -64,7 +65,7 @@ def test_released_qwen3_vl_folder_gives_transformers_token_counts(qwen3_vl_relea
     if hf_tokens is not None:
         assert expected == hf_tokens  # the figures the issue measured with transformers
     hf_config = AutoConfig.from_pretrained(qwen3_vl_released)
-    settings = mtp.image_processor_settings(qwen3_vl_released, hf_config)
+    settings = image_processor_settings(qwen3_vl_released, hf_config)
     chat = ChatInput(None, EngineConfig(model=str(qwen3_vl_released)), hf_config, settings)
     opts = chat.engine_bounds
     ours = mtp.preprocess_image(image, min_pixels=opts.min_pixels, max_pixels=opts.max_pixels,
@@ -97,7 +98,7 @@ def _tokens(folder, messages, mm_options=None, **engine):
 
     hf_config = AutoConfig.from_pretrained(folder)
     chat = ChatInput(None, EngineConfig(model=str(folder), **engine), hf_config,
-                     mtp.image_processor_settings(folder, hf_config))
+                     image_processor_settings(folder, hf_config))
     media = chat.media.media({"messages": messages, "mm_options": mtp.MultiModalOptions.from_value(mm_options)})
     pairs = [(opts, pil) for _, _, opts, pil in media]  # (modality, index, options, loaded image)
     return [mtp.preprocess_image(pil, min_pixels=o.min_pixels, max_pixels=o.max_pixels).num_tokens for o, pil in pairs]
@@ -139,13 +140,13 @@ def test_a_processor_that_disagrees_with_the_tower_is_refused(qwen25):
     cfg = json.loads((qwen25 / "preprocessor_config.json").read_text())
     (qwen25 / "preprocessor_config.json").write_text(json.dumps({**cfg, "patch_size": 16}))
     with pytest.raises(ValueError, match="patch_size 16 disagrees with the vision tower's patch_size 14"):
-        mtp.image_processor_settings(qwen25, AutoConfig.from_pretrained(qwen25))
+        image_processor_settings(qwen25, AutoConfig.from_pretrained(qwen25))
 
 
 def test_no_preprocessor_config_means_the_released_defaults(tiny_models):
     from transformers import AutoConfig
 
     folder, _ = tiny_models["qwen2_5_vl"]
-    s = mtp.image_processor_settings(folder, AutoConfig.from_pretrained(folder))
+    s = image_processor_settings(folder, AutoConfig.from_pretrained(folder))
     assert (s.min_pixels, s.max_pixels) == (3136, 12845056) and "no preprocessor_config.json" in s.source
-    assert mtp.image_processor_settings(folder, AutoConfig.from_pretrained(tiny_models["qwen2"][0])) is None
+    assert image_processor_settings(folder, AutoConfig.from_pretrained(tiny_models["qwen2"][0])) is None

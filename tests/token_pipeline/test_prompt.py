@@ -11,9 +11,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from helpers import IMAGES
+from atlas_vlm.models.qwen2_vl.tokenizer_files import qwen_tokenizer_dir
 from mm_token_pipeline import (
     QWEN2_5_VL_CHAT_TEMPLATE, build_prompt_ids, expand_image_pads, extract_images, load_image,
-    preprocess_image, qwen_tokenizer_dir,
+    preprocess_image,
 )
 
 pytestmark = pytest.mark.vlm

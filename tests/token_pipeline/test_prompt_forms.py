@@ -10,8 +10,9 @@ import pytest
 from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLImageProcessor
 
 from helpers import IMAGES
+from atlas_vlm.models.qwen2_vl.tokenizer_files import qwen_tokenizer_dir
 from mm_token_pipeline import (DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, QWEN2_5_VL_CHAT_TEMPLATE, build_prompt_ids,
-                               load_image, preprocess_image, qwen_tokenizer_dir)
+                               load_image, preprocess_image)
 from mm_token_pipeline.messages import check_messages, to_string_content
 
 pytestmark = pytest.mark.vlm

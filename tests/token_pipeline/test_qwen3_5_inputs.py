@@ -24,6 +24,8 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
 
 import mm_token_pipeline as mtp
+from atlas_vlm.models.processor_settings import image_processor_settings
+from atlas_vlm.models.qwen2_vl.tokenizer_files import qwen_tokenizer_dir
 from atlas_vlm import EngineConfig
 from atlas_vlm.engine.chat_input import parse_chat_prompt
 from atlas_vlm.models.qwen3_vl.inputs import Qwen3VLInputs
@@ -61,7 +63,7 @@ def folder(tmp_path_factory):
         image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
         architectures=["Qwen3_5ForConditionalGeneration"])
     config.save_pretrained(out)
-    tokenizer = AutoTokenizer.from_pretrained(mtp.qwen_tokenizer_dir())
+    tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
     tokenizer.chat_template = QWEN3_VL_CHAT_TEMPLATE
     tokenizer.save_pretrained(out)
     geometry = dict(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
@@ -73,7 +75,7 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def inputs(folder):
     path, config = folder
-    settings = mtp.image_processor_settings(path, config)
+    settings = image_processor_settings(path, config)
     engine = EngineConfig(model=str(path))
     return Qwen3VLInputs(AutoTokenizer.from_pretrained(path), engine, config, settings,
                          engine.multimodal_config.image_bounds(settings))
@@ -146,7 +148,7 @@ def test_prompt_ids_and_positions_equal_hf(inputs, processor, folder, name):
 
 
 def test_released_processor_defaults_of_qwen3_5():
-    settings = mtp.image_processor_settings(None, Qwen3_5Config())
+    settings = image_processor_settings(None, Qwen3_5Config())
     assert (settings.min_pixels, settings.max_pixels) == (65536, 16777216)
     assert settings.preprocess_kwargs() == dict(patch_size=16, merge_size=2, temporal_patch_size=2,
                                                 image_mean=(0.5,) * 3, image_std=(0.5,) * 3)

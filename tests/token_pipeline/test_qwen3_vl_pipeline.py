@@ -12,6 +12,7 @@ import pytest
 from transformers import Qwen2VLImageProcessorFast
 
 import mm_token_pipeline as mtp
+from atlas_vlm.models.processor_settings import image_processor_settings
 from atlas_vlm.models.qwen3_vl.vision import QWEN3_VL_IMAGE_MEAN, QWEN3_VL_IMAGE_STD
 from helpers import IMAGES as IMAGE_DIR
 from tiny_vlms import QWEN3_VL_PIX
@@ -42,9 +43,9 @@ def test_grid_equals_hf_fast_processor_and_bound_holds(max_tokens):
 def test_released_defaults_follow_the_family():
     from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
 
-    q3 = mtp.image_processor_settings(None, Qwen3VLConfig())
+    q3 = image_processor_settings(None, Qwen3VLConfig())
     assert q3.preprocess_kwargs() == dict(patch_size=16, merge_size=2, temporal_patch_size=2,
                                           image_mean=QWEN3_VL_IMAGE_MEAN, image_std=QWEN3_VL_IMAGE_STD)
     assert (q3.min_pixels, q3.max_pixels) == (65536, 16777216) and "released qwen3_vl defaults" in q3.source
-    q25 = mtp.image_processor_settings(None, Qwen2_5_VLConfig())
+    q25 = image_processor_settings(None, Qwen2_5_VLConfig())
     assert (q25.patch_size, q25.merge_size, q25.min_pixels, q25.max_pixels) == (14, 2, 3136, 12845056)

@@ -18,8 +18,10 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
 
 import mm_token_pipeline as mtp
+from atlas_vlm.models.qwen2_vl.tokenizer_files import qwen_tokenizer_dir
 from helpers import mm_token_type_ids
-from mm_token_pipeline import decode_position, get_rope_index, get_rope_index_qwen3_vl
+from atlas_vlm.models.qwen3_vl.mrope import get_rope_index_qwen3_vl
+from mm_token_pipeline import decode_position, get_rope_index
 
 pytestmark = pytest.mark.vlm
 
@@ -116,7 +118,7 @@ def test_qwen2_5_literal_text_after_video_starts_at_max_hw():
 def test_real_prompt_equals_hf(qwen3):
     from atlas_vlm.models.qwen3_vl.vision import QWEN3_VL_CHAT_TEMPLATE
 
-    tok = AutoTokenizer.from_pretrained(mtp.qwen_tokenizer_dir())
+    tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
     geometry = dict(patch_size=16, image_mean=(0.5,) * 3, image_std=(0.5,) * 3) if qwen3 else {}
     px = 1024 if qwen3 else 784
     clip = mtp.load_video("tests/data/videos/frames_30fps_90.mp4")

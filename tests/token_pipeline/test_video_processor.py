@@ -21,6 +21,7 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.video_utils import VideoMetadata
 
 import mm_token_pipeline as mtp
+from atlas_vlm.models.qwen2_vl.vision import VisionEncoder
 from atlas_vlm.models.qwen3_vl.vision import QWEN3_VL_IMAGE_MEAN, QWEN3_VL_IMAGE_STD
 from test_video_io import write_clip
 
@@ -124,8 +125,8 @@ def test_one_frame_gives_one_temporal_group(tmp_path):
 
 def test_encoder_takes_videos_as_hf_visual(tiny_models):
     hf = tiny_models["qwen2_5_vl"][1]
-    encoder = mtp.VisionEncoder.from_state_dict(hf.config.vision_config, hf.model.visual.state_dict(), fast=False)
-    fast = mtp.VisionEncoder.from_state_dict(hf.config.vision_config, hf.model.visual.state_dict())
+    encoder = VisionEncoder.from_state_dict(hf.config.vision_config, hf.model.visual.state_dict(), fast=False)
+    fast = VisionEncoder.from_state_dict(hf.config.vision_config, hf.model.visual.state_dict())
     video = mtp.preprocess_video(mtp.load_video(VIDEOS / "frames_2fps_8.mp4", nframes=4), **SMALL)
     image = mtp.preprocess_image(Image.fromarray(mtp.load_video(VIDEOS / "frames_2fps_8.mp4").frames[0]),
                                  **SMALL)

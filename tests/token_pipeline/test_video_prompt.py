@@ -19,6 +19,8 @@ from transformers import (AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLImageProces
                           Qwen3VLProcessor, Qwen3VLVideoProcessor)
 
 import mm_token_pipeline as mtp
+from atlas_vlm.models.qwen2_vl.tokenizer_files import qwen_tokenizer_dir
+from atlas_vlm.models.qwen3_vl.mrope import get_rope_index_qwen3_vl
 from helpers import IMAGES, VIDEO_PAD_ID
 from atlas_vlm.models.qwen3_vl.vision import QWEN3_VL_CHAT_TEMPLATE, QWEN3_VL_IMAGE_MEAN, QWEN3_VL_IMAGE_STD
 from mm_token_pipeline.video_processor import resize_frames
@@ -44,7 +46,7 @@ CONVERSATIONS = {
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(mtp.qwen_tokenizer_dir())
+    return AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
 
 
 def media(messages, qwen3: bool):
@@ -152,7 +154,7 @@ def test_one_frame_clip_end_to_end(tokenizer, tmp_path, qwen3):
     assert ids == out["input_ids"][0].tolist()
     if qwen3:
         ref = HF(Qwen3VLModel, Qwen3VLConfig())(ids, video_grid_thw=out["video_grid_thw"])
-        got = mtp.get_rope_index_qwen3_vl(ids, [], [video.grid_thw], image_token_id=151655, video_token_id=VIDEO_PAD_ID,
+        got = get_rope_index_qwen3_vl(ids, [], [video.grid_thw], image_token_id=151655, video_token_id=VIDEO_PAD_ID,
                                           vision_start_token_id=VS)
     else:
         ref = HF(Qwen2_5_VLModel, Qwen2_5_VLConfig())(ids, video_grid_thw=out["video_grid_thw"],

@@ -1,4 +1,4 @@
-"""Tests of mm_token_pipeline.VisionEncoder against HF transformers' vision tower.
+"""Tests of atlas_vlm.models.qwen2_vl.vision.VisionEncoder against HF transformers' vision tower.
 
 A tiny random ``Qwen2_5_VLForConditionalGeneration`` and ``Qwen2VLForConditionalGeneration``
 (fp32, CPU, seed 0; every test runs for both): our encoder,
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from helpers import IMAGES
-from mm_token_pipeline import VisionEncoder, load_image, preprocess_image
+from atlas_vlm.models.qwen2_vl.vision import VisionEncoder
+from mm_token_pipeline import load_image, preprocess_image
 
 pytestmark = pytest.mark.vlm
 

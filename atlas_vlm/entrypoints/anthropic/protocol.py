@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, UnicodeBody, _Strict, printable
+from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, UnicodeBody, StrictModel, printable
 
 # Anthropic's error ``type`` per HTTP status (https://docs.anthropic.com/en/api/errors)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -32,7 +32,7 @@ def error_body(e: APIError) -> dict:
     return {"type": "error", "error": {"type": kind, "message": printable(e.message)}}
 
 
-class _Block(_Strict):
+class _Block(StrictModel):
     cache_control: dict | None = None  # prompt-caching hint: accepted, ignored (our prefix cache is automatic)
 
 
@@ -42,13 +42,13 @@ class TextBlock(_Block):
     citations: list | None = None  # echoed back by clients in assistant turns; ignored
 
 
-class Base64Source(_Strict):
+class Base64Source(StrictModel):
     type: Literal["base64"]
     media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
     data: str
 
 
-class URLSource(_Strict):
+class URLSource(StrictModel):
     type: Literal["url"]
     url: str
 
@@ -75,12 +75,12 @@ class ToolResultBlock(_Block):
 Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
 
 
-class Message(_Strict):
+class Message(StrictModel):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class ToolDef(_Strict):
+class ToolDef(StrictModel):
     name: str = Field(min_length=1)
     description: str | None = None
     input_schema: dict
@@ -88,7 +88,7 @@ class ToolDef(_Strict):
     type: Literal["custom"] | None = None
 
 
-class ToolChoice(_Strict):
+class ToolChoice(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None

@@ -18,7 +18,7 @@ from atlas_vlm.entrypoints.anthropic.protocol import (CountTokensRequest, Messag
                                                       to_chat_request)
 from atlas_vlm.entrypoints.openai.chat_output import ChatChoiceOutput
 from atlas_vlm.entrypoints.openai.protocol import APIError, printable
-from atlas_vlm.entrypoints.openai.serving_chat import _constraint, _prompt, _tool_parser
+from atlas_vlm.entrypoints.openai.serving_chat import chat_constraint, chat_prompt, chat_tool_parser
 from atlas_vlm.entrypoints.openai.serving_common import (ServerContext, close_all, collect, engine_error, merge,
                                                          sampling_params, start_choices, until_error)
 from atlas_vlm.sampling_params import SamplingParams
@@ -65,7 +65,7 @@ def _tool_use(call: dict) -> dict:
 async def _chat_prompt(ctx: ServerContext, req, chat) -> dict:
     """Chat completions' prompt dict; a media error names the Anthropic block at fault."""
     try:
-        return await _prompt(ctx, chat)
+        return await chat_prompt(ctx, chat)
     except APIError as e:
         raise anthropic_error(e, req) from e
 
@@ -73,10 +73,10 @@ async def _chat_prompt(ctx: ServerContext, req, chat) -> dict:
 async def _start(ctx: ServerContext, req: MessagesRequest):
     chat = to_chat_request(req)
     model = ctx.check_model(chat.model)
-    constraint = _constraint(ctx, chat)
+    constraint = chat_constraint(ctx, chat)
     params = [sampling_params(chat, chat.max_tokens, None, 0, constraint)]
     prompt = await _chat_prompt(ctx, req, chat)
-    parser = _tool_parser(ctx, chat)
+    parser = chat_tool_parser(ctx, chat)
     view = ChatChoiceOutput(ctx.reasoning_parser, parser is not None, parser)
     rid = f"msg_{uuid.uuid4().hex}"
     iters, first = await start_choices(ctx, prompt, params, rid)

@@ -79,9 +79,14 @@ def _find_surrogate(value, path: str) -> str | None:
     return None
 
 
-class _Strict(BaseModel):
-    # strict: no coercion, as OpenAI's API ("16" is not an integer, 1 is not a boolean)
+class StrictModel(BaseModel):
+    """A request body part as OpenAI checks it: strict (no coercion: "16" is not an integer, 1
+    is not a boolean) and no unknown keys; the Anthropic and Responses bodies build on it too."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+_Strict = StrictModel  # the short name this file's models use
 
 
 class ImageURL(_Strict):

@@ -18,7 +18,7 @@ from atlas_vlm.entrypoints.openai.structured import structured_outputs_from_requ
 from atlas_vlm.tool_parsers import ToolParser, forced_tool_calls, resolve_tool_parser
 
 
-async def _prompt(ctx: ServerContext, req: ChatCompletionRequest) -> dict:
+async def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> dict:
     """The engine's chat prompt dict; vLLM's template switches only when the client sent them."""
     kwargs = req.mm_processor_kwargs.model_dump(exclude_none=True) if req.mm_processor_kwargs is not None else {}
     video = {{"num_frames": "nframes"}.get(k, k): kwargs.pop(k) for k in ("fps", "num_frames", "total_pixels")
@@ -34,7 +34,7 @@ async def _prompt(ctx: ServerContext, req: ChatCompletionRequest) -> dict:
     return prompt
 
 
-def _constraint(ctx: ServerContext, req: ChatCompletionRequest):
+def chat_constraint(ctx: ServerContext, req: ChatCompletionRequest):
     """The request's output constraint: a forced tool call (``tool_choice`` "required" or a
     named function) or ``response_format`` / vLLM's structured-output extras.
 
@@ -70,7 +70,7 @@ def _parser_cls(ctx: ServerContext) -> type[ToolParser]:
     return ctx.tool_parser or resolve_tool_parser(None, getattr(ctx.engine.tokenizer, "chat_template", None))
 
 
-def _tool_parser(ctx: ServerContext, req: ChatCompletionRequest) -> ToolParser | None:
+def chat_tool_parser(ctx: ServerContext, req: ChatCompletionRequest) -> ToolParser | None:
     """The request's tool parser instance (it may read the tools' schemas), or None when
     tool calls are not parsed (no ``tools``, or ``tool_choice`` "none")."""
     if not req.tools or req.tool_choice == "none":
@@ -111,11 +111,11 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[
     """
     k = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens or req.max_tokens
-    constraint = _constraint(ctx, req)
+    constraint = chat_constraint(ctx, req)
     params = [sampling_params(req, max_tokens, k, i, constraint) for i in range(req.n)]
-    prompt = await _prompt(ctx, req)
+    prompt = await chat_prompt(ctx, req)
     views = [ChatChoiceOutput(ctx.reasoning_parser, parser is not None, parser)
-             for parser in (_tool_parser(ctx, req) for _ in range(req.n))]
+             for parser in (chat_tool_parser(ctx, req) for _ in range(req.n))]
     return params, prompt, views
 
 

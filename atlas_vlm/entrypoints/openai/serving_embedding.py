@@ -27,7 +27,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from atlas_vlm.entrypoints.openai.protocol import APIError, ChatMessage, MMProcessorKwargs, UnicodeBody, _Strict
-from atlas_vlm.entrypoints.openai.serving_chat import _prompt as chat_prompt
+from atlas_vlm.entrypoints.openai.serving_chat import chat_prompt
 from atlas_vlm.entrypoints.openai.serving_common import ServerContext, close_all, collect, new_id, start_choices
 from atlas_vlm.entrypoints.openai.serving_completion import _validated, split_prompts
 from atlas_vlm.pooling_params import PoolingParams

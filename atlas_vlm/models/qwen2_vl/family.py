@@ -8,7 +8,7 @@ from __future__ import annotations
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 from atlas_vlm.models.family_hooks import FamilyHooks
-from atlas_vlm.models.param_count import linear_params as _linear
+from atlas_vlm.models.family_hooks import linear_params as _linear
 
 __all__ = ["QwenVLHooks", "Qwen2VLHooks", "Qwen2_5_VLHooks", "QWEN2_VL_PROCESSOR_DEFAULTS"]
 

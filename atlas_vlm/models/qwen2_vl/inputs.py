@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from atlas_vlm.engine.mm_inputs import MediaInputs
-from atlas_vlm.engine.tool_prompt import render_with_tools
+from atlas_vlm.inputs.media import MediaInputs
+from atlas_vlm.inputs.tool_prompt import render_with_tools
 
 
 class QwenVLInputs(MediaInputs):
@@ -79,7 +79,7 @@ class QwenVLInputs(MediaInputs):
         """
         if self.max_prompt_tokens is None:
             return None
-        from atlas_vlm.engine.input_processor import RequestTooLongError
+        from atlas_vlm.inputs.media import RequestTooLongError
         from mm_token_pipeline import video_resized_size
 
         geometry = self.image_settings

@@ -18,16 +18,20 @@ The MLP is our SwiGLU (``decoder.MLP``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from atlas_vlm.layers.attention import AttentionMetadata, paged_attention
 from atlas_vlm.layers.rotary import RotaryEmbedding, apply_rotary
-from atlas_vlm.models.arch import ModelArch
 from atlas_vlm.models.decoder import MLP, CausalLM
 from atlas_vlm.models.qwen3_5.gated_deltanet import GatedDeltaNet
 from mm_kv_cache_management.state_cache import StateSpec
 from mm_kv_cache_management.state_config import state_spec_from_config
+
+if TYPE_CHECKING:  # annotations only: ModelArch.from_hf_config reads the registry, which names this module
+    from atlas_vlm.models.arch import ModelArch
 
 LINEAR, FULL = "linear_attention", "full_attention"
 

@@ -4,7 +4,7 @@ mean = std = 0.5) and the tower's parameter count; the geometry is Qwen-VL's.
 
 from __future__ import annotations
 
-from atlas_vlm.models.param_count import linear_params as _linear
+from atlas_vlm.models.family_hooks import linear_params as _linear
 from atlas_vlm.models.qwen2_vl.family import QwenVLHooks
 
 __all__ = ["Qwen3VLHooks", "QWEN3_VL_PROCESSOR_DEFAULTS"]

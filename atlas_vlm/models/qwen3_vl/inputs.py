@@ -21,7 +21,7 @@ class Qwen3VLInputs(QwenVLInputs):
 
     def video_positions(self, ids: list[int], images: list, videos: list, common: dict) -> tuple[torch.Tensor, int]:
         """``get_rope_index_qwen3_vl``: every temporal group of a video its own grid."""
-        from mm_token_pipeline import get_rope_index_qwen3_vl
+        from atlas_vlm.models.qwen3_vl.mrope import get_rope_index_qwen3_vl
 
         return get_rope_index_qwen3_vl(ids, images, [v.grid_thw for v in videos],
                                        video_token_id=self.hf_config.video_token_id, **common)

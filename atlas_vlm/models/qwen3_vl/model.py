@@ -20,12 +20,16 @@ After decoder layer ``k < K`` the hidden states at the image tokens of the step 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from atlas_vlm.layers.attention import AttentionMetadata
 from atlas_vlm.layers.rotary import RotaryEmbedding
-from atlas_vlm.models.arch import ModelArch
 from atlas_vlm.models.decoder import CausalLM
+
+if TYPE_CHECKING:  # annotations only: ModelArch.from_hf_config reads the registry, which names this module
+    from atlas_vlm.models.arch import ModelArch
 
 
 class Qwen3VLForCausalLM(CausalLM):

@@ -4,7 +4,7 @@ Scope: what differs from Qwen2.5-VL. Images are resized with the same qwen-vl-ut
 ``smart_resize`` rule but with factor 32 (patch 16 x merge 2), so ``max_pixels`` allows at
 most ``max_pixels // (32*32)`` visual tokens, and normalised with mean = std = 0.5; bounds,
 geometry and normalisation come from the checkpoint's ``preprocessor_config.json``
-(``processor_config.image_processor_settings``; released: 65536 / 16777216 pixels); patchify stays
+(``models.processor_settings.image_processor_settings``; released: 65536 / 16777216 pixels); patchify stays
 ``Qwen2VLImageProcessor(do_resize=False)`` with ``patch_size=16`` given explicitly, so the
 slow processor's ignored-``size`` fault (transformers #42910) cannot change the grid.
 The vision tower is HF's ``Qwen3VLVisionModel``: it returns the merged features and one
@@ -13,7 +13,7 @@ hands them back side by side in ONE tensor per image, so any slicing by token (c
 prefill, encoder cache) keeps the DeepStack rows with the main ones.
 M-RoPE positions for images follow the same rule as Qwen2.5-VL (HF
 ``Qwen3VLModel.get_rope_index`` differs only for videos, whose grids it splits per temporal
-group): :func:`get_rope_index_qwen3_vl` (in ``mrope``, re-exported here) covers both. Video
+group): :func:`get_rope_index_qwen3_vl` (``qwen3_vl/mrope.py``, re-exported here) covers both. Video
 prompts: ``build_prompt_ids(..., video_timestamps=True)`` with :data:`QWEN3_VL_CHAT_TEMPLATE`.
 """
 
@@ -23,8 +23,8 @@ import torch
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
-from mm_token_pipeline.mrope import get_rope_index_qwen3_vl
 from atlas_vlm.models.qwen2_vl.vision import VisionEncoder
+from atlas_vlm.models.qwen3_vl.mrope import get_rope_index_qwen3_vl
 
 __all__ = ["QWEN3_VL_CHAT_TEMPLATE", "QWEN3_VL_IMAGE_MEAN", "QWEN3_VL_IMAGE_STD",
            "Qwen3VLVisionEncoder", "get_rope_index_qwen3_vl"]

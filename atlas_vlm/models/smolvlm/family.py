@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import math
 
-from atlas_vlm.models.family_hooks import FamilyHooks
-from atlas_vlm.models.param_count import linear_params as _linear
-from atlas_vlm.models.param_count import text_config
+from atlas_vlm.models.family_hooks import FamilyHooks, text_config
+from atlas_vlm.models.family_hooks import linear_params as _linear
 
 __all__ = ["SmolVLMHooks"]
 

@@ -4,7 +4,7 @@ processor, images bounded by a longest edge, videos by SmolVLM's own sampling; 1
 
 from __future__ import annotations
 
-from atlas_vlm.engine.mm_inputs import MediaInputs
+from atlas_vlm.inputs.media import MediaInputs
 
 
 class SmolVLMInputs(MediaInputs):

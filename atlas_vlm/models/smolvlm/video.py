@@ -52,8 +52,8 @@ import numpy as np
 import torch
 
 from mm_token_pipeline.image_io import ImageInputError, load_image
-from mm_token_pipeline.video_decode import _build_index, _decode_frames, _open, _probe
-from mm_token_pipeline.video_io import _read_source
+from mm_token_pipeline.video_decode import build_frame_index, decode_frames, open_container, probe_stream
+from mm_token_pipeline.video_io import read_video_source
 from mm_token_pipeline.video_sampling import VideoInputError
 
 from .tiles import SmolVLMTile, _as_template_messages, global_blocks
@@ -205,18 +205,18 @@ def load_smolvlm_video(source, video_processor, *, num_frames: int | None = None
     """
     if isinstance(source, (list, tuple)):
         return _frame_list(source, source_fps, num_frames=num_frames, fps=fps)
-    name, payload = _read_source(source, fetch)
+    name, payload = read_video_source(source, fetch)
     if source_fps is not None:
         raise VideoInputError(name, f"option source_fps={source_fps!r} applies to a list of frames; a file's "
                                     "rate is read from its stream")
-    container = _open(name, payload)
+    container = open_container(name, payload)
     try:
         stream = container.streams.video[0]
-        index = _build_index(name, container, stream)
-        probe = _probe(name, container, stream, index)
+        index = build_frame_index(name, container, stream)
+        probe = probe_stream(name, container, stream, index)
         indices = smolvlm_sample_indices(video_processor, probe.total_frames, probe.fps, num_frames=num_frames,
                                          target_fps=fps, skip_secs=skip_secs, source=name)
-        decoded, _ = _decode_frames(name, container, stream, index, indices)
+        decoded, _ = decode_frames(name, container, stream, index, indices)
     finally:
         container.close()
     if len({decoded[i].shape for i in indices}) != 1:

@@ -17,15 +17,15 @@ from typing import Annotated, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from atlas_vlm.entrypoints.openai.protocol import UnicodeBody, _Strict
+from atlas_vlm.entrypoints.openai.protocol import UnicodeBody, StrictModel
 
 
-class InputText(_Strict):
+class InputText(StrictModel):
     type: Literal["input_text"]
     text: str
 
 
-class InputImage(_Strict):
+class InputImage(StrictModel):
     """An image by URL or ``data:`` URI (``file_id`` uploads are not supported)."""
 
     type: Literal["input_image"]
@@ -33,7 +33,7 @@ class InputImage(_Strict):
     detail: Literal["auto", "low", "high"] = "auto"
 
 
-class InputFile(_Strict):
+class InputFile(StrictModel):
     """A file part: an image given by ``file_id`` (uploaded to ``/v1/files``), ``file_data``
     (a ``data:`` URL) or ``file_url``; exactly one of the three. Other file kinds (PDF, text)
     are refused when the request is translated (400 naming the part)."""
@@ -45,7 +45,7 @@ class InputFile(_Strict):
     filename: str | None = None
 
 
-class OutputText(_Strict):
+class OutputText(StrictModel):
     """An assistant turn's text in the history (as the server returned it)."""
 
     type: Literal["output_text"]
@@ -57,7 +57,7 @@ class OutputText(_Strict):
 InputPart = Annotated[InputText | InputImage | InputFile | OutputText, Field(discriminator="type")]
 
 
-class MessageItem(_Strict):
+class MessageItem(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[InputPart]
@@ -65,7 +65,7 @@ class MessageItem(_Strict):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(StrictModel):
     """A call the model made (an output item fed back as history)."""
 
     type: Literal["function_call"]
@@ -76,7 +76,7 @@ class FunctionCallItem(_Strict):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(StrictModel):
     """The result of a call: becomes a ``role: "tool"`` message."""
 
     type: Literal["function_call_output"]
@@ -94,7 +94,7 @@ InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[Functio
                       | Annotated[FunctionCallOutputItem, Tag("function_call_output")], Discriminator(_item_type)]
 
 
-class FunctionTool(_Strict):
+class FunctionTool(StrictModel):
     """Responses' flat function tool: ``{"type": "function", "name", "parameters", ...}``."""
 
     type: Literal["function"]
@@ -104,12 +104,12 @@ class FunctionTool(_Strict):
     strict: bool | None = None
 
 
-class NamedFunctionChoice(_Strict):
+class NamedFunctionChoice(StrictModel):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Strict):
+class TextFormat(StrictModel):
     """``text.format``: plain text, any JSON object, or JSON following ``schema``."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -119,7 +119,7 @@ class TextFormat(_Strict):
     strict: bool | None = None
 
 
-class TextConfig(_Strict):
+class TextConfig(StrictModel):
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
 

@@ -14,7 +14,8 @@ the model type; each family's subclass lives in its folder (``atlas_vlm.models.q
   token id marks each modality's placeholders (``placeholder_token_ids``) and the M-RoPE
   positions of the prompt (``positions``).
 
-Nothing here allocates KV blocks or touches the engine; it runs in the caller's thread or
+``RequestTooLongError`` lives here too, so a family's inputs can raise it without importing the
+engine. Nothing here allocates KV blocks or touches the engine; it runs in the caller's thread or
 an input worker (the server), never on the engine thread's step.
 """
 
@@ -24,6 +25,11 @@ import torch
 
 from mm_token_pipeline import MultiModalOptions
 from mm_token_pipeline.messages import VIDEO_OPTIONS as VIDEO_ITEM_OPTIONS
+
+
+class RequestTooLongError(ValueError):
+    """A request can never fit: over ``max_model_len`` or over the whole KV capacity (raised by
+    the engine's ``InputProcessor``, and by a family's inputs when one video alone is too long)."""
 
 
 class MediaInputs:

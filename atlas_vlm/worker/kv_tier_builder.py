@@ -1,4 +1,4 @@
-"""The disk KV tier of an engine: its fingerprint, and building it from ``EngineConfig``.
+"""Builds the disk KV tier of an engine from ``EngineConfig``, in the folder its fingerprint names.
 
 A block's file is only valid for an engine whose K/V for the same tokens are bit-identical,
 so the tier's folder (``kv_cache_dir/<fingerprint>/``) is named by a hash of everything that
