@@ -188,6 +188,17 @@ def image_chat(image: str) -> list[dict]:
                                          {"type": "text", "text": "Describe this picture in a few words, please."}]}]
 
 
+def assert_same_output(out: tuple, ref: tuple, atol: float = 1e-5) -> None:
+    """The same greedy tokens and top-logprob ids as ``ref``, logprobs within ``atol``: a prompt
+    served from a prefix hit runs its suffix in a shorter prefill, and fp32 GEMMs of another row
+    count may round differently in the last bits on some CPUs (seen: 1e-6 on an Intel Xeon)."""
+    (ids, lps, tops), (ref_ids, ref_lps, ref_tops) = out, ref
+    assert ids == ref_ids
+    assert lps == pytest.approx(ref_lps, abs=atol)
+    for top, ref_top in zip(tops, ref_tops, strict=True):
+        assert top.keys() == ref_top.keys() and list(top.values()) == pytest.approx(list(ref_top.values()), abs=atol)
+
+
 @pytest.mark.vlm
 def test_image_prompt_hits_after_a_restart_and_another_image_does_not(tiny_models, tmp_path):
     folder = tiny_models["qwen2_vl"][0]
@@ -200,10 +211,12 @@ def test_image_prompt_hits_after_a_restart_and_another_image_does_not(tiny_model
     n, image = len(p.prompt_token_ids), p.image_spans[0]
     assert image.end < (n - 1) // BS * BS  # full blocks past the image: the hit covers it
     out, cached = gen(llm, image_chat("chelsea.png"))
-    assert out == ref_a and cached == (n - 1) // BS * BS
+    assert_same_output(out, ref_a)
+    assert cached == (n - 1) // BS * BS
     restarted = engine(folder, tmp_path, **opts)
     out, cached = gen(restarted, image_chat("coffee.png"))  # same tokens around, other image
-    assert out == ref_b and cached <= image.offset // BS * BS
+    assert_same_output(out, ref_b)
+    assert cached <= image.offset // BS * BS
 
 
 @pytest.mark.text
