@@ -112,6 +112,73 @@ def test_schemathesis_no_5xx_and_schema_conformance(fuzz_server, references):
     assert len(counts) == len(operations) and all(n >= 1 for n in counts.values())
 
 
+def _body_schema(spec: dict, path: str, media: str = "application/json"):
+    """A validator of ``POST path``'s body schema as served (its ``$ref`` resolved in ``spec``)."""
+    import jsonschema
+
+    ref = spec["paths"][path]["post"]["requestBody"]["content"][media]["schema"]["$ref"]
+    return jsonschema.Draft202012Validator({"$ref": ref, "components": spec["components"]})
+
+
+CHAT_BODY = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+COMPLETION_BODY = {"model": NAME, "prompt": "Hi", "max_tokens": 1}
+# issue 35 item 9: bodies the server refuses, each for a rule the served schema now states
+STATED_RULES = [
+    ("/v1/chat/completions", {**CHAT_BODY, "guided_regex": "a", "guided_choice": ["a"]}),  # one constraint
+    ("/v1/chat/completions", {**CHAT_BODY, "response_format": {"type": "json_object"}, "guided_regex": "a"}),
+    ("/v1/completions", {**COMPLETION_BODY, "top_p": 1e-46}),  # rounds to 0 in float32
+    ("/v1/completions", {**COMPLETION_BODY, "temperature": 1e39}),  # inf in float32
+    ("/v1/completions", {**COMPLETION_BODY, "suffix": "x"}),  # not supported
+    ("/v1/chat/completions", {**CHAT_BODY, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
+    ("/v1/embeddings", {"model": NAME}),  # neither input nor messages
+    ("/v1/batches", {"input_file_id": "file-x", "endpoint": "/v1/models", "completion_window": "24h"}),
+    ("/v1/batches", {"input_file_id": "file-x", "endpoint": "/v1/completions", "completion_window": "1h"}),
+    ("/v1/messages", {"model": NAME, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}],
+                      "tool_choice": {"type": "tool"}}),
+    ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "Hi"}], "tool_choice": {"type": "tool"}}),
+    ("/v1/responses", {"model": NAME, "input": "Hi", "max_output_tokens": 1,
+                       "text": {"format": {"type": "json_schema", "name": "x"}}}),
+]
+# and bodies the schema allows that the server once refused, now accepted
+ACCEPTED = [
+    ("/v1/completions", {**COMPLETION_BODY, "top_p": 1.5e-45}),  # float32's least subnormal
+    ("/v1/chat/completions", {**CHAT_BODY, "mm_processor_kwargs": {"min_pixels": 2, "max_pixels": 1}}),
+    ("/v1/embeddings", {"model": NAME, "input": "Hi", "mm_processor_kwargs": {"min_pixels": 9, "max_pixels": 4}}),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "developer", "content": "Be brief."},
+                                                        {"role": "user", "content": "Hi"}]}),
+]
+
+
+def test_the_schema_states_the_rules_the_server_enforces(fuzz_server):
+    """Each refused body is invalid by the served schema, each accepted one valid (the rules
+    schemathesis' ``positive_data_acceptance`` found unstated)."""
+    spec = httpx.get(fuzz_server.url + "/openapi.json").json()
+    for path, body in STATED_RULES:
+        assert not _body_schema(spec, path).is_valid(body), (path, body)
+        r = httpx.post(fuzz_server.url + path, json=body, timeout=60)
+        assert r.status_code == 400, (path, body, r.text)
+    for path, body in ACCEPTED:
+        assert _body_schema(spec, path).is_valid(body), (path, body)
+        r = httpx.post(fuzz_server.url + path, json=body, timeout=60)
+        assert r.status_code == 200, (path, body, r.text)
+    upload = _body_schema(spec, "/v1/files", "multipart/form-data")
+    assert not upload.is_valid({"file": "x", "purpose": ""}) and upload.is_valid({"file": "x", "purpose": "batch"})
+    r = httpx.post(fuzz_server.url + "/v1/files", files={"file": ("a.jsonl", b"{}")}, data={"purpose": ""})
+    assert r.status_code == 400, r.text
+
+
+def test_options_allow_lists_every_documented_method(fuzz_server):
+    """A wrong method on a path served by several routes (``GET`` and ``POST /v1/batches``)
+    is a 405 whose ``Allow`` lists every method the schema documents for the path."""
+    spec = httpx.get(fuzz_server.url + "/openapi.json").json()
+    for path, ops in spec["paths"].items():
+        url = fuzz_server.url + path.replace("{model_id}", NAME).replace("{", "").replace("}", "")
+        r = httpx.options(url)
+        assert r.status_code == 405, (path, r.status_code)
+        allow = {m.strip() for m in r.headers["allow"].split(",")} - {"HEAD"}
+        assert allow == {m.upper() for m in ops}, (path, allow)
+
+
 def test_after_fuzzing_no_block_is_held_and_answers_are_right(fuzz_server, references):
     assert_idle_and_correct(fuzz_server, references)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, UnicodeBody, _Strict, printable
 
@@ -89,6 +89,11 @@ class ToolDef(_Strict):
 
 
 class ToolChoice(_Strict):
+    # type "tool" needs a name (messages_to_chat), stated in the schema
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"type": {"const": "tool"}}},
+        "then": {"required": ["name"], "properties": {"name": {"type": "string", "minLength": 1}}}})
+
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None

@@ -72,6 +72,18 @@ def _responses(*statuses: int, stream: bool = False) -> dict:
             **{s: {"description": words.get(s, "error"), "content": err} for s in statuses}}
 
 
+def _allowed_methods(request: Request) -> list[str]:
+    """The methods of every route whose path matches the request's (a path served by several
+    routes, one per method, e.g. ``GET`` and ``POST /v1/batches``), sorted."""
+    from starlette.routing import Match
+
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if getattr(route, "methods", None) and route.matches(request.scope)[0] != Match.NONE:
+            methods |= route.methods
+    return sorted(methods)
+
+
 def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics_text=None, *,
                max_request_body_bytes: int | None = None, protect_docs_metrics: bool = False,
                files: FileStore | None = None, batch_max_in_flight: int = DEFAULT_BATCH_IN_FLIGHT,
@@ -125,7 +137,10 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, e: HTTPException):
-        return error_response(APIError(e.status_code, str(e.detail), None, getattr(e, "code", None), headers=e.headers),
+        headers = e.headers
+        if e.status_code == 405:  # every method of the path, not only those of the route that matched first
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
+        return error_response(APIError(e.status_code, str(e.detail), None, getattr(e, "code", None), headers=headers),
                       request.url.path)
 
     @app.exception_handler(Exception)

@@ -79,6 +79,9 @@ def _find_surrogate(value, path: str) -> str | None:
     return None
 
 
+_NOT_NULL = {"not": {"type": "null"}}  # JSON schema: any value but null
+
+
 class _Strict(BaseModel):
     # strict: no coercion, as OpenAI's API ("16" is not an integer, 1 is not a boolean)
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -162,6 +165,12 @@ class JsonSchemaFormat(_Strict):
 
 
 class ResponseFormat(_Strict):
+    # type json_schema needs json_schema.schema (entrypoints.openai.structured), stated in the schema
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}},
+        "then": {"required": ["json_schema"], "properties": {"json_schema": {
+            "type": "object", "required": ["schema"], "properties": {"schema": _NOT_NULL}}}}})
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -169,6 +178,19 @@ class ResponseFormat(_Strict):
 # what the structured-output backend accepts, stated in the schema (a choice of no strings, or an
 # empty regex / grammar, is refused: structured_output.params)
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+def at_most_one(counted: dict[str, dict]) -> dict:
+    """A JSON schema (for a model's ``json_schema_extra``) stating that at most one of the
+    fields in ``counted`` holds a value the request counts: no two of them together.
+
+    Args:
+        counted: field name -> the schema its value matches when it counts (e.g. not null).
+    """
+    names = list(counted)
+    pairs = [{"required": [a, b], "properties": {a: counted[a], b: counted[b]}}
+             for i, a in enumerate(names) for b in names[i + 1:]]
+    return {"not": {"anyOf": pairs}}
 Choices = Annotated[list[NonEmptyStr], Field(min_length=1)]
 
 
@@ -197,6 +219,14 @@ class MMProcessorKwargs(_Strict):
     num_frames: int | None = Field(default=None, ge=1, le=4096)
     total_pixels: int | None = Field(default=None, ge=1)
 
+    @model_validator(mode="after")
+    def _min_within_max(self):
+        """A ``min_pixels`` above ``max_pixels`` is lowered to it (the schema cannot state the
+        order of two fields, so the server accepts what it allows: ``max_pixels`` wins)."""
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            self.min_pixels = self.max_pixels
+        return self
+
 
 class UnicodeBody(_Strict):
     """A request body whose strings must be valid Unicode: a lone surrogate anywhere is a 400
@@ -212,12 +242,24 @@ class UnicodeBody(_Strict):
         return data
 
 
+_FLOAT32_INF = 2.0 ** 128 - 2.0 ** 103  # the least double that rounds to inf in float32
+# the output constraints, at most one per request (entrypoints.openai.structured)
+_CONSTRAINTS = at_most_one({
+    "response_format": {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["json_object",
+                                                                                                 "json_schema"]}}},
+    **{name: _NOT_NULL for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                                    "guided_grammar")}})
+
+
 class _SamplingFields(UnicodeBody):
     """Fields shared by chat and completions (OpenAI defaults: temperature 1, top_p 1)."""
 
+    model_config = ConfigDict(json_schema_extra=_CONSTRAINTS)
+
     model: str | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    # the sampler's float32 bounds, stated in the schema (SamplingParams names them in its 400)
+    temperature: float = Field(default=1.0, json_schema_extra={"minimum": 0, "exclusiveMaximum": _FLOAT32_INF})
+    top_p: float = Field(default=1.0, json_schema_extra={"exclusiveMinimum": 2.0 ** -150, "maximum": 1})
     top_k: int = 0  # vLLM extra; 0 or -1: off
     min_p: float = 0.0  # vLLM extra; only 0 (off) is supported
     seed: int | None = None
@@ -264,9 +306,9 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False  # only False is supported
+    echo: bool = Field(default=False, json_schema_extra={"const": False})  # only False is supported
     best_of: int | None = None  # only None or n is supported
-    suffix: str | None = None  # not supported
+    suffix: str | None = Field(default=None, json_schema_extra={"anyOf": [{"type": "null"}]})  # not supported
 
     @field_validator("echo")
     @classmethod

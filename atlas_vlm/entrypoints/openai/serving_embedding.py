@@ -24,7 +24,7 @@ import time
 from types import SimpleNamespace
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from atlas_vlm.entrypoints.openai.protocol import APIError, ChatMessage, MMProcessorKwargs, UnicodeBody, _Strict
 from atlas_vlm.entrypoints.openai.serving_chat import _prompt as chat_prompt
@@ -54,6 +54,9 @@ class EmbeddingRequest(UnicodeBody):
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
     mm_processor_kwargs: MMProcessorKwargs | None = None
+    # exactly one of input and messages (``_one_input``), stated in the schema
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": [k], "properties": {k: {"not": {"type": "null"}}}} for k in ("input", "messages")]})
 
     @model_validator(mode="after")
     def _one_input(self):

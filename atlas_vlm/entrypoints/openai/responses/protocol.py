@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import ConfigDict, Discriminator, Field, Tag
 
 from atlas_vlm.entrypoints.openai.protocol import UnicodeBody, _Strict
 
@@ -110,6 +110,11 @@ class NamedFunctionChoice(_Strict):
 
 class TextFormat(_Strict):
     """``text.format``: plain text, any JSON object, or JSON following ``schema``."""
+
+    # type json_schema needs a schema (responses.translate), stated in the schema
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}},
+        "then": {"required": ["schema"], "properties": {"schema": {"type": "object"}}}})
 
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
