@@ -75,7 +75,18 @@ class ToolResultBlock(_Block):
 Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
 
 
+def _blocks_not_of(kind: str) -> dict:
+    """JSON schema: the message's content holds no block of type ``kind``."""
+    return {"properties": {"content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {
+        "not": {"type": "object", "required": ["type"], "properties": {"type": {"const": kind}}}}}]}}}
+
+
 class Message(_Strict):
+    # tool_use blocks only in assistant turns, tool_result only in user ones (messages_to_chat)
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"role": {"const": "user"}}},
+        "then": _blocks_not_of("tool_use"), "else": _blocks_not_of("tool_result")})
+
     role: Literal["user", "assistant"]
     content: str | list[Block]
 

@@ -14,10 +14,14 @@ API reference and vLLM's ``vllm/entrypoints/openai/protocol.py``.
 
 from __future__ import annotations
 
+import types
+import typing
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+
+from atlas_vlm.entrypoints.openai.schema_rules import FLOAT32_INF, FLOAT32_ZERO, NOT_NULL, at_most_one, non_empty_prompt
 
 
 # OpenAPI schema of one named server-sent event (``event: NAME`` + ``data: JSON``), as the
@@ -79,12 +83,38 @@ def _find_surrogate(value, path: str) -> str | None:
     return None
 
 
-_NOT_NULL = {"not": {"type": "null"}}  # JSON schema: any value but null
+def _takes_int(annotation) -> bool:
+    """Whether a field's type admits ints but no float (``int``, ``int | None``, ``list[int]``, ...)."""
+    args, origin = typing.get_args(annotation), typing.get_origin(annotation)
+    if origin is Annotated or origin is list:
+        return _takes_int(args[0])
+    if args and origin in (typing.Union, types.UnionType):
+        kinds = [a for a in args if a is not type(None)]
+        return any(_takes_int(a) for a in kinds) and float not in kinds
+    return annotation is int
+
+
+def _as_ints(value):
+    """``value`` with its integral floats (in lists too) as ints."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return [_as_ints(v) for v in value] if isinstance(value, list) else value
 
 
 class _Strict(BaseModel):
-    # strict: no coercion, as OpenAI's API ("16" is not an integer, 1 is not a boolean)
+    # strict: no coercion, as OpenAI's API ("16" is not an integer, 1 is not a boolean); but an
+    # integral float (4.0) is an integer to JSON Schema, so an int field takes it as the int
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data):
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                key = field.alias or name
+                if isinstance(data.get(key), (float, list)) and _takes_int(field.annotation):
+                    data = {**data, key: _as_ints(data[key])}
+        return data
 
 
 class ImageURL(_Strict):
@@ -169,7 +199,7 @@ class ResponseFormat(_Strict):
     model_config = ConfigDict(json_schema_extra={
         "if": {"properties": {"type": {"const": "json_schema"}}},
         "then": {"required": ["json_schema"], "properties": {"json_schema": {
-            "type": "object", "required": ["schema"], "properties": {"schema": _NOT_NULL}}}}})
+            "type": "object", "required": ["schema"], "properties": {"schema": NOT_NULL}}}}})
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -180,17 +210,6 @@ class ResponseFormat(_Strict):
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
-def at_most_one(counted: dict[str, dict]) -> dict:
-    """A JSON schema (for a model's ``json_schema_extra``) stating that at most one of the
-    fields in ``counted`` holds a value the request counts: no two of them together.
-
-    Args:
-        counted: field name -> the schema its value matches when it counts (e.g. not null).
-    """
-    names = list(counted)
-    pairs = [{"required": [a, b], "properties": {a: counted[a], b: counted[b]}}
-             for i, a in enumerate(names) for b in names[i + 1:]]
-    return {"not": {"anyOf": pairs}}
 Choices = Annotated[list[NonEmptyStr], Field(min_length=1)]
 
 
@@ -242,12 +261,11 @@ class UnicodeBody(_Strict):
         return data
 
 
-_FLOAT32_INF = 2.0 ** 128 - 2.0 ** 103  # the least double that rounds to inf in float32
 # the output constraints, at most one per request (entrypoints.openai.structured)
 _CONSTRAINTS = at_most_one({
     "response_format": {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["json_object",
                                                                                                  "json_schema"]}}},
-    **{name: _NOT_NULL for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    **{name: NOT_NULL for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
                                     "guided_grammar")}})
 
 
@@ -258,10 +276,10 @@ class _SamplingFields(UnicodeBody):
 
     model: str | None = None
     # the sampler's float32 bounds, stated in the schema (SamplingParams names them in its 400)
-    temperature: float = Field(default=1.0, json_schema_extra={"minimum": 0, "exclusiveMaximum": _FLOAT32_INF})
-    top_p: float = Field(default=1.0, json_schema_extra={"exclusiveMinimum": 2.0 ** -150, "maximum": 1})
+    temperature: float = Field(default=1.0, json_schema_extra={"minimum": 0, "exclusiveMaximum": FLOAT32_INF})
+    top_p: float = Field(default=1.0, json_schema_extra={"exclusiveMinimum": FLOAT32_ZERO, "maximum": 1})
     top_k: int = 0  # vLLM extra; 0 or -1: off
-    min_p: float = 0.0  # vLLM extra; only 0 (off) is supported
+    min_p: float = Field(default=0.0, json_schema_extra={"const": 0})  # vLLM extra; only 0 (off) is supported
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM extra
@@ -269,8 +287,8 @@ class _SamplingFields(UnicodeBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extra
-    presence_penalty: float = 0.0  # only 0 is supported
-    frequency_penalty: float = 0.0  # only 0 is supported
+    presence_penalty: float = Field(default=0.0, json_schema_extra={"const": 0})  # only 0 is supported
+    frequency_penalty: float = Field(default=0.0, json_schema_extra={"const": 0})  # only 0 is supported
     user: str | None = None  # end-user id, recorded by nobody
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None  # vLLM extra
@@ -303,7 +321,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(json_schema_extra=non_empty_prompt)
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = Field(default=False, json_schema_extra={"const": False})  # only False is supported

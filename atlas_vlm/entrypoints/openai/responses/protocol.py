@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 from pydantic import ConfigDict, Discriminator, Field, Tag
 
 from atlas_vlm.entrypoints.openai.protocol import UnicodeBody, _Strict
+from atlas_vlm.entrypoints.openai.schema_rules import exactly_one
 
 
 class InputText(_Strict):
@@ -36,6 +37,8 @@ class InputFile(_Strict):
     """A file part: an image given by ``file_id`` (uploaded to ``/v1/files``), ``file_data``
     (a ``data:`` URL) or ``file_url``; exactly one of the three. Other file kinds (PDF, text)
     are refused when the request is translated (400 naming the part)."""
+
+    model_config = ConfigDict(json_schema_extra=exactly_one("file_id", "file_data", "file_url"))
 
     type: Literal["input_file"]
     file_id: str | None = None
