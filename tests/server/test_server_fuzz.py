@@ -5,7 +5,8 @@ then every check schemathesis has (``--checks all``, issue 35) on positive and n
 of every operation, and the schema stating each rule the server enforces; then a soak of
 ``SOAK_CLIENTS`` concurrent clients for ``SOAK_S`` seconds mixing chat and completions,
 streamed and not, with random disconnects, asserting no 5xx and greedy answers equal to the
-references. After each: every KV block back, nothing running or waiting, and a correct answer. On a tiny random Qwen2 (``--max-model-len 64``)."""
+references. After each: every KV block back, nothing running or waiting, and a correct answer.
+On a tiny random Qwen2 (``--max-model-len 64``)."""
 
 from __future__ import annotations
 
