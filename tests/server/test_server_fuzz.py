@@ -179,6 +179,9 @@ COMPLETION_BODY = {"model": NAME, "prompt": "Hi", "max_tokens": 1}
 STATED_RULES = [
     ("/v1/chat/completions", {**CHAT_BODY, "guided_regex": "a", "guided_choice": ["a"]}),  # one constraint
     ("/v1/chat/completions", {**CHAT_BODY, "response_format": {"type": "json_object"}, "guided_regex": "a"}),
+    ("/v1/chat/completions", {**CHAT_BODY, "tool_choice": "auto"}),  # tool_choice needs tools
+    ("/v1/chat/completions", {**CHAT_BODY, "tool_choice": "required", "guided_regex": "a",
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}),  # forced + constraint
     ("/v1/completions", {**COMPLETION_BODY, "top_p": 1e-46}),  # rounds to 0 in float32
     ("/v1/completions", {**COMPLETION_BODY, "temperature": 1e39}),  # inf in float32
     ("/v1/completions", {**COMPLETION_BODY, "suffix": "x"}),  # not supported

@@ -261,12 +261,20 @@ class UnicodeBody(_Strict):
         return data
 
 
-# the output constraints, at most one per request (entrypoints.openai.structured)
-_CONSTRAINTS = at_most_one({
-    "response_format": {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["json_object",
-                                                                                                 "json_schema"]}}},
-    **{name: NOT_NULL for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                                    "guided_grammar")}})
+# the output constraints, at most one per request (entrypoints.openai.structured): field -> its counted values
+_COUNTED = {"response_format": {"type": "object", "required": ["type"],
+                                "properties": {"type": {"enum": ["json_object", "json_schema"]}}},
+            **{name: NOT_NULL for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                                           "guided_grammar")}}
+_CONSTRAINTS = at_most_one(_COUNTED)
+# tool_choice other than "none" needs tools; a forced one ("required", a named function) no other
+# constraint (serving_chat._constraint)
+_TOOL_CHOICE_RULES = {"allOf": [
+    {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"enum": [None, "none"]}}}},
+     "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}},
+    {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {"anyOf": [{"const": "required"},
+                                                                                  {"type": "object"}]}}},
+     "then": {"not": {"anyOf": [{"required": [k], "properties": {k: v}} for k, v in _COUNTED.items()]}}}]}
 
 
 class _SamplingFields(UnicodeBody):
@@ -306,6 +314,8 @@ class _SamplingFields(UnicodeBody):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    model_config = ConfigDict(json_schema_extra={**_CONSTRAINTS, **_TOOL_CHOICE_RULES})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
