@@ -64,7 +64,9 @@ def _responses(*statuses: int, stream: bool = False) -> dict:
     OpenAI error JSON for each status."""
     ok = {"application/json": {"schema": {"type": "object"}}}
     if stream:
-        ok["text/event-stream"] = {"schema": {"type": "string"}}
+        # one event, as OpenAPI before 3.2 reads an event stream's schema: its ``data`` a chunk's JSON (or [DONE])
+        ok["text/event-stream"] = {"schema": {"type": "object", "required": ["data"],
+                                              "properties": {"data": {"type": "string"}}}}
     err = {"application/json": {"schema": {"$ref": "#/components/schemas/OpenAIError"}}}
     words = {400: "bad input", 401: "missing or wrong API key", 404: "unknown model", 413: "body too large",
              500: "engine fault", 503: "busy or unavailable"}
