@@ -194,6 +194,8 @@ STATED_RULES = [
     ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "Hi"}], "tool_choice": {"type": "tool"}}),
     ("/v1/responses", {"model": NAME, "input": "Hi", "max_output_tokens": 1,
                        "text": {"format": {"type": "json_schema", "name": "x"}}}),
+    ("/v1/responses", {"model": NAME, "input": "Hi", "max_output_tokens": 1, "tool_choice": "required"}),
+    ("/v1/responses", {"model": NAME, "input": "Hi", "max_output_tokens": 1, "background": True, "stream": True}),
 ]
 # and bodies the schema allows that the server once refused, now accepted
 ACCEPTED = [

@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 from pydantic import ConfigDict, Discriminator, Field, Tag
 
 from atlas_vlm.entrypoints.openai.protocol import UnicodeBody, _Strict
-from atlas_vlm.entrypoints.openai.schema_rules import exactly_one
+from atlas_vlm.entrypoints.openai.schema_rules import FLOAT32_INF, FLOAT32_ZERO, exactly_one
 
 
 class InputText(_Strict):
@@ -134,12 +134,21 @@ class TextConfig(_Strict):
 class ResponsesRequest(UnicodeBody):
     """``POST /v1/responses`` body (OpenAI defaults: temperature 1, top_p 1, store true)."""
 
+    # stated in the schema: tool_choice other than "none" needs tools (the chat request it
+    # becomes); a background response is stored and not streamed (background.py)
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"enum": [None, "none"]}}}},
+         "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}},
+        {"if": {"required": ["background"], "properties": {"background": {"const": True}}},
+         "then": {"properties": {"store": {"const": True}, "stream": {"const": False}}}}]})
+
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
+    # the sampler's float32 bounds, stated (SamplingParams names them in its 400)
+    temperature: float | None = Field(default=None, json_schema_extra={"minimum": 0, "exclusiveMaximum": FLOAT32_INF})
+    top_p: float | None = Field(default=None, json_schema_extra={"exclusiveMinimum": FLOAT32_ZERO, "maximum": 1})
     stream: bool = False
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
