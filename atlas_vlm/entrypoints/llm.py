@@ -30,18 +30,19 @@ logger = logging.getLogger(__name__)
 def _finish_chat(out: RequestOutput, reasoning_parser=None, tool_parser=None) -> RequestOutput:
     """A finished chat output with ``reasoning_content`` / ``content`` split by the engine's
     reasoning parser (if any) and ``tool_calls`` parsed from the content by ``tool_parser``
-    (an ``atlas_vlm.tool_parsers.ToolParser``; None: no tool parsing); the same split as
-    the server's (``entrypoints/openai/chat_output.py``)."""
+    (an ``atlas_vlm.tool_parsers.ToolParser``; None: no tool parsing); the server's split
+    (``entrypoints.openai.chat_output.split_output``)."""
     if not out.finished or out.finish_reason == "error":
         return out
-    content = out.text
+    from atlas_vlm.entrypoints.openai.chat_output import split_output
+
+    state = reasoning_parser.initial_state(out.prompt_token_ids) if reasoning_parser is not None else None
+    reasoning, content, calls = split_output(out.text, reasoning_parser, state, tool_parser)
     if reasoning_parser is not None:
-        out.reasoning_content, content = reasoning_parser.extract_reasoning(
-            out.text, reasoning_parser.initial_state(out.prompt_token_ids))
-        out.content = content
+        out.reasoning_content, out.content = reasoning, content
     if tool_parser is not None:
-        _, out.tool_calls = tool_parser.extract(content)
-        if out.tool_calls and out.finish_reason == "stop":
+        out.tool_calls = calls
+        if calls and out.finish_reason == "stop":
             out.finish_reason = "tool_calls"
     return out
 

@@ -6,8 +6,8 @@
 from __future__ import annotations
 
 from atlas_vlm.tool_parsers import hermes, llama3_json, mistral, qwen3_coder  # noqa: F401  (register)
-from atlas_vlm.tool_parsers.abstract import ToolParser, ToolParserManager, new_tool_call_id
-from atlas_vlm.tool_parsers.streaming import ToolCallStreamer
+from atlas_vlm.tool_parsers.abstract import ToolParser, ToolParserManager
+from atlas_vlm.tool_parsers.streaming import ToolCallStreamer, new_tool_call_id
 
 __all__ = ["ToolCallStreamer", "ToolParser", "ToolParserManager", "detect_tool_parser", "forced_tool_calls",
            "new_tool_call_id", "resolve_tool_parser"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 
-from atlas_vlm.tool_parsers.abstract import ToolParser, ToolParserManager, marker_blocks
+from atlas_vlm.tool_parsers.abstract import ToolParser, ToolParserManager
 
 START, END = "<tool_call>", "</tool_call>"
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*\Z", re.DOTALL)
@@ -60,10 +60,7 @@ def _convert(value: str, schema: dict | None):
 class Qwen3CoderToolParser(ToolParser):
     """``<tool_call>`` blocks holding one ``<function=NAME>`` with ``<parameter=P>`` values."""
 
-    start = START
-
-    def blocks(self, text: str, k: int) -> list[tuple[str, bool]]:
-        return marker_blocks(text, k, START, END)
+    block_markers = {START: END}
 
     def _properties(self, name: str) -> dict:
         for tool in self.tools:

@@ -177,7 +177,7 @@ def test_not_stored_is_not_retrievable(text_server):
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input.0.content.0.image_url"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
     ({"input": ASK, "max_output_tokens": 0}, "max_output_tokens"),
-    ({"input": ASK, "logit_bias": {"1": 500}}, "logit_bias"),
+    ({"input": ASK, "logit_bias": {"1": 500}}, "logit_bias.1"),
     ({"input": ASK, "tool_choice": "required"}, "tool_choice"),
     ({"input": ASK, "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input.0.role"),

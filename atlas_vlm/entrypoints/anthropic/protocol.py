@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, UnicodeBody, StrictModel, printable
 
@@ -75,7 +75,18 @@ class ToolResultBlock(_Block):
 Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
 
 
+def _blocks_not_of(kind: str) -> dict:
+    """JSON schema: the message's content holds no block of type ``kind``."""
+    return {"properties": {"content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {
+        "not": {"type": "object", "required": ["type"], "properties": {"type": {"const": kind}}}}}]}}}
+
+
 class Message(StrictModel):
+    # tool_use blocks only in assistant turns, tool_result only in user ones (messages_to_chat)
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"role": {"const": "user"}}},
+        "then": _blocks_not_of("tool_use"), "else": _blocks_not_of("tool_result")})
+
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
@@ -89,6 +100,11 @@ class ToolDef(StrictModel):
 
 
 class ToolChoice(StrictModel):
+    # type "tool" needs a name (messages_to_chat), stated in the schema
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"type": {"const": "tool"}}},
+        "then": {"required": ["name"], "properties": {"name": {"type": "string", "minLength": 1}}}})
+
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None

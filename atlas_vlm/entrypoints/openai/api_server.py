@@ -68,12 +68,26 @@ def _responses(*statuses: int, stream: bool = False) -> dict:
     OpenAI error JSON for each status."""
     ok = {"application/json": {"schema": {"type": "object"}}}
     if stream:
-        ok["text/event-stream"] = {"schema": {"type": "string"}}
+        # one event, as OpenAPI before 3.2 reads an event stream's schema: its ``data`` a chunk's JSON (or [DONE])
+        ok["text/event-stream"] = {"schema": {"type": "object", "required": ["data"],
+                                              "properties": {"data": {"type": "string"}}}}
     err = {"application/json": {"schema": {"$ref": "#/components/schemas/OpenAIError"}}}
     words = {400: "bad input", 401: "missing or wrong API key", 404: "unknown model", 413: "body too large",
              500: "engine fault", 503: "busy or unavailable"}
     return {200: {"description": "OK", "content": ok},
             **{s: {"description": words.get(s, "error"), "content": err} for s in statuses}}
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """The methods of every route whose path matches the request's (a path served by several
+    routes, one per method, e.g. ``GET`` and ``POST /v1/batches``), sorted."""
+    from starlette.routing import Match
+
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if getattr(route, "methods", None) and route.matches(request.scope)[0] != Match.NONE:
+            methods |= route.methods
+    return sorted(methods)
 
 
 def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics_text=None, *,
@@ -130,7 +144,10 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, e: HTTPException):
-        return error_response(APIError(e.status_code, str(e.detail), None, getattr(e, "code", None), headers=e.headers),
+        headers = e.headers
+        if e.status_code == 405:  # every method of the path, not only those of the route that matched first
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
+        return error_response(APIError(e.status_code, str(e.detail), None, getattr(e, "code", None), headers=headers),
                       request.url.path)
 
     @app.exception_handler(Exception)

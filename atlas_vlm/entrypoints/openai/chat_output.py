@@ -1,12 +1,32 @@
 """One chat choice's output as OpenAI shows it: reasoning split from content (a reasoning
 parser), tool calls parsed out of the content (a ``atlas_vlm.tool_parsers`` parser), ``finish_reason``
-``"tool_calls"`` when calls were made; whole messages and stream deltas alike."""
+``"tool_calls"`` when calls were made; whole messages and stream deltas alike. ``split_output``
+is the one split of a finished output, for the server and ``LLM.chat`` alike; streamed, the tool
+calls are read incrementally (``ToolCallStreamer`` reads only each step's new text)."""
 
 from __future__ import annotations
 
 from atlas_vlm.reasoning.qwen3 import ENDED
 from atlas_vlm.tool_parsers import ToolCallStreamer, ToolParser
 from atlas_vlm.tool_parsers.hermes import HermesToolParser
+
+
+def split_output(text: str, reasoning_parser=None, state: str = ENDED,
+                 tool_parser: ToolParser | None = None) -> tuple[str | None, str | None, list[dict]]:
+    """``(reasoning_content, content, tool_calls)`` of a finished output's text.
+
+    Args:
+        reasoning_parser: a ``ReasoningParser`` or None (no split: reasoning None).
+        state: the reasoning parser's ``initial_state`` for the request's prompt.
+        tool_parser: a ``ToolParser`` instance, or None (no tool parsing: no calls).
+    """
+    reasoning, content = None, text
+    if reasoning_parser is not None:
+        reasoning, content = reasoning_parser.extract_reasoning(text, state)
+    calls: list[dict] = []
+    if tool_parser is not None:
+        content, calls = tool_parser.extract(content)
+    return reasoning, content, calls
 
 
 class ChatChoiceOutput:
@@ -33,12 +53,8 @@ class ChatChoiceOutput:
 
     def message(self, out) -> tuple[dict, str | None]:
         """``(message, finish_reason)`` of a finished output."""
-        reasoning, content = None, out.text
-        if self.reasoning_parser is not None:
-            reasoning, content = self.reasoning_parser.extract_reasoning(out.text, self._state(out))
-        calls = []
-        if self.parse_tools:
-            content, calls = self.tool_parser.extract(content)
+        reasoning, content, calls = split_output(out.text, self.reasoning_parser, self._state(out),
+                                                 self.tool_parser if self.parse_tools else None)
         msg = {"role": "assistant", "content": content}
         if reasoning is not None:
             msg["reasoning_content"] = reasoning

@@ -228,7 +228,8 @@ async def to_engine_messages(messages: list[ChatMessage], policy: MediaPolicy, i
                 content = "\n".join(it["text"] for it in items)
             else:
                 content = items
-        msg = {"role": m.role, "content": content if content is not None else ""}
+        # the prompt pipeline knows no "developer" role; OpenAI treats it as the system's instructions
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": content if content is not None else ""}
         if m.name is not None:
             msg["name"] = m.name
         if m.tool_calls is not None:  # templates read arguments as a dict (Qwen: `tojson` otherwise)

@@ -14,10 +14,14 @@ API reference and vLLM's ``vllm/entrypoints/openai/protocol.py``.
 
 from __future__ import annotations
 
+import types
+import typing
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+
+from atlas_vlm.entrypoints.openai.schema_rules import FLOAT32_INF, FLOAT32_ZERO, NOT_NULL, at_most_one, non_empty_prompt
 
 
 # OpenAPI schema of one named server-sent event (``event: NAME`` + ``data: JSON``), as the
@@ -79,11 +83,51 @@ def _find_surrogate(value, path: str) -> str | None:
     return None
 
 
-class StrictModel(BaseModel):
-    """A request body part as OpenAI checks it: strict (no coercion: "16" is not an integer, 1
-    is not a boolean) and no unknown keys; the Anthropic and Responses bodies build on it too."""
+def _takes_int(annotation) -> bool:
+    """Whether a field's type admits ints but no float (``int``, ``int | None``, ``list[int]``, ...)."""
+    args, origin = typing.get_args(annotation), typing.get_origin(annotation)
+    if origin is Annotated or origin is list:
+        return _takes_int(args[0])
+    if args and origin in (typing.Union, types.UnionType):
+        kinds = [a for a in args if a is not type(None)]
+        return any(_takes_int(a) for a in kinds) and float not in kinds
+    return annotation is int
 
+
+def _as_ints(value):
+    """``value`` with its integral floats (in lists too) as ints."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return [_as_ints(v) for v in value] if isinstance(value, list) else value
+
+
+TOKEN_ID_KEY = r"^(0|[1-9][0-9]{0,18})$"  # a token id as a JSON object key
+# the sampling extras' ranges (SamplingParams checks them too), shared by chat, completions, responses
+MinP = Annotated[float, Field(ge=0, le=1)]  # vLLM extra; 0: off
+Penalty = Annotated[float, Field(ge=-2, le=2)]  # OpenAI's presence / frequency penalty; 0: off
+RepetitionPenalty = Annotated[float, Field(gt=0, json_schema_extra={"exclusiveMaximum": FLOAT32_INF})]  # 1: off
+LogitBias = Annotated[  # token id (a string, as JSON keys are) -> bias in [-100, 100]
+    dict[Annotated[str, Field(pattern=TOKEN_ID_KEY)], Annotated[float, Field(ge=-100, le=100)]],
+    WithJsonSchema({"type": "object", "additionalProperties": False,
+                    "patternProperties": {TOKEN_ID_KEY: {"type": "number", "minimum": -100, "maximum": 100}}})]
+
+
+class StrictModel(BaseModel):
+    """A request body part as OpenAI checks it; the Anthropic and Responses bodies build on it too."""
+
+    # strict: no coercion, as OpenAI's API ("16" is not an integer, 1 is not a boolean); but an
+    # integral float (4.0) is an integer to JSON Schema, so an int field takes it as the int
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data):
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                key = field.alias or name
+                if isinstance(data.get(key), (float, list)) and _takes_int(field.annotation):
+                    data = {**data, key: _as_ints(data[key])}
+        return data
 
 
 _Strict = StrictModel  # the short name this file's models use
@@ -167,6 +211,12 @@ class JsonSchemaFormat(_Strict):
 
 
 class ResponseFormat(_Strict):
+    # type json_schema needs json_schema.schema (entrypoints.openai.structured), stated in the schema
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}},
+        "then": {"required": ["json_schema"], "properties": {"json_schema": {
+            "type": "object", "required": ["schema"], "properties": {"schema": NOT_NULL}}}}})
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -174,6 +224,8 @@ class ResponseFormat(_Strict):
 # what the structured-output backend accepts, stated in the schema (a choice of no strings, or an
 # empty regex / grammar, is refused: structured_output.params)
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
 Choices = Annotated[list[NonEmptyStr], Field(min_length=1)]
 
 
@@ -203,6 +255,14 @@ class MMProcessorKwargs(_Strict):
     num_frames: int | None = Field(default=None, ge=1, le=4096)
     total_pixels: int | None = Field(default=None, ge=1)
 
+    @model_validator(mode="after")
+    def _min_within_max(self):
+        """A ``min_pixels`` above ``max_pixels`` is lowered to it (the schema cannot state the
+        order of two fields, so the server accepts what it allows: ``max_pixels`` wins)."""
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            self.min_pixels = self.max_pixels
+        return self
+
 
 class UnicodeBody(_Strict):
     """A request body whose strings must be valid Unicode: a lone surrogate anywhere is a 400
@@ -218,14 +278,33 @@ class UnicodeBody(_Strict):
         return data
 
 
+# the output constraints, at most one per request (entrypoints.openai.structured): field -> its counted values
+_COUNTED = {"response_format": {"type": "object", "required": ["type"],
+                                "properties": {"type": {"enum": ["json_object", "json_schema"]}}},
+            **{name: NOT_NULL for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                                           "guided_grammar")}}
+_CONSTRAINTS = at_most_one(_COUNTED)
+# tool_choice other than "none" needs tools; a forced one ("required", a named function) no other
+# constraint (serving_chat._constraint)
+_TOOL_CHOICE_RULES = {"allOf": [
+    {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"enum": [None, "none"]}}}},
+     "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}},
+    {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {"anyOf": [{"const": "required"},
+                                                                                  {"type": "object"}]}}},
+     "then": {"not": {"anyOf": [{"required": [k], "properties": {k: v}} for k, v in _COUNTED.items()]}}}]}
+
+
 class _SamplingFields(UnicodeBody):
     """Fields shared by chat and completions (OpenAI defaults: temperature 1, top_p 1)."""
 
+    model_config = ConfigDict(json_schema_extra=_CONSTRAINTS)
+
     model: str | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # vLLM extra; 0 or -1: off
-    min_p: float | None = None  # vLLM extra; in [0, 1], None or 0: off
+    # the sampler's float32 bounds, stated in the schema (SamplingParams names them in its 400)
+    temperature: float = Field(default=1.0, json_schema_extra={"minimum": 0, "exclusiveMaximum": FLOAT32_INF})
+    top_p: float = Field(default=1.0, json_schema_extra={"exclusiveMinimum": FLOAT32_ZERO, "maximum": 1})
+    top_k: Annotated[int, Field(ge=-1)] = 0  # vLLM extra; 0 or -1: off
+    min_p: MinP | None = None  # vLLM extra; None or 0: off
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM extra
@@ -233,10 +312,10 @@ class _SamplingFields(UnicodeBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extra
-    presence_penalty: float | None = None  # in [-2, 2] (output tokens; SamplingParams checks the ranges)
-    frequency_penalty: float | None = None  # in [-2, 2] (output tokens, per occurrence)
-    repetition_penalty: float | None = None  # vLLM extra; > 0 (prompt and output tokens), None or 1: off
-    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias in [-100, 100]
+    presence_penalty: Penalty | None = None  # output tokens, once each
+    frequency_penalty: Penalty | None = None  # output tokens, per occurrence
+    repetition_penalty: RepetitionPenalty | None = None  # vLLM extra; prompt and output tokens
+    logit_bias: LogitBias | None = None
     user: str | None = None  # end-user id, recorded by nobody
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None  # vLLM extra
@@ -247,6 +326,8 @@ class _SamplingFields(UnicodeBody):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    model_config = ConfigDict(json_schema_extra={**_CONSTRAINTS, **_TOOL_CHOICE_RULES})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -262,12 +343,12 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(json_schema_extra=non_empty_prompt)
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False  # only False is supported
+    echo: bool = Field(default=False, json_schema_extra={"const": False})  # only False is supported
     best_of: int | None = None  # only None or n is supported
-    suffix: str | None = None  # not supported
+    suffix: str | None = Field(default=None, json_schema_extra={"anyOf": [{"type": "null"}]})  # not supported
 
     @field_validator("echo")
     @classmethod

@@ -24,16 +24,17 @@ import time
 from types import SimpleNamespace
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from atlas_vlm.entrypoints.openai.protocol import APIError, ChatMessage, MMProcessorKwargs, UnicodeBody, _Strict
+from atlas_vlm.entrypoints.openai.protocol import APIError, ChatMessage, MMProcessorKwargs, UnicodeBody, StrictModel
+from atlas_vlm.entrypoints.openai.schema_rules import exactly_one, non_empty_prompt
 from atlas_vlm.entrypoints.openai.serving_chat import chat_prompt
 from atlas_vlm.entrypoints.openai.serving_common import ServerContext, close_all, collect, new_id, start_choices
 from atlas_vlm.entrypoints.openai.serving_completion import _validated, split_prompts
 from atlas_vlm.pooling_params import PoolingParams
 
 
-class MessagesInput(_Strict):
+class MessagesInput(StrictModel):
     """One conversation to embed (an item of ``input``)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -44,7 +45,8 @@ class EmbeddingRequest(UnicodeBody):
     ``continue_final_message``, ``chat_template_kwargs``, ``mm_processor_kwargs``, ``normalize``)."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]] | list[MessagesInput] | None = None
+    input: str | list[str] | list[int] | list[list[int]] | list[MessagesInput] | None = Field(
+        default=None, json_schema_extra=non_empty_prompt)
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
@@ -54,6 +56,8 @@ class EmbeddingRequest(UnicodeBody):
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
     mm_processor_kwargs: MMProcessorKwargs | None = None
+    # exactly one of input and messages (``_one_input``), stated in the schema
+    model_config = ConfigDict(json_schema_extra=exactly_one("input", "messages"))
 
     @model_validator(mode="after")
     def _one_input(self):

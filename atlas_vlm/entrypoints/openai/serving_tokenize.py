@@ -65,7 +65,7 @@ TokenizeRequest = Annotated[Annotated[TokenizeCompletionRequest, Tag("prompt")] 
 
 class DetokenizeRequest(UnicodeBody):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Annotated[int, Field(ge=0)]]  # ids in the vocabulary (its size: unstatable here)
 
 
 class DetokenizeResponse(BaseModel):

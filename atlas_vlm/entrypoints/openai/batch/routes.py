@@ -11,8 +11,9 @@ from fastapi import FastAPI, File, Form, Query, UploadFile
 from fastapi.responses import FileResponse
 from pydantic import Field
 
-from atlas_vlm.entrypoints.openai.batch.files import FileStore
-from atlas_vlm.entrypoints.openai.batch.jobs import BatchJobs
+from atlas_vlm.entrypoints.openai.batch.files import UPLOAD_PURPOSES, FileStore
+from atlas_vlm.entrypoints.openai.batch.jobs import COMPLETION_WINDOWS, BatchJobs
+from atlas_vlm.entrypoints.openai.batch.lines import ENDPOINT_URLS
 from atlas_vlm.entrypoints.openai.protocol import UnicodeBody
 
 FILES_PATH = "/v1/files"  # uploads here are bounded by --max-file-bytes, not --max-request-body-bytes
@@ -22,8 +23,9 @@ class BatchRequest(UnicodeBody):
     """``POST /v1/batches``: OpenAI's create-batch body."""
 
     input_file_id: str
-    endpoint: str
-    completion_window: str
+    # the values served, stated in the schema (the store names them in its 400 for any other)
+    endpoint: str = Field(json_schema_extra={"enum": list(ENDPOINT_URLS)})
+    completion_window: str = Field(json_schema_extra={"enum": list(COMPLETION_WINDOWS)})
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
 
 
@@ -40,7 +42,8 @@ def add_batch_routes(app: FastAPI, files: FileStore, jobs: BatchJobs, responses)
     content.update({s: v for s, v in responses(401, 404).items() if s != 200})
 
     @app.post(FILES_PATH, responses=responses(400, 401, 413))
-    async def upload_file(file: UploadFile = File(...), purpose: str = Form(...)):
+    async def upload_file(file: UploadFile = File(..., json_schema_extra={"minLength": 1}),
+                          purpose: str = Form(..., json_schema_extra={"enum": list(UPLOAD_PURPOSES)})):
         return await files.upload(file, purpose)
 
     @app.get(FILES_PATH, responses=responses(400, 401))

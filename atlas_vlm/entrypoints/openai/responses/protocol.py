@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import ConfigDict, Discriminator, Field, Tag
 
-from atlas_vlm.entrypoints.openai.protocol import UnicodeBody, StrictModel
+from atlas_vlm.entrypoints.openai.protocol import LogitBias, MinP, Penalty, RepetitionPenalty, StrictModel, UnicodeBody
+from atlas_vlm.entrypoints.openai.schema_rules import FLOAT32_INF, FLOAT32_ZERO, exactly_one
 
 
 class InputText(StrictModel):
@@ -37,6 +38,8 @@ class InputFile(StrictModel):
     """A file part: an image given by ``file_id`` (uploaded to ``/v1/files``), ``file_data``
     (a ``data:`` URL) or ``file_url``; exactly one of the three. Other file kinds (PDF, text)
     are refused when the request is translated (400 naming the part)."""
+
+    model_config = ConfigDict(json_schema_extra=exactly_one("file_id", "file_data", "file_url"))
 
     type: Literal["input_file"]
     file_id: str | None = None
@@ -112,6 +115,11 @@ class NamedFunctionChoice(StrictModel):
 class TextFormat(StrictModel):
     """``text.format``: plain text, any JSON object, or JSON following ``schema``."""
 
+    # type json_schema needs a schema (responses.translate), stated in the schema
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}},
+        "then": {"required": ["schema"], "properties": {"schema": {"type": "object"}}}})
+
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     description: str | None = None
@@ -127,19 +135,28 @@ class TextConfig(StrictModel):
 class ResponsesRequest(UnicodeBody):
     """``POST /v1/responses`` body (OpenAI defaults: temperature 1, top_p 1, store true)."""
 
+    # stated in the schema: tool_choice other than "none" needs tools (the chat request it
+    # becomes); a background response is stored and not streamed (background.py)
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"enum": [None, "none"]}}}},
+         "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}},
+        {"if": {"required": ["background"], "properties": {"background": {"const": True}}},
+         "then": {"properties": {"store": {"const": True}, "stream": {"const": False}}}}]})
+
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
+    # the sampler's float32 bounds, stated (SamplingParams names them in its 400)
+    temperature: float | None = Field(default=None, json_schema_extra={"minimum": 0, "exclusiveMaximum": FLOAT32_INF})
+    top_p: float | None = Field(default=None, json_schema_extra={"exclusiveMinimum": FLOAT32_ZERO, "maximum": 1})
     # vLLM extras, as on chat completions (ranges checked there; None: off)
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: MinP | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: LogitBias | None = None
     stream: bool = False
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
