@@ -2,17 +2,20 @@
 broken one, ``--max-loaded-models 1``. Each answer equals its model's in-process greedy
 answer under two clients alternating models; ``/v1/models`` statuses follow loads and
 unloads; unknown names are a 404 listing the served ones; a broken model fails its request
-with the cause while the others serve; ``--idle-unload-s`` unloads and returns RSS.
+with the cause while the others serve; ``--idle-unload-s`` unloads and returns RSS; the
+chat page's model picker sends the chosen model.
 ``--models-dir`` discovery is checked on files alone."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import httpx
 import pytest
 
+from chat_browser import browser, open_page, send  # noqa: F401 - browser: a module fixture
 from server_process import TEXT_ARGS, TEXT_LLM_KWARGS, ServerProcess
 
 pytestmark = [pytest.mark.text, pytest.mark.server]
@@ -83,7 +86,6 @@ def test_models_alternate_and_answer_as_alone(server, references):
         t.join(timeout=600)
     assert errors == []
     assert len(answers) == 12
-    import json
     for model, prompt, _, body in answers:
         body = json.loads(body)
         assert body["model"] == model
@@ -171,3 +173,18 @@ def test_models_dir_discovery(tmp_path):
         "solo": (str(tmp_path / "Solo.gguf"), None)}
     with pytest.raises(ValueError, match="two models are named 'solo'"):
         model_specs([str(tmp_path / "Solo.gguf")], str(tmp_path))
+
+
+def test_chat_page_model_picker(server, browser):  # noqa: F811 - chat_browser's module fixture
+    page = open_page(browser.new_context(), server)
+    picker = page.locator("#model-picker")
+    assert picker.is_visible() and not page.locator("#model-name").is_visible()
+    assert [o.get_attribute("value") for o in picker.locator("option").all()] == ["alpha", "beta", "broken"]
+    sent = []
+    page.on("request", lambda r: sent.append(json.loads(r.post_data)["model"])
+            if r.url.endswith("/v1/chat/completions") else None)
+    picker.select_option("beta")
+    send(page, "Hello there", 1)
+    assert sent == ["beta"]
+    assert _statuses(server.url)["beta"] == "loaded"
+    assert page.errors == []
