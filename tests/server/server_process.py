@@ -50,7 +50,8 @@ class ServerProcess:
 
     def __init__(self, model: str | None, *args: str, name: str = "test-model", launcher: list[str] | None = None,
                  env: dict[str, str] | None = None):
-        """``launcher``: the command before the serve arguments (default ``python -m
+        """``name``: ``--served-model-name`` (None: not passed; a several-model server);
+        ``launcher``: the command before the serve arguments (default ``python -m
         atlas_vlm.serve``; the fault tests use ``python tests/server/fault_server.py``);
         ``env``: extra environment variables."""
         import os
@@ -59,7 +60,8 @@ class ServerProcess:
         self.name = name
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [*(launcher or [sys.executable, "-m", "atlas_vlm.serve"]), *([model] if model else []),
-               "--port", str(self.port), "--served-model-name", name, "--log-level", "warning", *args]
+               "--port", str(self.port), *(["--served-model-name", name] if name else []), "--log-level", "warning",
+               *args]
         self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would block the server
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})})

@@ -90,6 +90,73 @@ def _allowed_methods(request: Request) -> list[str]:
     return sorted(methods)
 
 
+def install_error_handlers(app: FastAPI) -> None:
+    """OpenAI's JSON for every error out of ``app``'s routes (see ``create_app``)."""
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return error_response(e, request.url.path)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        return error_response(validation_error(list(e.errors())), request.url.path)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, e: EngineDeadError):
+        return error_response(engine_error(e), request.url.path)
+
+    @app.exception_handler(EngineStepError)
+    async def _step_failed(request: Request, e: EngineStepError):
+        return error_response(engine_error(e), request.url.path)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, e: HTTPException):
+        headers = e.headers
+        if e.status_code == 405:  # every method of the path, not only those of the route that matched first
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
+        return error_response(APIError(e.status_code, str(e.detail), None, getattr(e, "code", None), headers=headers),
+                      request.url.path)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        logger.exception("unexpected error in %s %s", request.method, request.url.path)
+        return error_response(APIError(500, f"internal server error ({type(e).__name__})", None, "internal_error"),
+                      request.url.path)
+
+
+def install_middlewares(app: FastAPI, api_key: str | None, protect_docs_metrics: bool, access_log: bool,
+                        max_request_body_bytes: int | None, body_overrides: dict | None = None) -> None:
+    """The API key guard, the body size limit (``body_overrides``: per-path limits) and the
+    access log (outermost) of ``app`` (see ``create_app``)."""
+    if api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, protect_docs_metrics=protect_docs_metrics)
+    if max_request_body_bytes is not None:
+        app.add_middleware(BodyLimitMiddleware, limit=max_request_body_bytes,
+                           overrides=body_overrides or {})
+    if access_log:  # added last: outermost, so the other middlewares' refusals are logged too
+        app.add_middleware(AccessLogMiddleware)
+
+
+def install_openapi(app: FastAPI) -> None:
+    """``app``'s OpenAPI schema: FastAPI's, with OpenAI's error and the model card declared."""
+    def openapi() -> dict:
+        """FastAPI's schema, with the 422 it adds to every body route replaced by what the
+        server answers instead (400, OpenAI's error JSON)."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for item in schema.get("paths", {}).values():
+                for op in item.values():
+                    op.get("responses", {}).pop("422", None)
+            comps = schema.setdefault("components", {}).setdefault("schemas", {})
+            comps.pop("HTTPValidationError", None)
+            comps.pop("ValidationError", None)
+            comps["OpenAIError"] = _error_schema()
+            comps["Model"] = model_card_schema()
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics_text=None, *,
                max_request_body_bytes: int | None = None, protect_docs_metrics: bool = False,
                files: FileStore | None = None, batch_max_in_flight: int = DEFAULT_BATCH_IN_FLIGHT,
@@ -126,43 +193,9 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
     app = FastAPI(title="Atlas VLM OpenAI-compatible server", lifespan=lifespan)
     created = int(time.time())
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError):
-        return error_response(e, request.url.path)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, e: RequestValidationError):
-        return error_response(validation_error(list(e.errors())), request.url.path)
-
-    @app.exception_handler(EngineDeadError)
-    async def _dead(request: Request, e: EngineDeadError):
-        return error_response(engine_error(e), request.url.path)
-
-    @app.exception_handler(EngineStepError)
-    async def _step_failed(request: Request, e: EngineStepError):
-        return error_response(engine_error(e), request.url.path)
-
-    @app.exception_handler(HTTPException)
-    async def _http(request: Request, e: HTTPException):
-        headers = e.headers
-        if e.status_code == 405:  # every method of the path, not only those of the route that matched first
-            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
-        return error_response(APIError(e.status_code, str(e.detail), None, getattr(e, "code", None), headers=headers),
-                      request.url.path)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception):
-        logger.exception("unexpected error in %s %s", request.method, request.url.path)
-        return error_response(APIError(500, f"internal server error ({type(e).__name__})", None, "internal_error"),
-                      request.url.path)
-
-    if api_key is not None:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key, protect_docs_metrics=protect_docs_metrics)
-    if max_request_body_bytes is not None:
-        app.add_middleware(BodyLimitMiddleware, limit=max_request_body_bytes,
-                           overrides={FILES_PATH: (files.max_file_bytes + UPLOAD_MARGIN_BYTES, "--max-file-bytes")})
-    if access_log:  # added last: outermost, so the other middlewares' refusals are logged too
-        app.add_middleware(AccessLogMiddleware)
+    install_error_handlers(app)
+    install_middlewares(app, api_key, protect_docs_metrics, access_log, max_request_body_bytes,
+                        {FILES_PATH: (files.max_file_bytes + UPLOAD_MARGIN_BYTES, "--max-file-bytes")})
 
     def _card(name: str) -> dict:
         return model_card(name, created, ctx.max_model_len, ctx.model_info, ctx.is_vlm)
@@ -228,23 +261,7 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
         add_tokenize_routes(app, ctx, _responses)
     add_web_routes(app)  # the chat page at / (its requests go to the guarded /v1 routes)
 
-    def openapi() -> dict:
-        """FastAPI's schema, with the 422 it adds to every body route replaced by what the
-        server answers instead (400, OpenAI's error JSON)."""
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            for item in schema.get("paths", {}).values():
-                for op in item.values():
-                    op.get("responses", {}).pop("422", None)
-            comps = schema.setdefault("components", {}).setdefault("schemas", {})
-            comps.pop("HTTPValidationError", None)
-            comps.pop("ValidationError", None)
-            comps["OpenAIError"] = _error_schema()
-            comps["Model"] = model_card_schema()
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi
+    install_openapi(app)
     return app
 
 

@@ -75,6 +75,19 @@ def add_parser(sub) -> None:
     b.add_argument("--max-batch-concurrency", type=int, default=16,
                    help="lines of one batch running at once, alongside live requests (default 16)")
     add_engine_args(p)
+    m = p.add_argument_group("several models (one endpoint; a request's model picks one; docs/server.md)")
+    m.add_argument("--model", dest="models", action="append", default=None, metavar="[NAME=]PATH",
+                   help="a model to serve (repeatable; NAME= sets its served name); two or more (or "
+                        "--models-dir) load each on its first request")
+    m.add_argument("--models-dir", default=None, metavar="DIR",
+                   help="serve every model in DIR: each .gguf (with mmproj-<stem>.gguf), GGUF pair folder or HF "
+                        "model folder, named by file stem or folder name, lower-cased")
+    m.add_argument("--max-loaded-models", type=int, default=1,
+                   help="models resident at once, the least recently used idle one unloaded first (default 1)")
+    m.add_argument("--model-load-timeout-s", type=float, default=600.0,
+                   help="seconds a request waits for its model to load before a 503 (default 600)")
+    m.add_argument("--idle-unload-s", type=float, default=None,
+                   help="unload a model idle this many seconds (default: never)")
     r = p.add_argument_group("replicas (Ray Serve; needs the ray extra)")
     r.add_argument("--replicas", type=int, default=1,
                    help="engine replicas; N > 1 serves them on Ray Serve behind one endpoint (default 1: no Ray)")
@@ -202,6 +215,16 @@ def run_serve(args) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%m-%d %H:%M:%S")
+    models = ([args.model] if args.model else []) + (args.models or [])
+    if len(models) > 1 or args.models_dir:
+        return _run_router(args, models)
+    if models:  # one model (positional or --model [NAME=]PATH): the single-model server, as before
+        from atlas_vlm.entrypoints.openai.model_specs import model_specs
+
+        spec = model_specs(models, None)[0]
+        args.model = spec.model
+        if args.served_model_name is None and spec.model != models[0]:
+            args.served_model_name = [spec.name]
     config = engine_config_from_args(args)
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
@@ -228,3 +251,36 @@ def run_serve(args) -> int:
                       max_file_bytes=args.max_file_bytes, batch_max_in_flight=args.max_batch_concurrency,
                       responses_dir=args.responses_dir, max_stored_responses=args.max_stored_responses,
                       access_log=args.access_log, log_stats_interval_s=args.log_stats_interval or None)
+
+
+def _run_router(args, models: list[str]) -> int:
+    """``atlas-vlm serve`` with several models (``router_app.run_router_server``)."""
+    import argparse
+
+    from atlas_vlm.entrypoints.openai.media import MediaPolicy
+    from atlas_vlm.entrypoints.openai.model_specs import model_specs
+    from atlas_vlm.entrypoints.openai.router_app import run_router_server
+
+    specs = model_specs(models, args.models_dir)
+    if not specs:
+        raise ValueError(f"no model found in --models-dir {args.models_dir!r}")
+    for flag in ("replicas", "served_model_name"):
+        if getattr(args, flag) not in (None, 1):
+            raise ValueError(f"--{flag.replace('_', '-')} serves one model; not with several models")
+    if args.idle_unload_s is not None and args.idle_unload_s <= 0:
+        raise ValueError(f"--idle-unload-s must be > 0 seconds, got {args.idle_unload_s}")
+
+    def config_for(spec):
+        return engine_config_from_args(argparse.Namespace(**{**vars(args), "model": spec.model,
+                                                              "mmproj": spec.mmproj or args.mmproj}))
+
+    media = MediaPolicy.over(config_for(specs[0]).multimodal_config.media,
+                             allowed_local_media_path=args.allowed_local_media_path)
+    return run_router_server(specs, config_for, host=args.host, port=args.port, api_key=args.api_key,
+                             max_waiting_requests=args.max_waiting_requests, media=media, log_level=args.log_level,
+                             max_request_body_bytes=args.max_request_body_bytes,
+                             max_prompts_per_request=args.max_prompts_per_request,
+                             protect_docs_metrics=args.protect_docs_metrics, input_workers=args.input_workers,
+                             shutdown_timeout_s=args.shutdown_timeout, access_log=args.access_log,
+                             max_loaded_models=args.max_loaded_models,
+                             model_load_timeout_s=args.model_load_timeout_s, idle_unload_s=args.idle_unload_s)

@@ -36,9 +36,15 @@ function persist() {
 async function refreshModel() {
   try {
     const cards = await listModels(state.settings.apiKey);
-    state.card = cards[0] || null;
+    // several models: a picker (the choice kept while the server still lists it)
+    state.card = cards.find((c) => c.id === state.model) || cards[0] || null;
     state.model = state.card ? state.card.id : null;
     $("model-name").textContent = state.model || "no model served";
+    const picker = $("model-picker");
+    picker.replaceChildren(...cards.map((c) => new Option(c.id, c.id, false, c.id === state.model)));
+    picker.hidden = cards.length < 2;
+    $("model-name").hidden = cards.length >= 2;
+    picker.onchange = () => refreshModel.pick(cards.find((c) => c.id === picker.value));
     return state.model ? null : "the server serves no model";
   } catch (e) {
     state.card = null;
@@ -51,6 +57,15 @@ async function refreshModel() {
     drawUsage(current(), state.card);
   }
 }
+
+// The picker's choice: its card drives Attach, the notice and the context shown.
+refreshModel.pick = (card) => {
+  state.card = card || null;
+  state.model = card ? card.id : null;
+  $("model-name").textContent = state.model || "no model served";
+  drawModelInfo(state.card);
+  drawUsage(current(), state.card);
+};
 
 // ---- drawing ---------------------------------------------------------------------------
 function actionsFor(conv, i) {
