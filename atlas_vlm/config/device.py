@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-ATTENTION_BACKENDS = ("auto", "reference", "bucketed", "decode_kernel", "triton")  # atlas_vlm.layers.attention's + "auto"
+ATTENTION_BACKENDS = ("auto", "reference", "bucketed", "decode_kernel", "triton")  # the one list (layers.attention derives its own)
 
 
 @dataclass

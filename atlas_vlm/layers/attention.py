@@ -17,13 +17,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from atlas_vlm.config.device import ATTENTION_BACKENDS as SETTING_BACKENDS
 from atlas_vlm.kernels import decode_kernel
 from atlas_vlm.layers.batch_invariant import per_row_layout
 from atlas_vlm.layers.attention_bucketed import (BucketedLayout, block_table_tensor, bucketed_paged_attention,
                                                  build_bucketed_layout)
 
-ATTENTION_BACKENDS = ("reference", "bucketed", "decode_kernel", "batch_invariant", "triton")  # batch_invariant:
-# deterministic=True; triton: CUDA, or CPU tensors under TRITON_INTERPRET=1
+# the backends a setting names (config.device.ATTENTION_BACKENDS, less "auto"), and batch_invariant
+# (deterministic=True); triton: CUDA, or CPU tensors under TRITON_INTERPRET=1
+ATTENTION_BACKENDS = (*(b for b in SETTING_BACKENDS if b != "auto"), "batch_invariant")
 
 
 @dataclass
