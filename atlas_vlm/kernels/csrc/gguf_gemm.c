@@ -30,34 +30,20 @@ typedef struct { /* the activations as q8_K: qs [M][K], d [M][nb], bsums [M][nb]
   int64_t K, nb;
 } Q8K;
 
+#include "half.h"
 #if defined(__F16C__)
 #include <immintrin.h>
-static inline float f16_to_f32(const uint8_t *p) { /* exact, IEEE half, little-endian bytes */
+#endif
+
+static inline float f16_at(const uint8_t *p) { /* the little-endian fp16 at p, exact */
+#if defined(__F16C__)
   uint16_t h;
   memcpy(&h, p, 2);
   return _cvtsh_ss(h);
-}
 #else
-static inline float f16_to_f32(const uint8_t *p) { /* exact, IEEE half, little-endian bytes */
-  const uint16_t h = (uint16_t)(p[0] | p[1] << 8);
-  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
-  if (exp == 0x1fu) {
-    u = sign | 0x7f800000u | (man << 13);
-  } else if (exp != 0) {
-    u = sign | ((exp + 112u) << 23) | (man << 13);
-  } else if (man == 0) {
-    u = sign;
-  } else { /* subnormal: normalise */
-    exp = 113u;
-    while ((man & 0x400u) == 0) man <<= 1, exp--;
-    u = sign | (exp << 23) | ((man & 0x3ffu) << 13);
-  }
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
+  return f16_to_f32((uint16_t)(p[0] | p[1] << 8));
 #endif
+}
 
 /* Q4_K / Q5_K's 12 scale bytes -> bytes of u: 8 six-bit scales, then 8 six-bit mins (ggml's masks). */
 static inline void unpack_k4_scales(const uint8_t *s, uint32_t u[4]) {
@@ -88,10 +74,10 @@ static inline void unpack_super(const uint8_t *b, int type, int32_t *w, int32_t 
         w[128 * h + 64 + l] = (ql >> 4) | ((qh >> 4) & 3) << 4;
       }
     for (int j = 0; j < 16; j++) sc[j] = (int8_t)b[192 + j];
-    dw[0] = f16_to_f32(b + 208);
+    dw[0] = f16_at(b + 208);
   } else if (type == GGML_Q8_0) {
     for (int j = 0; j < 8; j++) {
-      dw[j] = f16_to_f32(b + 34 * j);
+      dw[j] = f16_at(b + 34 * j);
       for (int l = 0; l < 32; l++) w[32 * j + l] = (int8_t)b[34 * j + 2 + l];
     }
   } else { /* Q4_K, Q5_K */
@@ -103,7 +89,7 @@ static inline void unpack_super(const uint8_t *b, int type, int32_t *w, int32_t 
     for (int j = 0; j < 8; j++)
       for (int l = 0; l < 32; l++)
         w[32 * j + l] = ((qs[32 * (j / 2) + l] >> (j % 2 ? 4 : 0)) & 15) | (five ? ((b[16 + l] >> j) & 1) << 4 : 0);
-    dw[0] = f16_to_f32(b), dw[1] = f16_to_f32(b + 2);
+    dw[0] = f16_at(b), dw[1] = f16_at(b + 2);
   }
 }
 

@@ -27,7 +27,7 @@ static inline __attribute__((always_inline)) void k4_rows(const uint8_t *row, co
   for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
   for (int64_t ib = 0; ib < q->nb; ib++) {
     const uint8_t *b = row + ib * bb, *qs = b + (five ? 48 : 16);
-    const float d = f16_to_f32(b), dmin = f16_to_f32(b + 2);
+    const float d = f16_at(b), dmin = f16_at(b + 2);
     uint32_t u[4];
     unpack_k4_scales(b + 4, u);
     const uint8_t *sc = (const uint8_t *)u;
@@ -69,7 +69,7 @@ static inline __attribute__((always_inline)) void q6_rows(const uint8_t *row, co
   for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
   for (int64_t ib = 0; ib < q->nb; ib++) {
     const uint8_t *b = row + ib * 210;
-    const float d = f16_to_f32(b + 208);
+    const float d = f16_at(b + 208);
     const int8_t *sc = (const int8_t *)(b + 192);
     __m256i w[8], s[8];
     for (int h = 0; h < 2; h++) {
@@ -110,7 +110,7 @@ static inline __attribute__((always_inline)) void q8_0_rows(const uint8_t *row, 
     for (int j = 0; j < 8; j++) {
       v[j] = _mm256_loadu_si256((const __m256i *)(b + 34 * j + 2));
       aw[j] = _mm256_sign_epi8(v[j], v[j]);
-      ds[j] = f16_to_f32(b + 34 * j);
+      ds[j] = f16_at(b + 34 * j);
     }
     for (int i = 0; i < mt; i++) {
       const int8_t *x = q->qs + (m0 + i) * q->K + ib * QK_K;

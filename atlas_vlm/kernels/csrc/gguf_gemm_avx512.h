@@ -29,7 +29,7 @@ static inline __attribute__((always_inline)) void k4_rows(const uint8_t *row, co
   for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
   for (int64_t ib = 0; ib < q->nb; ib++) {
     const uint8_t *b = row + ib * bb, *qs = b + (five ? 48 : 16);
-    const float d = f16_to_f32(b), dmin = f16_to_f32(b + 2);
+    const float d = f16_at(b), dmin = f16_at(b + 2);
     uint32_t u[4];
     unpack_k4_scales(b + 4, u);
     const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)u)); /* sc0..7, m0..7 */
@@ -75,7 +75,7 @@ static inline __attribute__((always_inline)) void q6_rows(const uint8_t *row, co
   const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(3), lo16 = _mm512_set1_epi32(0xffff);
   for (int64_t ib = 0; ib < q->nb; ib++) {
     const uint8_t *b = row + ib * 210;
-    const float d = f16_to_f32(b + 208);
+    const float d = f16_at(b + 208);
     const __m128i sc8 = _mm_loadu_si128((const __m128i *)(b + 192));
     const __m512i sc = _mm512_and_si512(_mm512_cvtepi8_epi32(sc8), lo16);
     __m512i w[4], s[4];
@@ -124,8 +124,8 @@ static inline __attribute__((always_inline)) void q8_0_rows(const uint8_t *row, 
                                            _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
       aw[c] = _mm512_abs_epi8(v);
       neg[c] = _mm512_movepi8_mask(v);
-      ds[c] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(f16_to_f32(b0))),
-                                 _mm256_set1_ps(f16_to_f32(b1)), 1);
+      ds[c] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(f16_at(b0))),
+                                 _mm256_set1_ps(f16_at(b1)), 1);
     }
     for (int i = 0; i < mt; i++) {
       const int8_t *x = q->qs + (m0 + i) * q->K + ib * QK_K;

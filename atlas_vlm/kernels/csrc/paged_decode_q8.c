@@ -32,23 +32,7 @@
 extern float expf(float) __attribute__((__simd__("notinbranch")));
 #endif
 
-/* IEEE half -> float (normals, subnormals, zeros, inf and NaN), exact. */
-static inline float f16_to_f32(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-  uint32_t u;
-  if (exp == 0x1fu) {
-    u = sign | 0x7f800000u | (man << 13);
-  } else if (exp != 0) {
-    u = sign | ((exp + 112u) << 23) | (man << 13);
-  } else {
-    float f = (float)man * 5.9604644775390625e-08f; /* man * 2^-24 */
-    memcpy(&u, &f, 4);
-    u |= sign;
-  }
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
+#include "half.h" /* f16_to_f32 */
 
 static inline float load_f32(const float *p, int64_t i) { return p[i]; }
 static inline void store_f32(float *p, int64_t i, float x) { p[i] = x; }
