@@ -38,13 +38,13 @@ def _finish_chat(out: RequestOutput, reasoning_parser=None, tool_parser=None) ->
 
     state = reasoning_parser.initial_state(out.prompt_token_ids) if reasoning_parser is not None else None
     reasoning, content, calls = split_output(out.text, reasoning_parser, state, tool_parser)
+    split = {}  # a new output: the engine's finished output is never written after the fact
     if reasoning_parser is not None:
-        out.reasoning_content, out.content = reasoning, content
+        split.update(reasoning_content=reasoning, content=content)
     if tool_parser is not None:
-        out.tool_calls = calls
-        if calls and out.finish_reason == "stop":
-            out.finish_reason = "tool_calls"
-    return out
+        split.update(tool_calls=calls, finish_reason="tool_calls" if calls and out.finish_reason == "stop"
+                     else out.finish_reason)
+    return dataclasses.replace(out, **split) if split else out
 
 
 def _final_only(params):
