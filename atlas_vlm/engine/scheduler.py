@@ -272,7 +272,7 @@ class Scheduler:
         Returns:
             ``(request, new token ids)`` for every request that sampled a token or finished
             in this step, in row order (several ids: a step's accepted drafts + the target's next), then every pooling request whose prompt is now
-            computed (its ``embedding`` set by the runner; finished with "stop", no token).
+            computed (its ``embedding`` from ``SamplerOutput.pooled``; finished with "stop", no token).
             A finished request is out of the queues, its blocks freed and ``finish_reason``
             set ("error" with ``error`` when its row failed).
         """
@@ -301,6 +301,7 @@ class Scheduler:
             updates.append((req, tokens))
         for req, _ in scheduler_output.chunks:  # pooling requests end with their prompt (no decode)
             if req.pooling_params is not None and req.num_computed_tokens == req.num_tokens:
+                req.embedding = sampled.pooled.get(req.request_id)
                 self.finish(req, "stop")
                 updates.append((req, []))
         return updates

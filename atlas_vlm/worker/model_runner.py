@@ -65,6 +65,7 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, plan: EnginePlan, vision=None):
         self.model, self.vision, self.plan = loaded.model, vision, plan
         self.capabilities = self.model.capabilities()  # what the model class declares
+        self.pooled: dict[str, list[float]] = {}  # the step's embeddings, until run() hands them out
         self.device, self.dtype, self.deterministic = plan.device, plan.dtype, plan.deterministic
         self.mrope = self.model.arch.mrope_section is not None
         self.attention_backend = plan.attention_backend.value
@@ -148,8 +149,9 @@ class ModelRunner:
     def forward_logits(self, chunks) -> tuple[torch.Tensor, list[int]]:
         """One batched forward through the first executor that serves it (the eager one when a
         pooling request is in the step). Returns fp32 logits ``[num_sampled, vocab]`` of the
-        chunks that reach their request's end (pooling requests' excluded: their
-        ``embedding`` is set instead, ``worker.pooler``), and those chunks' indices."""
+        chunks that reach their request's end (pooling requests' excluded: their embeddings
+        go out through ``run``'s ``SamplerOutput.pooled``, ``worker.pooler``), and those
+        chunks' indices."""
         step = StepInputs(self, chunks)
         if self.drafter is not None:
             self.last_step = step  # its inputs and hidden states: the MTP drafter reads them after sampling
@@ -161,8 +163,7 @@ class ModelRunner:
             if logits is not None:
                 break
         self.executor_steps[executor.name] += 1
-        if pooling:
-            pool_step(chunks, step.hidden)
+        self.pooled = pool_step(chunks, step.hidden) if pooling else {}  # run() hands them out with the step
         inp = step.inp
         for observe in self.observers:
             observe(chunks, inp, logits, inp.sampled)
@@ -191,6 +192,7 @@ class ModelRunner:
             masks = (rows, grammar_bitmask.bitmask[[pos[reqs[j].request_id] + j - first[reqs[j].request_id]
                                                     for j in rows]])
         out = sample_with_drafts(logits, reqs, masks)
+        out.pooled, self.pooled = self.pooled, {}
         if self.drafter is not None:  # MTP drafts for the next step, from this step's hidden states
             step, self.last_step = self.last_step, None
             self.drafter.after_step(chunks, step.inp, step.hidden, sampled, out, self.kv_cache, step.prepared[1])

@@ -2,10 +2,12 @@
 
 A pooling request's chunks run in ordinary engine steps next to generation; the runner
 hands this module the step's hidden states ``[num_tokens, hidden]`` (after the final norm).
-"mean" pooling sums each chunk's rows into the request (fp32) so that a prompt split over
-several steps (chunked prefill) gives the same vector as one step; on the chunk that ends
-the prompt the vector is made: pooled, truncated to ``dimensions``, then L2-normalised
-(vLLM's ``Pooler`` for the embed task: LAST / MEAN, Matryoshka before normalize).
+"mean" pooling keeps each chunk's rows summed in the request's ``pooled_sum`` (fp32, the
+pooler's running state) so that a prompt split over several steps (chunked prefill) gives
+the same vector as one step; on the chunk that ends the prompt the vector is made: pooled,
+truncated to ``dimensions``, then L2-normalised (vLLM's ``Pooler`` for the embed task: LAST /
+MEAN, Matryoshka before normalize), and returned through the step's output
+(``SamplerOutput.pooled``): the scheduler, the request's one writer, sets its ``embedding``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 
-def pool_step(chunks, hidden: torch.Tensor) -> None:
+def pool_step(chunks, hidden: torch.Tensor) -> dict[str, list[float]]:
     """Pool the step's pooling chunks into their requests.
 
     Args:
@@ -24,10 +26,11 @@ def pool_step(chunks, hidden: torch.Tensor) -> None:
             ``pooling_params`` are skipped.
         hidden: ``[sum num_tokens, hidden]`` final hidden states of the step.
 
-    Sets ``request.embedding`` (a list of floats) on each request whose prompt ends in this
-    step; "mean" requests keep their running sum in ``request.pooled_sum`` until then.
+    Returns:
+        ``{request_id: embedding}`` (a list of floats) for each request whose prompt ends in
+        this step; "mean" requests keep their running sum in ``request.pooled_sum`` until then.
     """
-    base = 0
+    base, pooled = 0, {}
     for req, n in chunks:
         params = req.pooling_params
         if params is not None:
@@ -39,9 +42,10 @@ def pool_step(chunks, hidden: torch.Tensor) -> None:
                 req.pooled_sum = total if start == 0 or req.pooled_sum is None else req.pooled_sum + total
             if end == req.num_tokens:
                 vec = rows[-1] if params.pooling == "last" else req.pooled_sum / req.num_tokens
-                req.embedding = finish_vector(vec, params).tolist()
+                pooled[req.request_id] = finish_vector(vec, params).tolist()
                 req.pooled_sum = None
         base += n
+    return pooled
 
 
 def finish_vector(vec: torch.Tensor, params) -> torch.Tensor:

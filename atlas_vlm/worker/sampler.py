@@ -13,7 +13,7 @@ an error naming its parameters, and no other row's tokens or generator state cha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,12 +26,15 @@ from atlas_vlm.worker.logits_processors import apply_penalties
 @dataclass
 class SamplerOutput:
     """Per row: the token (``None`` if the row failed), its logprob and top-k logprobs
-    (``None`` where not asked) and an error message (``None`` if fine)."""
+    (``None`` where not asked) and an error message (``None`` if fine); and the step's
+    embeddings, ``{request_id: vector}`` of the pooling requests whose prompt it completed
+    (``worker.pooler``; set by the runner)."""
 
     token_ids: list[int | None]
     logprobs: list[float | None]
     top_logprobs: list[dict[int, float] | None]
     errors: list[str | None]
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 def _draw(logits: torch.Tensor, requests, params: list, rows: list[int], errors: list) -> dict[int, torch.Tensor]:
