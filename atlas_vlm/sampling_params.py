@@ -151,19 +151,23 @@ class SamplingParams:
     def _validate(self) -> None:
         t = self.temperature
         if not _is_real(t) or not math.isfinite(t) or t < 0.0:
-            raise ValueError(f"temperature must be >= 0 and finite (< {SAMPLING_EPS}: greedy), got {t!r}")
+            raise SamplingParamsError("temperature", f"temperature must be >= 0 and finite "
+                                      f"(< {SAMPLING_EPS}: greedy), got {t!r}")
         if not is_greedy(t) and math.isinf(_as_float32(t)):
-            raise ValueError(f"temperature must be finite in float32 (at most ~3.4e38), got {t!r}")
+            raise SamplingParamsError("temperature", f"temperature must be finite in float32 (at most ~3.4e38), "
+                                      f"got {t!r}")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise SamplingParamsError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if _as_float32(self.top_p) == 0.0:  # the fp32 nucleus test would mask every token
-            raise ValueError(f"top_p must be in (0, 1] and not round to 0 in float32 (>= 1.4e-45), "
-                             f"got {self.top_p!r}")
+            raise SamplingParamsError("top_p", f"top_p must be in (0, 1] and not round to 0 in float32 "
+                                      f"(>= 1.4e-45), got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1 or self.top_k > _INT64_MAX:
-            raise ValueError(f"top_k must be an int, -1 or 0 (off) or in [1, 2**63 - 1], got {self.top_k!r}")
+            raise SamplingParamsError("top_k", f"top_k must be an int, -1 or 0 (off) or in [1, 2**63 - 1], "
+                                      f"got {self.top_k!r}")
         self._validate_penalties()
         if self.seed is not None and (not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
-            raise ValueError(f"seed must be an int in [-2**63, 2**64 - 1] or None, got {self.seed!r}")
+            raise SamplingParamsError("seed", f"seed must be an int in [-2**63, 2**64 - 1] or None, "
+                                      f"got {self.seed!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an int >= 1 or None, got {self.max_tokens!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):

@@ -38,8 +38,8 @@ ROWS = [  # (route, body, status, param, words in the message)
     (CHAT, chat(functions=[{"name": "f"}]), 400, "functions", "'functions' is not supported"),
     (CHAT, chat(logit_bias={"1": 500}), 400, "logit_bias.1", "less than or equal to 100"),
     (CHAT, chat(frequency_penalty=2.5), 400, "frequency_penalty", "less than or equal to 2"),
-    (CHAT, chat(temperature=-1), 400, None, "temperature must be >= 0"),
-    (CHAT, chat(top_p=0), 400, None, "top_p must be in (0, 1]"),
+    (CHAT, chat(temperature=-1), 400, "temperature", "temperature must be >= 0"),
+    (CHAT, chat(top_p=0), 400, "top_p", "top_p must be in (0, 1]"),
     (CHAT, chat(top_k=-5), 400, "top_k", "greater than or equal to -1"),
     (CHAT, chat(max_tokens=0), 400, "max_tokens", "greater than or equal to 1"),
     (CHAT, chat(n=0), 400, "n", "greater than or equal to 1"),
@@ -64,9 +64,9 @@ ROWS = [  # (route, body, status, param, words in the message)
      "needs stream=true"),
     (COMPL, {"model": "nope", "prompt": "Hi"}, 404, "model", "does not exist"),
     # issue 16: a top_p that rounds to 0 in fp32 would mask every token (it used to kill the engine)
-    (COMPL, {"model": "smollm2", "prompt": "Hello", "max_tokens": 4, "top_p": 1e-300}, 400, None,
+    (COMPL, {"model": "smollm2", "prompt": "Hello", "max_tokens": 4, "top_p": 1e-300}, 400, "top_p",
      "not round to 0 in float32"),
-    (COMPL, {"model": "smollm2", "prompt": "Hello", "max_tokens": 4, "seed": 2**70}, 400, None, "seed must be"),
+    (COMPL, {"model": "smollm2", "prompt": "Hello", "max_tokens": 4, "seed": 2**70}, 400, "seed", "seed must be"),
 ]
 
 
