@@ -22,11 +22,13 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from atlas_vlm.layers.quant_linear import Int4Linear, Int8Linear, QuantEmbedding
 from atlas_vlm.quantization import UnsupportedQuantizationError, build_empty, materialize
@@ -81,6 +83,7 @@ def gguf_meta_folder(gguf_path: Path) -> Path:
         return out
 
     def save(tmp: Path) -> None:
+        print(f"Reading {gguf_path.name}'s config and tokenizer into {out} (once)...", file=sys.stderr, flush=True)
         kwargs = dict(gguf_file=gguf_path.name)
         config = AutoConfig.from_pretrained(gguf_path.parent, **kwargs)
         settings = gguf_tokenizer_settings(gguf_path)
@@ -199,7 +202,8 @@ def load_gguf_quantized(gguf_path: str | os.PathLike, *, dtype: torch.dtype = to
     model = build_empty(model_class(family), arch, text_config_of(hf_config, family))
     used: set[str] = set()
 
-    for i, layer in enumerate(model.model.layers):
+    layers = tqdm(model.model.layers, desc=f"Loading {gguf_path.name} (as stored)", unit="layer", leave=False)
+    for i, layer in enumerate(layers):
         groups: dict[str, list[tuple[str, int | None]]] = {}
         for part, (path, shard) in _PROJ.items():
             groups.setdefault(path, []).append((part, shard))
