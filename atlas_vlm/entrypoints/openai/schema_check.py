@@ -2,7 +2,7 @@
 ``json_schema.schema``) checked when the request arrives, named by their request path.
 
 Scope: ``check_request_schema`` runs ``jsonschema``'s metaschema check (the draft the schema's
-``$schema`` names, else Draft 2020-12) and then asks the grammar backend (llguidance) whether it
+``$schema`` names, else Draft 2020-12) and then asks the grammar backend (``structured_output``) whether it
 compiles the schema; a failure is a 400 naming the field and the path inside the schema
 (``tools[0].function.parameters.properties.x.type: 'strin' is not valid under any of the given
 schemas``), never the grammar the server builds from it. Tools are checked under every
