@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from atlas_vlm.config import EngineConfig
-from atlas_vlm.engine.plan import EnginePlan, KVBudgetError  # noqa: F401 - KVBudgetError: its old home
 from atlas_vlm.worker import runner_build
 from atlas_vlm.worker.input_prep import ModelInput
 from atlas_vlm.worker.step_executors import (CompiledDecodeExecutor, DecodeStepExecutor, EagerExecutor,
@@ -19,6 +19,9 @@ from atlas_vlm.loader import LoadedModel
 from atlas_vlm.worker.pooler import pool_step
 from atlas_vlm.worker.sampler import SamplerOutput
 from atlas_vlm.spec_decode.rejection import sample_with_drafts  # worker.sampler.sample unless a sampled row has drafts
+
+if TYPE_CHECKING:  # the plan is built above this floor (engine.assembly) and handed down
+    from atlas_vlm.engine.plan import EnginePlan
 
 
 def kv_cache_budget_bytes(config: EngineConfig, device: torch.device, hf_config=None,

@@ -13,7 +13,7 @@ import torch
 from atlas_vlm import LLM, EngineConfig, SamplingParams
 from atlas_vlm.engine import RequestTooLongError
 from atlas_vlm.loader import ModelNotFoundError
-from atlas_vlm.worker.model_runner import KVBudgetError
+from atlas_vlm.engine.plan import KVBudgetError
 from atlas_vlm.models.arch import UnsupportedModelError
 
 pytestmark = pytest.mark.text

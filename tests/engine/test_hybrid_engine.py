@@ -10,7 +10,7 @@ import random
 import pytest
 
 from atlas_vlm import LLM, SamplingParams
-from atlas_vlm.worker.model_runner import KVBudgetError
+from atlas_vlm.engine.plan import KVBudgetError
 from hybrid_toy import build_tiny_llama, reference_greedy, toy_swapped_in
 
 pytestmark = pytest.mark.text

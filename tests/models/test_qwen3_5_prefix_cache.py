@@ -16,7 +16,7 @@ import torch
 from atlas_vlm import LLM, SamplingParams
 from atlas_vlm.engine.async_llm import AsyncLLM
 from atlas_vlm.entrypoints.openai.metrics import _EngineCollector
-from atlas_vlm.worker.model_runner import KVBudgetError
+from atlas_vlm.engine.plan import KVBudgetError
 from mm_kv_cache_management import RequestState
 from qwen3_5_helpers import VOCAB, build_tiny_qwen3_5, record_cached_and_logits
 

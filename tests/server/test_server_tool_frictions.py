@@ -66,4 +66,4 @@ def test_unenforced_format_is_a_400_naming_it(text_server):
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
     assert e.value.status_code == 400
     assert "format 'idn-email' at properties.mail is not supported" in e.value.message
-    assert e.value.body["param"] == "response_format"
+    assert e.value.body["param"] == "response_format.json_schema.schema"
