@@ -21,6 +21,7 @@ import torch
 
 from atlas_vlm.config import EngineConfig
 from atlas_vlm.engine.plan_rules import Environment, PlanContext, check_rules
+from atlas_vlm.layers.attention import choose_attention_backend
 from atlas_vlm.memory_plan import kv_cache_spec, num_kv_blocks
 from atlas_vlm.models.interfaces import ModelCapabilities
 from mm_kv_cache_management import KVCacheSpec, StateSpec
@@ -116,13 +117,7 @@ def _attention_backend(config: EngineConfig, env: Environment) -> Choice:
     requested = config.device_config.attention_backend
     if config.device_config.deterministic:
         return Choice("batch_invariant", "deterministic=True: every row through the C decode kernel, fixed tiles")
-    if requested == "auto" and env.device.type == "cuda" and env.triton_reason is None:
-        return Choice("triton", "auto on CUDA: the Triton paged-attention kernel serves this model")
-    if requested not in ("auto", "decode_kernel"):
-        return Choice(requested, f"attention_backend={requested!r} as asked")
-    if env.decode_kernel_reason is None:
-        return Choice("decode_kernel", f"{requested}: the C decode kernel serves this model")
-    return Choice("bucketed", f"auto: the C decode kernel cannot serve ({env.decode_kernel_reason})")
+    return Choice(*choose_attention_backend(requested, env.device.type, env.triton_reason, env.decode_kernel_reason))
 
 
 def _sizes(config: EngineConfig, ctx: PlanContext, spec: KVCacheSpec, block_size: int,

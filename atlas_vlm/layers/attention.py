@@ -49,9 +49,26 @@ class AttentionMetadata:
         return max(self.context_lens)
 
 
+def choose_attention_backend(requested: str, device_type: str, triton_reason: str | None,
+                             decode_kernel_reason: str | None) -> tuple[str, str]:
+    """The rule both the engine plan (``engine.plan``) and ``resolve_attention_backend`` apply:
+    (backend, why) for ``requested`` given why Triton / the C decode kernel cannot serve (None:
+    it can). ``"auto"``: ``"triton"`` on CUDA where it serves, else ``"decode_kernel"`` where
+    it serves, else ``"bucketed"``; any other name as asked (a forced backend that cannot
+    serve is refused by the caller: ``engine.plan_rules`` / ``resolve_attention_backend``)."""
+    if requested == "auto" and device_type == "cuda" and triton_reason is None:
+        return "triton", "auto on CUDA: the Triton paged-attention kernel serves this model"
+    if requested not in ("auto", "decode_kernel"):
+        return requested, f"attention_backend={requested!r} as asked"
+    if decode_kernel_reason is None:
+        return "decode_kernel", f"{requested}: the C decode kernel serves this model"
+    return "bucketed", f"auto: the C decode kernel cannot serve ({decode_kernel_reason})"
+
+
 def resolve_attention_backend(requested: str, device: torch.device | str, dtype: torch.dtype, num_heads: int,
                               num_kv_heads: int, head_dim: int, kv_cache_dtype: str = "auto") -> str:
-    """``EngineConfig.attention_backend`` -> the backend a model runs with.
+    """``EngineConfig.attention_backend`` -> the backend a model runs with
+    (``choose_attention_backend`` over this machine's reasons).
 
     ``"auto"``: ``"triton"`` on CUDA where Triton imports and serves the model (model-dtype
     or 8-bit KV); else ``"decode_kernel"`` where the C decode kernel serves it (CPU, fp32 or bf16,
@@ -63,20 +80,18 @@ def resolve_attention_backend(requested: str, device: torch.device | str, dtype:
     """
     if requested not in (*ATTENTION_BACKENDS, "auto"):
         raise ValueError(f"attention backend must be 'auto' or one of {ATTENTION_BACKENDS}, got {requested!r}")
-    if requested == "triton" or (requested == "auto" and torch.device(device).type == "cuda"):
-        why_not = triton_unsupported_reason(device, dtype, head_dim, kv_cache_dtype)
-        if why_not is None:
-            return "triton"
-        if requested == "triton":
-            raise ValueError(f"attention_backend='triton' cannot serve this model: {why_not}")
-    if requested not in ("auto", "decode_kernel"):
-        return requested
-    why_not = decode_kernel.unsupported_reason(device, dtype, num_heads, num_kv_heads, head_dim, kv_cache_dtype)
-    if why_not is None:
-        return "decode_kernel"
-    if requested == "decode_kernel":
-        raise ValueError(f"attention_backend='decode_kernel' cannot serve this model: {why_not}")
-    return "bucketed"
+    device_type = torch.device(device).type
+    triton_why = "not probed"
+    if requested == "triton" or (requested == "auto" and device_type == "cuda"):
+        triton_why = triton_unsupported_reason(device, dtype, head_dim, kv_cache_dtype)
+        if requested == "triton" and triton_why is not None:
+            raise ValueError(f"attention_backend='triton' cannot serve this model: {triton_why}")
+    kernel_why = None
+    if requested in ("auto", "decode_kernel"):
+        kernel_why = decode_kernel.unsupported_reason(device, dtype, num_heads, num_kv_heads, head_dim, kv_cache_dtype)
+        if requested == "decode_kernel" and kernel_why is not None:
+            raise ValueError(f"attention_backend='decode_kernel' cannot serve this model: {kernel_why}")
+    return choose_attention_backend(requested, device_type, triton_why, kernel_why)[0]
 
 
 def triton_unsupported_reason(device, dtype: torch.dtype, head_dim: int, kv_cache_dtype: str) -> str | None:
