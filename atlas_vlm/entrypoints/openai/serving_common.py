@@ -69,20 +69,12 @@ async def collect(iters: list[AsyncIterator]) -> list:
 
 def penalty_kwargs(req) -> dict:
     """``SamplingParams`` keywords of ``req``'s ``min_p``, penalties and ``logit_bias`` (those
-    set; its string keys as token ids).
-
-    Raises:
-        APIError(400): a ``logit_bias`` key that is not an integer (param ``logit_bias``).
-    """
+    set; its string keys as token ids: the schema's ``LogitBias`` admits only digit keys)."""
     kw = {k: getattr(req, k, None) for k in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")}
     kw = {k: v for k, v in kw.items() if v is not None}
     bias = getattr(req, "logit_bias", None)
     if bias:
-        try:
-            kw["logit_bias"] = {int(t): b for t, b in bias.items()}
-        except ValueError:
-            raise APIError(400, f"invalid sampling parameters: logit_bias keys must be token ids (integers), "
-                           f"got {printable(repr(list(bias)[:8]))}", "logit_bias", "invalid_value") from None
+        kw["logit_bias"] = {int(t): b for t, b in bias.items()}
     return kw
 
 
