@@ -21,6 +21,7 @@ run and glibc's ``malloc_trim(0)`` called (``release_memory``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import gc
 import logging
@@ -118,6 +119,21 @@ class ModelRouter:
             raise APIError(404, f"The model `{name}` does not exist; this server serves {self.names}",
                            "model", "model_not_found")
         return self.slots[name]
+
+    def check_model(self, name: str | None) -> str:
+        """The served name of a request's ``model`` (as ``ServerContext.check_model``);
+        raises as ``slot``."""
+        return self.slot(name).spec.name
+
+    @contextlib.asynccontextmanager
+    async def lease(self, name: str | None):
+        """``async with router.lease(model) as ctx``: ``acquire`` on entry, ``release`` on
+        exit (a batch line, a background response); raises as ``acquire``."""
+        ctx = await self.acquire(name)
+        try:
+            yield ctx
+        finally:
+            self.release(name)
 
     def _sync(self) -> None:
         if self._lock is None:

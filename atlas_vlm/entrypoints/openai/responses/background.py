@@ -54,7 +54,8 @@ class BackgroundResponses:
         rid = queued["id"]
         self.store.put({**queued, "status": "in_progress"}, [])
         try:
-            await create_response(self.ctx, self.store, req, read_file, rid=rid)  # stores the answer
+            async with self.ctx.lease(req.model) as ctx:  # several models: ``model`` picks (and holds) its engine
+                await create_response(ctx, self.store, req, read_file, rid=rid)  # stores the answer
         except asyncio.CancelledError:
             self.store.put({**queued, "status": "cancelled"}, [])
             raise
