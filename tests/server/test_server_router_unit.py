@@ -14,6 +14,7 @@ import pytest
 from atlas_vlm.entrypoints.openai.model_router import LoadedModel, ModelRouter
 from atlas_vlm.entrypoints.openai.model_specs import SEVERAL_MODELS_WITH_REPLICAS, ModelSpec
 from atlas_vlm.entrypoints.openai.protocol import APIError
+from atlas_vlm.entrypoints.openai.router_routes import RoutedContext
 
 pytestmark = [pytest.mark.text]
 SPECS = [ModelSpec("a", "/models/a"), ModelSpec("b", "/models/b")]
@@ -38,7 +39,7 @@ class FakeLoader:
 
 
 async def _held(router: ModelRouter, name: str) -> str:
-    async with router.lease(name) as ctx:
+    async with RoutedContext(router).lease(name) as ctx:
         return ctx
 
 

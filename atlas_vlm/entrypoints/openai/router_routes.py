@@ -9,11 +9,13 @@ and ``/v1/messages/count_tokens`` (Anthropic), ``/tokenize`` and ``/detokenize``
 by id, and ``previous_response_id`` may continue a conversation on another model;
 ``background: true`` holds its model while it runs), and ``/v1/files`` + ``/v1/batches``
 (each batch line's ``model`` picks its engine: ``ServerContext.lease`` /
-``ModelRouter.lease``). An unknown ``model`` is a 404 naming it and listing the served
+``RoutedContext.lease``). An unknown ``model`` is a 404 naming it and listing the served
 models on every one of them; a missing one a 400.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -35,6 +37,28 @@ from atlas_vlm.entrypoints.openai.serving_completion import create_completion
 from atlas_vlm.entrypoints.openai.serving_embedding import EmbeddingRequest, create_embedding
 from atlas_vlm.entrypoints.openai.serving_tokenize import (DetokenizeRequest, TokenizeRequest, TokenizeResponse,
                                                            DetokenizeResponse, detokenize, tokenize)
+
+
+class RoutedContext:
+    """What ``BatchJobs`` and ``BackgroundResponses`` hold in place of one ``ServerContext``
+    on a several-model server: ``check_model`` and ``lease`` over a ``ModelRouter``."""
+
+    def __init__(self, router: ModelRouter):
+        self.router = router
+
+    def check_model(self, name: str | None) -> str:
+        """The served name of a request's ``model``; raises as ``ModelRouter.slot`` (400 / 404)."""
+        return self.router.slot(name).spec.name
+
+    @contextlib.asynccontextmanager
+    async def lease(self, name: str | None):
+        """``async with routed.lease(model) as ctx``: the model's ``ServerContext``, loaded
+        first if needed and held until the block ends; raises as ``ModelRouter.acquire``."""
+        ctx = await self.router.acquire(name)
+        try:
+            yield ctx
+        finally:
+            self.router.release(name)
 
 
 def add_routed_routes(app: FastAPI, router: ModelRouter, responses, *, files, store,
@@ -94,7 +118,8 @@ def add_routed_routes(app: FastAPI, router: ModelRouter, responses, *, files, st
                                                                                   "model": DetokenizeResponse}})
 
     read_file = file_reader(files)
-    background = BackgroundResponses(router, store)  # its ``ctx.lease`` is the router's
+    routed = RoutedContext(router)
+    background = BackgroundResponses(routed, store)  # each response ``lease``s its model
     created = responses(*errors, stream=True)
     created[200]["content"]["text/event-stream"] = {"schema": SSE_NAMED_EVENT_SCHEMA}
 
@@ -116,6 +141,6 @@ def add_routed_routes(app: FastAPI, router: ModelRouter, responses, *, files, st
     async def cancel(response_id: str):
         return background.cancel(response_id)
 
-    jobs = BatchJobs(router, files, batch_max_in_flight)  # each line ``lease``s its model
+    jobs = BatchJobs(routed, files, batch_max_in_flight)  # each line ``lease``s its model
     add_batch_routes(app, files, jobs, responses)
     return background, jobs

@@ -52,7 +52,7 @@ class ServerContext:
     @contextlib.asynccontextmanager
     async def lease(self, name: str | None):
         """``async with ctx.lease(model) as c``: this context (``model`` checked by the
-        serving function); a ``ModelRouter``'s ``lease`` loads and holds the named model."""
+        serving function); a several-model server's ``RoutedContext.lease`` loads and holds the named model."""
         yield self
 
 

@@ -38,7 +38,8 @@ class BatchJobs:
     """The server's batches.
 
     Args:
-        ctx: the routes' context (engine front and settings).
+        ctx: the routes' context (engine front and settings), or a ``router_routes.RoutedContext`` (each
+            line's ``model`` picks its engine through ``lease``).
         files: where inputs are read and results stored.
         max_in_flight: lines of one batch running at once (>= 1).
     """

@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 
 
 class BackgroundResponses:
-    """The background responses running on ``ctx``'s engine, kept in ``store``."""
+    """The background responses running on ``ctx``'s engine (a ``RoutedContext``: the engine of
+    each request's ``model``, held while it runs), kept in ``store``."""
 
     def __init__(self, ctx: ServerContext, store: ResponseStore):
         self.ctx, self.store = ctx, store
