@@ -6,7 +6,8 @@ for that model; ``/tokenize``, ``/detokenize``, ``count_tokens`` and ``/v1/embed
 on the named model; a ``/v1/batches`` file mixing both models (and an unknown one) answers
 each line with its own model. An unknown model is a 404 naming it and the served models on
 every route. The disk KV tier keeps one fingerprinted folder per model, and a model
-unloaded and loaded again finds its prompt's blocks there."""
+unloaded and loaded again finds its prompt's blocks there. Streams (chat, messages,
+responses) carry the named model's greedy text and hold it only until they end."""
 
 from __future__ import annotations
 
@@ -151,3 +152,29 @@ def test_disk_tier_one_fingerprinted_folder_per_model(server, kv_dir):
     assert cached == (first["alpha"]["usage"]["prompt_tokens"] - 1) // 16 * 16 > 0
     assert again["choices"][0]["text"] == first["alpha"]["choices"][0]["text"]
     assert {p.name for p in kv_dir.iterdir() if p.is_dir()} == set(folders)
+
+
+def _streamed_text(path: str, lines: list[str]) -> str:
+    """The text of an SSE stream's ``data:`` lines, as each API carries its deltas."""
+    events = [json.loads(line[len("data: "):]) for line in lines if line != "data: [DONE]"]
+    if path == "/v1/chat/completions":
+        return "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    if path == "/v1/messages":
+        return "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
+    return "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+
+
+def test_streams_hold_their_model_until_they_end(server, chat_texts):
+    bodies = {"/v1/chat/completions": {"model": "alpha", "messages": ASK},
+              "/v1/messages": {"model": "beta", "messages": ASK},
+              "/v1/responses": {"model": "alpha", "input": "Hello there"}}
+    for path, body in bodies.items():
+        with httpx.stream("POST", server.url + path, timeout=300, json={
+                **body, "stream": True, "temperature": 0,
+                ("max_output_tokens" if path == "/v1/responses" else "max_tokens"): 6}) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert r.status_code == 200
+        assert _streamed_text(path, lines) == chat_texts[body["model"]]  # the named model's greedy text
+    for m in MODELS:  # no request left in flight: each unloads at once (a 409 while one were held)
+        r = _post(server, "/models/unload", {"model": m})
+        assert r.status_code == 200 and r.json()["was_loaded"] is True
