@@ -23,12 +23,13 @@ SEVERAL_MODELS_WITH_REPLICAS = (
 
 
 def refuse_replicas(num_models: int, replicas: int | None) -> None:
-    """Raise when several models are asked for with Ray Serve replicas (``replicas > 1``).
+    """Raise when the several-model server (several ``--model`` or a ``--models-dir``, of
+    ``num_models`` models) is asked for Ray Serve replicas (``replicas > 1``).
 
     Raises:
         ValueError: ``SEVERAL_MODELS_WITH_REPLICAS`` (it says why and what to do instead).
     """
-    if num_models > 1 and replicas is not None and replicas > 1:
+    if replicas is not None and replicas > 1:
         raise ValueError(f"{num_models} models with --replicas {replicas}: {SEVERAL_MODELS_WITH_REPLICAS}")
 
 
