@@ -258,13 +258,14 @@ def _run_router(args, models: list[str]) -> int:
     import argparse
 
     from atlas_vlm.entrypoints.openai.media import MediaPolicy
-    from atlas_vlm.entrypoints.openai.model_specs import model_specs
+    from atlas_vlm.entrypoints.openai.model_specs import model_specs, refuse_replicas
     from atlas_vlm.entrypoints.openai.router_app import run_router_server
 
     specs = model_specs(models, args.models_dir)
     if not specs:
         raise ValueError(f"no model found in --models-dir {args.models_dir!r}")
-    for flag in ("replicas", "served_model_name"):
+    refuse_replicas(len(specs), args.replicas)  # Ray Serve replicas hold one model each (it says why)
+    for flag in ("served_model_name",):
         if getattr(args, flag) not in (None, 1):
             raise ValueError(f"--{flag.replace('_', '-')} serves one model; not with several models")
     if args.idle_unload_s is not None and args.idle_unload_s <= 0:
@@ -283,4 +284,7 @@ def _run_router(args, models: list[str]) -> int:
                              protect_docs_metrics=args.protect_docs_metrics, input_workers=args.input_workers,
                              shutdown_timeout_s=args.shutdown_timeout, access_log=args.access_log,
                              max_loaded_models=args.max_loaded_models,
-                             model_load_timeout_s=args.model_load_timeout_s, idle_unload_s=args.idle_unload_s)
+                             model_load_timeout_s=args.model_load_timeout_s, idle_unload_s=args.idle_unload_s,
+                             files_dir=args.files_dir, max_file_bytes=args.max_file_bytes,
+                             batch_max_in_flight=args.max_batch_concurrency, responses_dir=args.responses_dir,
+                             max_stored_responses=args.max_stored_responses)
