@@ -93,7 +93,8 @@ class Flag:
 
 
 def flag(**kwargs) -> dict:
-    """``dataclasses.field`` metadata holding a :class:`Flag` (merge with ``flat(...)``'s: ``{**flat(..), **flag(..)}``)."""
+    """``dataclasses.field`` metadata holding a :class:`Flag` (``Flag``'s keywords); merge it with
+    ``flat(...)``'s as ``{**flat(..), **flag(..)}``."""
     return {"cli": Flag(**kwargs)}
 
 
@@ -180,8 +181,9 @@ def add_flags(parser, cls: type, *, exclude=(), only=None, overrides: dict | Non
 
 def flag_values(args: argparse.Namespace, cls: type, *, overrides: dict | None = None) -> dict:
     """The nested ``{field: value}`` (a nested dataclass field: a dict of its own) of the
-    flags of ``cls`` that ``args`` holds (that ``add_flags`` added, where ``args`` records it); a flag whose value is None while its field's default
-    is not (``Flag(default=None)``: not given) is left out, so the field keeps its default.
+    flags of ``cls`` that ``args`` holds (that ``add_flags`` added, where ``args`` records it);
+    a flag whose value is None while its field's default is not (``Flag(default=None)``: not
+    given) is left out, so the field keeps its default.
 
     Raises:
         ValueError: a ``convert`` refused the value, or a flag given without the flag it
