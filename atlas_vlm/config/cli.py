@@ -144,7 +144,7 @@ def _spec(f: dataclasses.Field, hint, doc: str, meta: Flag, path: tuple) -> Flag
     base = args[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) else hint
     kw: dict = {"default": default}
     if base is bool and meta.type is None:
-        kw["action"] = argparse.BooleanOptionalAction  # argparse adds "(default: ..)"
+        kw["action"] = argparse.BooleanOptionalAction  # --x / --no-x
     else:
         if typing.get_origin(base) is list:
             kw["nargs"], base = "+", typing.get_args(base)[0]
@@ -152,8 +152,8 @@ def _spec(f: dataclasses.Field, hint, doc: str, meta: Flag, path: tuple) -> Flag
     choices = meta.choices() if callable(meta.choices) else meta.choices
     if choices is not None:
         kw["choices"] = [c for c in choices if c is not None]
-    if meta.metavar:
-        kw["metavar"] = meta.metavar
+    if meta.metavar or meta.bytes:
+        kw["metavar"] = meta.metavar or "BYTES"
     text = " ".join(t for t in (doc, meta.help) if t)
     if default is not None:
         text += f" (default: {format_bytes(default) if meta.bytes else default})"
@@ -171,7 +171,9 @@ def add_flags(parser, cls: type, *, exclude=(), only=None, overrides: dict | Non
     groups: dict = {}
     for s in specs:
         title = s.meta.group or group
-        target = parser if title is None else groups.setdefault(title, parser.add_argument_group(title))
+        if title is not None and title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        target = parser if title is None else groups[title]
         target.add_argument(s.option, dest=s.dest, **s.kwargs)
     # the parsed namespace records which dests are generated flags: flag_values reads only those
     # (a command's own flag of the same dest, e.g. generate's sampling --seed, is not a field's)

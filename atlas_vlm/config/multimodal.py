@@ -21,7 +21,8 @@ MEDIA_FLAT_NAMES = {"http_timeout_s": "http_image_timeout_s", "max_image_bytes":
 #: The policy's flags (its field comments are their help): names as ``vllm serve``'s where it has one.
 MEDIA_FLAGS = {"http_timeout_s": Flag(name="image-fetch-timeout"), "max_image_bytes": Flag(bytes=True),
                "max_video_bytes": Flag(bytes=True, help="A data: URI is also bounded by --max-request-body-bytes."),
-               "allowed_media_domains": Flag(metavar="HOST"), "max_redirects": Flag(name="max-media-redirects")}
+               "allowed_media_domains": Flag(metavar="HOST", help="Used with --allow-http-images."),
+               "max_redirects": Flag(name="max-media-redirects")}
 
 
 @dataclass
