@@ -8,7 +8,8 @@ span two of them. The flat keywords (``EngineConfig(model=..., kvcache_block_siz
 ``LLM(..., max_num_seqs=8)``) are generated from the sub-configs' fields (``flat_routes``):
 a field's own name, or the alias in its ``flat(...)`` metadata; a nested policy's fields
 (``multimodal_config.media``) are flat keywords too. Adding a setting is adding one field
-to one sub-config. Reading ``config.<flat name>`` still works (a read-only view through
+to one sub-config; its command-line flag follows too (``add_cli_args`` / ``from_cli_args``,
+``atlas_vlm.config.cli``). Reading ``config.<flat name>`` still works (a read-only view through
 the same routes) for code written before the split; the code base reads the sub-configs.
 """
 

@@ -14,7 +14,8 @@ import pytest
 
 from helpers import REPO
 from atlas_vlm.config import SUB_CONFIGS, EngineConfig, MediaFetchPolicy
-from atlas_vlm.config.cli import Flag, add_flags, attr_docs, flag, flag_specs, flag_values
+from atlas_vlm.config.cli import Flag, add_flags, flag, flag_specs, flag_values
+from atlas_vlm.config.docs import attr_docs
 from atlas_vlm.config.server import ServerConfig
 from atlas_vlm.entrypoints import cli
 from atlas_vlm.entrypoints.generate_args import NOT_ENGINE_FLAGS, engine_kwargs
