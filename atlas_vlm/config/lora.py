@@ -10,7 +10,7 @@ keyword (``enable_lora``, ``max_loras``, ``max_lora_rank``), which is also the C
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from atlas_vlm.config.checks import check_positive
 
@@ -29,14 +29,17 @@ class LoRAConfig:
 
     #: Serve LoRA adapters (``lora_request=`` per request; the server's ``--lora-modules``,
     #: ``/v1/load_lora_adapter``). Off: no projection is wrapped, no slot memory is taken.
-    enable_lora: bool = False
+    enable_lora: bool = field(default=False, metadata={"help": "serve LoRA adapters (PEFT format; per request "
+                                                        "by model=NAME, --lora-modules, /v1/load_lora_adapter)"})
     #: Adapters resident at once (fixed slots; rows of all of them run in one step). An adapter
     #: with no request in flight leaves its slot to a new one, least recently used first.
-    max_loras: int = 4
+    max_loras: int = field(default=4, metadata={"help": "LoRA adapters resident at once (fixed slots; rows of "
+                                                       "all of them run in one step)"})
     #: Rank every slot holds (adapters of lower rank are zero-padded); an adapter of higher
     #: rank is refused at load. Slot memory: max_loras x max_lora_rank x sum(in + out) of
     #: q/k/v/o/gate/up/down x layers x dtype bytes.
-    max_lora_rank: int = 16
+    max_lora_rank: int = field(default=16, metadata={"help": "rank of every adapter slot; an adapter of higher "
+                                                           "rank is refused at load"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_lora, bool):

@@ -50,6 +50,7 @@ from atlas_vlm.entrypoints.openai.serving_chat import create_chat_completion
 from atlas_vlm.entrypoints.openai.serving_common import ServerContext, engine_error, until_disconnected
 from atlas_vlm.entrypoints.openai.serving_completion import create_completion
 from atlas_vlm.entrypoints.openai.serving_embedding import EmbeddingRequest, create_embedding
+from atlas_vlm.entrypoints.openai.serving_lora import LoRAServing, add_lora_routes
 from atlas_vlm.entrypoints.openai.serving_tokenize import add_tokenize_routes
 from atlas_vlm.entrypoints.web import add_web_routes
 
@@ -227,7 +228,8 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
         "type": "object", "required": ["object", "data"],
         "properties": {"object": {"type": "string"}, "data": {"type": "array", "items": card_ref}}})})
     async def models():
-        return {"object": "list", "data": [_card(name) for name in ctx.model_names]}
+        return {"object": "list", "data": [_card(name) for name in ctx.model_names]
+                + (ctx.lora.cards(created) if ctx.lora is not None else [])}
 
     @app.get("/v1/models/{model_id:path}", responses={**_responses(401, 404), 200: _ok(card_ref)})
     async def model(model_id: str):
@@ -259,6 +261,8 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
     add_batch_routes(app, files, jobs, _responses)
     if getattr(ctx.engine, "engine", None) is not None:  # a local engine: its tokenizer (not the Ray ingress)
         add_tokenize_routes(app, ctx, _responses)
+    if ctx.lora is not None:  # --enable-lora: /v1/load_lora_adapter, /v1/unload_lora_adapter
+        add_lora_routes(app, ctx.lora, _responses)
     add_web_routes(app)  # the chat page at / (its requests go to the guarded /v1 routes)
 
     install_openapi(app)
@@ -308,7 +312,7 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
                input_workers: int = 2, shutdown_timeout_s: float = 30.0, files_dir: str | None = None,
                max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, batch_max_in_flight: int = DEFAULT_BATCH_IN_FLIGHT,
                responses_dir: str | None = None, max_stored_responses: int = 1024, access_log: bool = True,
-               log_stats_interval_s: float | None = 10.0) -> int:
+               log_stats_interval_s: float | None = 10.0, lora_modules=()) -> int:
     """Build the engine, serve until SIGTERM/SIGINT, shut down cleanly. ``files_dir``: where
     ``/v1/files`` keeps files (None: a temporary directory), each upload at most
     ``max_file_bytes``; ``batch_max_in_flight``: lines of one batch running at once;
@@ -316,7 +320,8 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
     ``media``: the server's ``MediaPolicy`` (None: the engine's ``multimodal_config.media``, no
     local files); its fetch fields become the engine's too (``one_media_policy``).
     ``access_log``: one line per request (``access_log``); ``log_stats_interval_s``: seconds
-    between the engine lines while busy (``stat_logging``; None: none).
+    between the engine lines while busy (``stat_logging``; None: none). ``lora_modules``:
+    ``[(name, path)]`` adapters loaded at start (``--lora-modules``; needs ``enable_lora``).
 
     Returns:
         0 after a signal; 1 if the engine was declared dead (repeated step failures), so a
@@ -333,6 +338,8 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
     from atlas_vlm.entrypoints.openai.stat_logging import LoggingStatLogger, StatLoggers, log_startup
 
     engine_config, media = one_media_policy(engine_config, media)
+    if lora_modules and not engine_config.lora_config.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     if max_request_body_bytes is None:
         max_request_body_bytes = default_max_request_body_bytes(media.max_image_bytes)
     log_stats = LoggingStatLogger(log_stats_interval_s) if log_stats_interval_s is not None else None
@@ -351,6 +358,8 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
                      input_workers=input_workers, on_dead=on_dead)
     stat_logger.attach(front)
     ctx = server_context(engine, front, engine_config, served_model_names, media, max_prompts_per_request)
+    if engine.runner.lora is not None:  # --enable-lora; a refused --lora-modules adapter: no server (ValueError)
+        ctx.lora = LoRAServing.start(engine, ctx.model_names[0], lora_modules)
     app = create_app(ctx, stat_logger.registry, api_key, max_request_body_bytes=max_request_body_bytes,
                      protect_docs_metrics=protect_docs_metrics, files=FileStore(files_dir, max_file_bytes),
                      batch_max_in_flight=batch_max_in_flight,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 from atlas_vlm.entrypoints.cli import bytes_arg
+from atlas_vlm.entrypoints.openai.lora_args import add_lora_args, add_lora_modules_arg, lora_kwargs, parse_lora_modules
 
 
 def tool_parser_names() -> list[str]:
@@ -61,6 +62,7 @@ def add_parser(sub) -> None:
                    help="threads that tokenize and preprocess images off the engine thread (default 2)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds to wait on SIGTERM for open connections and the engine's current step (default 30)")
+    add_lora_modules_arg(p)
     b = p.add_argument_group("files and batches (/v1/files, /v1/batches)")
     b.add_argument("--files-dir", default=None, metavar="DIR",
                    help="keep uploaded files and batch results in DIR, listed again after a restart (default: a "
@@ -155,6 +157,7 @@ def add_engine_args(p) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per decode step with --speculative (default 4)")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=2,
                    help="no drafts while more requests than this run (default 2: measured, drafts lose in batches)")
+    add_lora_args(p)  # --enable-lora, --max-loras, --max-lora-rank (LoRAConfig's fields)
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant mode: a request's tokens and logprobs do not depend on the batch "
                         "(CPU, dense weights; slower; docs/deterministic.md)")
@@ -196,6 +199,7 @@ def engine_config_from_args(args):
             kwargs[name] = getattr(args, name)
     kwargs.update(kv_cache_dir_kwargs(getattr(args, "kv_cache_dir", None), getattr(args, "kv_cache_dir_max_gb", None)))
     kwargs.update({name: getattr(args, dest) for dest, name in MEDIA_FLAGS.items() if hasattr(args, dest)})
+    kwargs.update(lora_kwargs(args))
     return EngineConfig(**kwargs)
 
 
@@ -250,7 +254,8 @@ def run_serve(args) -> int:
                       shutdown_timeout_s=args.shutdown_timeout, files_dir=args.files_dir,
                       max_file_bytes=args.max_file_bytes, batch_max_in_flight=args.max_batch_concurrency,
                       responses_dir=args.responses_dir, max_stored_responses=args.max_stored_responses,
-                      access_log=args.access_log, log_stats_interval_s=args.log_stats_interval or None)
+                      access_log=args.access_log, log_stats_interval_s=args.log_stats_interval or None,
+                      lora_modules=parse_lora_modules(args.lora_modules))
 
 
 def _run_router(args, models: list[str]) -> int:
