@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from atlas_vlm import LLM, EngineConfig, LoRARequest
 from atlas_vlm.lora import LoRAAdapterError
 from atlas_vlm.lora.manager import attach_lora
-from mm_kv_cache_management import RequestState
+from mm_kv_cache_management import RequestState, block_hash
 from helpers import CPU_FP32, greedy, record
 from lora_helpers import edit_adapter_config, make_adapter
 
@@ -88,6 +88,10 @@ def test_prefix_cache_not_shared_across_adapters(setup):
             out = llm.generate([prompt], greedy(1), lora_request=lora, use_tqdm=False)
         starts.append(rec.by_request[out[0].request_id][0]["start"])  # tokens served by a prefix-cache hit
     assert starts == [0, 0, 32, 0, 32]  # a hit only with the same adapter (two full blocks)
+    # the salt is in block 0's hash, so every later block (and its disk-tier file name) differs too
+    tokens = list(range(16))
+    assert len({block_hash(None, tokens), block_hash(None, tokens, (), "lora:a"), block_hash(None, tokens, (), "lora:b")}) == 3
+    assert block_hash(b"p", tokens, (), "lora:a") == block_hash(b"p", tokens)  # carried by the parent
 
 
 def test_slots_are_reused_and_plan_runs_eager(setup):
@@ -100,6 +104,10 @@ def test_slots_are_reused_and_plan_runs_eager(setup):
     outs = llm.generate([PROMPT] * 3, greedy(1), lora_request=loras, use_tqdm=False)  # 3 adapters in flight, 2 slots
     assert [o.finish_reason for o in outs[:2]] == ["length"] * 2  # the others run
     assert outs[2].finish_reason == "error" and "all max_loras=2 LoRA slots" in outs[2].error
+    lora = llm.engine.runner.lora  # the planner's count is the slots' bytes
+    held = sum(w.lora_a.numel() + sum(b.numel() for b in w.lora_b) for layer in lora.layers for w in layer.values())
+    # sum(in + out) of q/k/v/o/gate/up/down: 128 + 96 + 96 + 128 + 192 + 192 + 192 = 1024 (hidden 64, kv 32, mlp 128)
+    assert lora.memory_bytes == held * 4 == 2 * 8 * 1024 * 2 * 4  # slots x rank x 1024 x layers x fp32
     plan = llm.engine.plan
     assert plan.lora.value == (2, 8) and not plan.compile_decode.value and not plan.decode_step.value
     assert "enable_lora" in plan.compile_decode.reason
