@@ -184,7 +184,8 @@ class LLMEngine:
 
     def lora_ids_in_flight(self) -> set[int]:
         """``lora_int_id`` of every unfinished request's adapter."""
-        return {r.lora_request.lora_int_id for r in self.requests.values() if r.lora_request is not None}
+        reqs = list(self.requests.values())  # one C call under the GIL: safe from a server thread
+        return {r.lora_request.lora_int_id for r in reqs if r.lora_request is not None}
 
     @_locked
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -233,6 +233,8 @@ def run_serve(args) -> int:
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     if args.replicas > 1:
+        if args.lora_modules:
+            raise ValueError("--lora-modules serves adapters on one engine; not with --replicas yet")
         from atlas_vlm.entrypoints.ray_serve import run_ray_server
         return run_ray_server(config, args)
     for name in ("max_prompts_per_request", "input_workers", "max_file_bytes", "max_batch_concurrency",
@@ -269,7 +271,7 @@ def _run_router(args, models: list[str]) -> int:
     specs = model_specs(models, args.models_dir)
     if not specs:
         raise ValueError(f"no model found in --models-dir {args.models_dir!r}")
-    for flag in ("replicas", "served_model_name"):
+    for flag in ("replicas", "served_model_name", "lora_modules"):
         if getattr(args, flag) not in (None, 1):
             raise ValueError(f"--{flag.replace('_', '-')} serves one model; not with several models")
     if args.idle_unload_s is not None and args.idle_unload_s <= 0:
