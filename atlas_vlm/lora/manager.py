@@ -53,8 +53,9 @@ class LoRAModelManager:
         q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
         sizes = list(qkv_sizes) if qkv_sizes else [q, kv, kv]
         self.shapes = projection_shapes(arch.hidden_size, sizes[0], sizes[1], arch.intermediate_size)
-        self.num_layers, self.punica = arch.num_layers, PunicaBatch()
+        self.num_layers, self.punica = arch.num_layers, PunicaBatch(max_loras)
         p = next(model.parameters())
+        self.dtype = p.dtype
         self.layers: list[dict[str, LoRALinear]] = []
         for layer in model.model.layers:
             wrapped = {}
@@ -148,7 +149,7 @@ class LoRAModelManager:
         for req, n in chunks:
             lora = getattr(req, "lora_request", None)
             token_slots.extend([self.slots[lora.lora_int_id] if lora is not None else -1] * n)
-        self.punica.set(token_slots, device)
+        self.punica.set(token_slots, device, self.dtype)
         return token_slots
 
 

@@ -59,8 +59,10 @@ def _random_pairs(gen, in_f, sizes, r):
 
 @pytest.mark.text
 @pytest.mark.parametrize("kind", ["int8", "gguf_q8_0"])
-def test_wrapper_adds_delta_over_quantized_layer(kind):
-    """Rows of two adapters and none through one ``LoRALinear`` over an int8 / GGUF Q8_0 layer."""
+@pytest.mark.parametrize("slots", [[0, -1, 2, 2, 0, -1, 2], [0, 1, 2, -1, 1, 0, 2]])
+def test_wrapper_adds_delta_over_quantized_layer(kind, slots):
+    """Rows of two adapters and none (a gather per group), or of three (one shrink over every
+    slot, masked), through one ``LoRALinear`` over an int8 / GGUF Q8_0 layer."""
     gen = torch.Generator().manual_seed(0)
     in_f, sizes = 256, [64, 32, 32]  # a fused q/k/v of three projections
     w = torch.randn(sum(sizes), in_f, generator=gen)
@@ -74,22 +76,24 @@ def test_wrapper_adds_delta_over_quantized_layer(kind):
 
         blocks = torch.from_numpy(quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0).astype(np.uint8))
         base = GGUFLinear(blocks.view(sum(sizes), -1), "Q8_0", in_f, sum(sizes))
-    punica = PunicaBatch()
+    punica = PunicaBatch(3)
     layer = LoRALinear(base, sizes, 3, 8, punica, torch.float32, torch.device("cpu"))
-    adapters = {0: _random_pairs(gen, in_f, sizes, 8), 2: _random_pairs(gen, in_f, sizes, 4)}
+    adapters = {0: _random_pairs(gen, in_f, sizes, 8), 1: _random_pairs(gen, in_f, sizes, 2),
+                2: _random_pairs(gen, in_f, sizes, 4)}
     adapters[2][1] = None  # not targeting k
     for slot, pairs in adapters.items():
         layer.set_slot(slot, pairs, 0.5)
     x = torch.randn(7, in_f, generator=gen)
-    slots = [0, -1, 2, 2, 0, -1, 2]
     punica.set(slots)
+    assert (punica.mask is not None) == (len(set(slots) - {-1}) >= 3)
     got = layer(x)
     punica.clear()
     base_out = base(x)
     zero = (torch.zeros(0, in_f), torch.zeros(sizes[1], 0))
     refs = {s: [(a, b, 0.5) for a, b in (p if p is not None else zero for p in pairs)] for s, pairs in adapters.items()}
     assert torch.allclose(got.double(), _expected(base_out, x, slots, refs, sizes), atol=1e-4, rtol=1e-5)
-    assert torch.equal(got[[1, 5]], base_out[[1, 5]])  # rows without an adapter: the base layer's bits
+    none = [i for i, s in enumerate(slots) if s < 0]
+    assert torch.equal(got[none], base_out[none])  # rows without an adapter: the base layer's bits
 
 
 @pytest.mark.text
