@@ -16,6 +16,7 @@ _EXPORTS = {
     "EngineConfig": "atlas_vlm.config",
     "LLMEngine": "atlas_vlm.engine",
     "LLM": "atlas_vlm.entrypoints.llm",
+    "LoRARequest": "atlas_vlm.lora.request",
     "RequestOutput": "atlas_vlm.outputs",
     "PoolingParams": "atlas_vlm.pooling_params",
     "RequestOutputKind": "atlas_vlm.sampling_params",
@@ -27,12 +28,13 @@ if TYPE_CHECKING:
     from atlas_vlm.config import EngineConfig
     from atlas_vlm.engine import LLMEngine
     from atlas_vlm.entrypoints.llm import LLM
+    from atlas_vlm.lora.request import LoRARequest
     from atlas_vlm.outputs import RequestOutput
     from atlas_vlm.pooling_params import PoolingParams
     from atlas_vlm.sampling_params import RequestOutputKind, SamplingParams
     from mm_token_pipeline import MultiModalOptions
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "MultiModalOptions", "PoolingParams", "RequestOutput", "RequestOutputKind", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "LoRARequest", "MultiModalOptions", "PoolingParams", "RequestOutput", "RequestOutputKind", "SamplingParams"]
 
 
 def __getattr__(name: str):

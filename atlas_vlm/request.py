@@ -34,6 +34,7 @@ class Request(RequestState):
     spec_token_ids: list[int] = field(default_factory=list)
     spec_decode: dict | None = None
     spec_acceptance: float = 1.0  # recent fraction of drafts accepted (moving average; spec_decode.scheduling)
+    lora_request: object | None = None  # its atlas_vlm.lora.LoRARequest (None: the base model)
 
     def block_hashes(self, block_size: int, num_tokens: int | None = None) -> list[bytes]:
         """As ``RequestState.block_hashes``, but none for a "mean" pooling request: it needs

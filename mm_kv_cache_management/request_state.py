@@ -128,6 +128,9 @@ class RequestState:
     # hybrid models with prefix caching: this step's state snapshots [(tokens into the chunk,
     # snapshot slot, block hash)] (BlockManager.reserve_snapshots / commit_computed)
     snapshot_points: list[tuple[int, int, bytes]] = field(default_factory=list)
+    # opaque prefix-cache key (the engine: its LoRA adapter's fingerprint); None: none. Blocks of
+    # requests with different salts never match (hashing.block_hash)
+    cache_salt: str | None = None
     _block_hashes: list[bytes] = field(default_factory=list, repr=False)  # of full blocks
     _mm_runs: list[PlaceholderRange] = field(default_factory=list, repr=False)
 
@@ -162,5 +165,5 @@ class RequestState:
                 if span.offset < end and start < span.end
             ]
             parent = self._block_hashes[-1] if i else None
-            self._block_hashes.append(block_hash(parent, self.token_ids[start:end], extra))
+            self._block_hashes.append(block_hash(parent, self.token_ids[start:end], extra, self.cache_salt))
         return self._block_hashes[:num_full]

@@ -3,7 +3,7 @@ sub-config objects or from the flat keywords of ``LLM(...)``.
 
 Scope: ``EngineConfig`` holds one object per concern (``SUB_CONFIGS``: ``model_config``,
 ``cache_config``, ``scheduler_config``, ``multimodal_config``, ``device_config``,
-``speculative_config``), each validating its own fields on creation, plus the checks that
+``speculative_config``, ``lora_config``), each validating its own fields on creation, plus the checks that
 span two of them. The flat keywords (``EngineConfig(model=..., kvcache_block_size=32)``,
 ``LLM(..., max_num_seqs=8)``) are generated from the sub-configs' fields (``flat_routes``):
 a field's own name, or the alias in its ``flat(...)`` metadata; a nested policy's fields
@@ -23,6 +23,7 @@ import torch
 from atlas_vlm.config.cache import CacheConfig
 from atlas_vlm.config.cli import add_flags, flag_values
 from atlas_vlm.config.device import DeviceConfig
+from atlas_vlm.config.lora import LoRAConfig
 from atlas_vlm.config.model import ModelConfig
 from atlas_vlm.config.multimodal import MultiModalConfig
 from atlas_vlm.config.scheduler import SchedulerConfig
@@ -31,7 +32,7 @@ from atlas_vlm.config.speculative import SpeculativeConfig
 #: EngineConfig attribute -> sub-config class (the one list of the sub-configs).
 SUB_CONFIGS = {"model_config": ModelConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig,
                "multimodal_config": MultiModalConfig, "device_config": DeviceConfig,
-               "speculative_config": SpeculativeConfig}
+               "speculative_config": SpeculativeConfig, "lora_config": LoRAConfig}
 
 
 def _nested_class(f: dataclasses.Field):
@@ -97,6 +98,7 @@ class EngineConfig:
     multimodal_config: MultiModalConfig
     device_config: DeviceConfig
     speculative_config: SpeculativeConfig
+    lora_config: LoRAConfig
 
     def __init__(self, model: str | None = None, **kwargs):
         subs = {attr: kwargs.pop(attr) for attr in SUB_CONFIGS if attr in kwargs}

@@ -58,6 +58,9 @@ class ServerConfig:
     None: in memory."""
     max_stored_responses: int = field(default=1024, metadata=flag(group=FILES))
     """Stored responses kept at most, the oldest dropped first."""
+    lora_modules: list[str] | None = field(default=None, metadata=flag(metavar="NAME=PATH"))
+    """LoRA adapters (PEFT folders) served from the start, as NAME=PATH items; a request picks one by
+    model=NAME (needs --enable-lora)."""
     max_batch_concurrency: int = field(default=16, metadata=flag(group=FILES))
     """Lines of one batch running at once, alongside live requests."""
     log_level: str = field(default="info", metadata=flag(choices=("debug", "info", "warning", "error"), group=LOGS))

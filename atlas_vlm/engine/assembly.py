@@ -45,6 +45,8 @@ def probe_environment(config: EngineConfig, loaded: LoadedModel, max_model_len: 
     if device.type == "cuda" and config.speculative_config.method == "mtp" and model.mtp_state_dict:
         # the MTP head is built after the plan: its weights (model dtype) come off the measured budget now
         budget = max(0, budget - sum(t.numel() for t in model.mtp_state_dict.values()) * dtype.itemsize)
+    if device.type == "cuda" and config.lora_config.enable_lora:  # the adapter slots, allocated after the plan
+        budget = max(0, budget - runner_build.lora_slot_bytes(model, config.lora_config, dtype))
     return Environment(device, dtype, arch, quantized=bool(quantized_modules(model)), decode_kernel_reason=why_not,
                        triton_reason=triton_why,
                        compile_decode=resolve_compile_decode(dev.compile_decode, device, kv_dtype),

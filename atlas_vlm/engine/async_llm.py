@@ -106,7 +106,7 @@ class AsyncLLM:
             raise EngineDeadError("the engine is shutting down" if self._dead is None else f"engine failed: {self._dead}")
 
     async def add_request(self, prompt, sampling_params: SamplingParams, request_id: str,
-                          arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                          arrival_time: float | None = None, lora_request=None) -> AsyncIterator[RequestOutput]:
         """Prepare one request in an input worker, then queue it; returns an async iterator of
         its ``RequestOutput``s, as ``sampling_params.output_kind`` asks (CUMULATIVE: ``text`` /
         ``token_ids`` so far; DELTA: each step's new ones; FINAL_ONLY: the last one only); the
@@ -127,7 +127,7 @@ class AsyncLLM:
         self._pending_adds += 1
         posted = False
         try:
-            req = await self._in_worker(self.engine.process_request, prompt, sampling_params, request_id)
+            req = await self._in_worker(self.engine.process_request, prompt, sampling_params, request_id, lora_request)
             self._check_admitting()
             done = loop.create_future()
             stream = RequestStreamState(asyncio.Queue(), loop, arrival_time or time.monotonic(),

@@ -21,6 +21,7 @@ from atlas_vlm.engine.input_processor import InputProcessor, ProcessedPrompt, Re
 from atlas_vlm.engine.output_processor import OutputProcessor
 from atlas_vlm.engine.request_stream import EngineStats
 from atlas_vlm.loader import eos_token_ids, load_model
+from atlas_vlm.lora.manager import attach_lora
 from atlas_vlm.worker.kv_tier_builder import build_kv_tier
 from atlas_vlm.outputs import RequestOutput
 from atlas_vlm.pooling_params import PoolingParams
@@ -117,7 +118,7 @@ class LLMEngine:
         return self.input_processor.process_prompt(prompt)
 
     def process_request(self, prompt, sampling_params: SamplingParams | None = None,
-                        request_id: str | None = None) -> Request:
+                        request_id: str | None = None, lora_request=None) -> Request:
         """Everything heavy of ``add_request`` without touching the engine's state: tokenize,
         load / resize / patchify images, validate. Safe to call from worker threads while
         another thread steps the engine (``AsyncLLM`` does so); pass the ``Request`` it returns
@@ -128,6 +129,7 @@ class LLMEngine:
         if isinstance(sampling_params, SamplingParams):
             sampling_params = copy.deepcopy(sampling_params)  # the caller may change theirs later (vLLM clones too)
         req = self.input_processor.process(prompt, sampling_params, request_id)
+        attach_lora(self.runner.lora, req, lora_request)  # a LoRARequest: read and checked now if new
         check_for_model(req.sampling_params, self.vocab_size)
         if req.pooling_params is not None:
             req.pooling_params.check_for_model(self.runner.model.arch.hidden_size)
@@ -147,7 +149,7 @@ class LLMEngine:
 
     @_locked
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, lora_request=None) -> str:
         """Validate and queue one request; returns its id. ``prompt`` may be a ``Request``
         from ``process_request`` (then ``sampling_params`` and ``request_id`` are its own).
         ``sampling_params`` may be a ``PoolingParams`` (vLLM's ``params``): an embedding
@@ -157,15 +159,20 @@ class LLMEngine:
         Raises (nothing is queued or allocated):
             RequestTooLongError: prompt (+ ``max_tokens``) over ``max_model_len`` or the KV capacity.
             mm_token_pipeline.ImageInputError: an image cannot be loaded or resized.
-            ValueError, TypeError: any other malformed input, or a request id already in use.
+            ValueError, TypeError: any other malformed input, or a request id already in use;
+                a ``lora_request`` (``atlas_vlm.lora.LoRARequest``) refused (``LoRAAdapterError``)
+                or with every adapter slot busy.
 
         A structured-output grammar compiles off the engine thread (the request waits in
         ``WAITING_FOR_FSM`` meanwhile); one the library refuses only then ends that request
         with ``finish_reason="error"`` and ``error`` naming the field (vLLM v1).
         """
-        req = prompt if isinstance(prompt, Request) else self.process_request(prompt, sampling_params, request_id)
+        req = prompt if isinstance(prompt, Request) else \
+            self.process_request(prompt, sampling_params, request_id, lora_request)
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.lora_request is not None:  # its adapter into a slot (an idle one may leave)
+            self.runner.lora.activate(req.lora_request, self.lora_ids_in_flight())
         self.structured_output_manager.add_request(req)  # its grammar compiles off this thread
         if self.config.speculative_config.method is not None and req.pooling_params is None:
             req.spec_decode = {"drafts": 0, "proposed": 0, "accepted": 0}
@@ -174,6 +181,11 @@ class LLMEngine:
                                           req.sampling_params.output_kind)
         self.scheduler.add_request(req)
         return req.request_id
+
+    def lora_ids_in_flight(self) -> set[int]:
+        """``lora_int_id`` of every unfinished request's adapter."""
+        reqs = list(self.requests.values())  # one C call under the GIL: safe from a server thread
+        return {r.lora_request.lora_int_id for r in reqs if r.lora_request is not None}
 
     @_locked
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -28,6 +28,7 @@ from mm_kv_cache_management import KVCacheSpec, StateSpec
 
 MTP_EAGER = "speculative='mtp': every step runs eager"
 HYBRID_EAGER = "hybrid model (recurrent-state layers)"
+LORA_EAGER = "enable_lora=True: every step runs eager (the adapters' products per group of rows)"
 
 
 class KVBudgetError(ValueError):
@@ -105,6 +106,7 @@ class EnginePlan:
     kv_tiers: tuple[str, ...]
     pooling: Choice
     scheduler: SchedulerLimits
+    lora: Choice = Choice(None, "enable_lora=False")  # (max_loras, max_lora_rank) or None
 
     @property
     def reasons(self) -> dict[str, str]:
@@ -163,6 +165,8 @@ def _decode_paths(ctx: PlanContext) -> tuple[Choice, Choice]:
         c_step = Choice(False, HYBRID_EAGER)
     if ctx.method == "mtp":  # the drafter reads every step's hidden states: eager keeps them
         compiled, c_step = Choice(False, MTP_EAGER), Choice(False, MTP_EAGER)
+    if ctx.config.lora_config.enable_lora:  # the fast paths read the base weights only: adapters run eager
+        compiled, c_step = Choice(False, LORA_EAGER), Choice(False, LORA_EAGER)
     return compiled, c_step
 
 
@@ -210,4 +214,15 @@ def plan_engine(config: EngineConfig, capabilities: ModelCapabilities, env: Envi
         pooling=Choice(capabilities.pooling, "the eager executor keeps the final hidden states for pooling steps"),
         scheduler=SchedulerLimits(sched.max_num_seqs, budget, sched.enable_chunked_prefill, env.max_model_len,
                                   sched.max_num_encoder_tokens or budget, sched.encoder_cache_tokens,
-                                  spec_config.speculative_tokens, spec_config.disable_by_batch_size))
+                                  spec_config.speculative_tokens, spec_config.disable_by_batch_size),
+        lora=_lora_choice(config))
+
+
+def _lora_choice(config: EngineConfig) -> Choice:
+    """(max_loras, max_lora_rank) with LoRA on (its slot memory comes off the budget in
+    ``engine.assembly.probe_environment``), else None."""
+    lora = config.lora_config
+    if not lora.enable_lora:
+        return Choice(None, "enable_lora=False")
+    return Choice((lora.max_loras, lora.max_lora_rank),
+                  f"enable_lora: {lora.max_loras} slots of rank {lora.max_lora_rank}")

@@ -114,6 +114,10 @@ def _dev(ctx: PlanContext):
     return ctx.config.device_config
 
 
+def _lora(ctx: PlanContext) -> bool:
+    return ctx.config.lora_config.enable_lora
+
+
 RULES: tuple[Rule, ...] = (
     Rule("decode_kernel_cannot_serve",
          lambda c: _dev(c).attention_backend == "decode_kernel" and c.env.decode_kernel_reason is not None,
@@ -143,6 +147,15 @@ RULES: tuple[Rule, ...] = (
          lambda c: c.caps.hybrid and c.num_state_snapshots == 0 and c.config.cache_config.kv_cache_dir is not None,
          "kv_cache_dir needs prefix caching, which {model_class}, a hybrid model, only has with state snapshots: "
          "set max_state_snapshots >= 1, or unset kv_cache_dir"),
+    Rule("lora_unsupported_model", lambda c: _lora(c) and not c.caps.lora,
+         "enable_lora=True cannot serve {model_class} yet (its layers lack the q/k/v/o/gate/up/down projections "
+         "LoRA wraps: a hybrid model's linear-attention layers); run it with enable_lora=False"),
+    Rule("lora_deterministic", lambda c: _lora(c) and _dev(c).deterministic,
+         "enable_lora=True cannot run with deterministic=True (the adapters' grouped products are not "
+         "batch-invariant); pass one of them"),
+    Rule("lora_mtp", lambda c: _lora(c) and c.method == "mtp",
+         "enable_lora=True cannot run with speculative='mtp' (the MTP head has no adapter); use "
+         "speculative='ngram' or None"),
     Rule("kv_cache_dir_mtp", lambda c: c.method == "mtp" and c.config.cache_config.kv_cache_dir is not None,
          "kv_cache_dir cannot serve speculative='mtp' (a disk hit's last block holds MTP K/V made with another "
          "request's next token); unset kv_cache_dir or use speculative='ngram'"),

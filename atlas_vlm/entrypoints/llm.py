@@ -19,6 +19,7 @@ from atlas_vlm.default_models import default_text_model
 from atlas_vlm.engine import LLMEngine
 from atlas_vlm.engine.token_ids import is_token_id_sequence
 from atlas_vlm.entrypoints.router import OutputRouter
+from atlas_vlm.lora.request import as_lora_requests
 from atlas_vlm.outputs import RequestOutput
 from atlas_vlm.pooling_params import PoolingParams
 from atlas_vlm.sampling_params import RequestOutputKind, SamplingParams
@@ -97,7 +98,8 @@ class LLM:
         self.router = OutputRouter(self.engine)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-                 stream: bool = False, use_tqdm: bool = True) -> list[RequestOutput] | Iterator[RequestOutput]:
+                 stream: bool = False, use_tqdm: bool = True,
+                 lora_request=None) -> list[RequestOutput] | Iterator[RequestOutput]:
         """Generate for one prompt or a list of prompts, all batched together.
 
         A prompt is a str, token ids (a list, or a 1-D integer numpy array / torch tensor), ``{"prompt": str}``,
@@ -117,6 +119,9 @@ class LLM:
             ``LLM.generate``). A request aborted from anywhere
             (``llm.engine.abort_request``) ends with ``finish_reason="abort"``.
 
+        ``lora_request``: an ``atlas_vlm.LoRARequest`` for every prompt, a list of one per
+        prompt (None: the base model), or None; needs ``LLM(..., enable_lora=True)``.
+
         Thread-safe: calls from several threads (and several live streams) share the engine;
         each gets exactly its own requests' outputs.
         """
@@ -128,9 +133,9 @@ class LLM:
         if not stream:  # only the final outputs are read: make no per-step output at all
             params = [_final_only(p) for p in params]
         ids, outputs, q = [], {}, queue.SimpleQueue()
-        for prompt, p in zip(prompts, params):
+        for prompt, p, lora in zip(prompts, params, as_lora_requests(lora_request, len(prompts))):
             try:
-                ids.append(self.router.add_request(prompt, p, q))
+                ids.append(self.router.add_request(prompt, p, q, lora))
             except (ValueError, TypeError, OSError) as e:
                 if single:
                     self._abort(ids)
@@ -212,7 +217,8 @@ class LLM:
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template: str | None = None, chat_template_kwargs: dict | None = None,
              mm_options: MultiModalOptions | dict | None = None, stream: bool = False, use_tqdm: bool = True,
-             tools: list[dict] | None = None, tool_choice: str | dict = "auto", parallel_tool_calls: bool = True):
+             tools: list[dict] | None = None, tool_choice: str | dict = "auto", parallel_tool_calls: bool = True,
+             lora_request=None):
         """Generate a reply to one conversation (or a list of them) through the chat template,
         as vLLM's ``LLM.chat``.
 
@@ -238,6 +244,7 @@ class LLM:
                 refuses). Calls are read by ``LLM(tool_call_parser=...)``'s parser, else by the
                 one the chat template points to (``chat_template`` if given).
             parallel_tool_calls: "required" may produce several calls.
+            lora_request: as :meth:`generate` (one ``LoRARequest``, one per conversation, or None).
 
         Returns: as :meth:`generate`; with a reasoning parser (``LLM(reasoning_parser="qwen3")``)
         every finished output also has ``reasoning_content`` (the thinking, or None) and
@@ -260,7 +267,8 @@ class LLM:
         if parser is not None or (tools and tool_choice != "none"):
             _check_chat_stream_kind(sampling_params, stream)
         if not tools or tool_choice == "none":
-            result = self.generate(prompts[0] if single else prompts, sampling_params, stream=stream, use_tqdm=use_tqdm)
+            result = self.generate(prompts[0] if single else prompts, sampling_params, stream=stream, use_tqdm=use_tqdm,
+                               lora_request=lora_request)
             if parser is None:
                 return result
             if stream:
@@ -274,7 +282,8 @@ class LLM:
         if forced is not None:
             base = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(convs)
             sampling_params = [dataclasses.replace(p or SamplingParams(), structured_outputs=forced) for p in base]
-        result = self.generate(prompts[0] if single else prompts, sampling_params, stream=stream, use_tqdm=use_tqdm)
+        result = self.generate(prompts[0] if single else prompts, sampling_params, stream=stream, use_tqdm=use_tqdm,
+                               lora_request=lora_request)
         if stream:
             return (_finish_chat(o, parser, parser_cls(tools)) for o in result)
         return [_finish_chat(o, parser, parser_cls(tools)) for o in result]

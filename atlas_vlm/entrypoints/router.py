@@ -31,11 +31,11 @@ class OutputRouter:
         self._last: dict[str, RequestOutput] = {}  # last output seen per routed request
         self._delta: set[str] = set()  # routed requests whose outputs are DELTAs
 
-    def add_request(self, prompt, sampling_params, q: queue.SimpleQueue) -> str:
+    def add_request(self, prompt, sampling_params, q: queue.SimpleQueue, lora_request=None) -> str:
         """``engine.add_request`` and route the request's outputs to ``q``, atomically (no
         step can run between the two). Raises what ``add_request`` raises."""
         with self._lock:
-            rid = self.engine.add_request(prompt, sampling_params)
+            rid = self.engine.add_request(prompt, sampling_params, lora_request=lora_request)
             self._owners[rid] = q
             if getattr(sampling_params, "output_kind", None) is RequestOutputKind.DELTA:
                 self._delta.add(rid)

@@ -137,6 +137,7 @@ class CausalLM(nn.Module):
     num_kv_layers: int | None = None  # hybrid: its full-attention layers (None: every layer)
     mtp_state_dict: dict | None = None  # the checkpoint's mtp.* tensors where the class keeps them
     qkv_sizes: list[int] | None = None  # rows of the fused qkv_proj per HF projection (None: heads x head_dim)
+    supports_lora = True  # every layer has Attention.qkv_proj / o_proj and MLP.gate_up_proj / down_proj
 
     def state_spec(self):
         """The per-sequence recurrent state (``mm_kv_cache_management.StateSpec``) of a hybrid
@@ -155,7 +156,8 @@ class CausalLM(nn.Module):
             model_class=type(self).__name__, num_layers=self.arch.num_layers, num_kv_layers=n, state_spec=spec,
             state_snapshots=self.supports_state_snapshots, state_rollback=self.supports_state_rollback,
             mtp=self.mtp_state_dict is not None, multimodal_in_forward=self.takes_mm_in_forward,
-            quantizable=self.quantizable, qkv_sizes=tuple(self.qkv_sizes) if self.qkv_sizes else None)
+            quantizable=self.quantizable, qkv_sizes=tuple(self.qkv_sizes) if self.qkv_sizes else None,
+            lora=self.supports_lora)
 
     def __init__(self, arch: ModelArch, hf_text_config):
         super().__init__()

@@ -40,6 +40,8 @@ class ModelCapabilities:
         quantizable: ``load_model(quantization=...)`` may quantize its linears.
         pooling: its final hidden states can be pooled (``PoolingParams``).
         qkv_sizes: rows of the fused ``qkv_proj`` per HF projection (None: heads x head_dim).
+        lora: every decoder layer has the q/k/v/o/gate/up/down projections LoRA adapters
+            wrap (``atlas_vlm.lora``; ``enable_lora=True``).
 
     Raises:
         ValueError: ``num_kv_layers`` outside ``1 .. num_layers`` (named with the class).
@@ -56,6 +58,7 @@ class ModelCapabilities:
     quantizable: bool = True
     pooling: bool = True
     qkv_sizes: tuple[int, ...] | None = None
+    lora: bool = False
 
     def __post_init__(self):
         n = self.num_kv_layers

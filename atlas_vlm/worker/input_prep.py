@@ -21,6 +21,7 @@ class ModelInput:
     sampled: list[int]  # index into the step's chunks of each row of logits_index
     mm_embeds: torch.Tensor | None  # [num_placeholder_tokens_in_step, hidden] rows replacing pad embeddings
     mm_token_index: torch.Tensor | None  # [num_placeholder_tokens_in_step] flat token index of each row
+    lora_slots: list[int] | None = None  # [num_tokens] each row's LoRA slot (-1: none); None: LoRA off
 
 
 def mm_rows_for_chunk(ranges, encoder_outputs, start: int, end: int):

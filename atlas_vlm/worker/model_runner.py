@@ -73,6 +73,7 @@ class ModelRunner:
         self.mrope = self.model.arch.mrope_section is not None
         self.attention_backend = plan.attention_backend.value
         self.num_packed_linears = runner_build.prepare_weights(self.model, vision, plan)
+        self.lora = runner_build.build_lora(self.model, plan)  # enable_lora: the adapter slots (atlas_vlm.lora)
         self.block_size, self.num_blocks = plan.kv.block_size, plan.num_blocks.value
         self.kv_cache = runner_build.build_kv_cache(plan)
         # hybrid models: one state slot per running sequence, and the state at block boundaries

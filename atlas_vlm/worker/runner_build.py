@@ -92,6 +92,28 @@ def build_drafter(loaded, config, plan: EnginePlan):
     return drafter, pack_linears(drafter.mtp) if can_pack(plan.dtype, plan.device) else 0
 
 
+def lora_slot_bytes(model, lora_config, dtype: torch.dtype) -> int:
+    """Bytes ``build_lora`` will allocate for ``lora_config``'s slots (``lora.manager.lora_memory_bytes``)."""
+    from atlas_vlm.lora.manager import lora_memory_bytes, projection_shapes
+
+    arch, sizes = model.arch, model.capabilities().qkv_sizes
+    q, kv = (sizes[0], sizes[1]) if sizes else (arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim)
+    shapes = projection_shapes(arch.hidden_size, q, kv, arch.intermediate_size)
+    return lora_memory_bytes(shapes, arch.num_layers, lora_config.max_loras, lora_config.max_lora_rank,
+                             dtype.itemsize)
+
+
+def build_lora(model, plan: EnginePlan):
+    """The ``LoRAModelManager`` wrapping the decoder's projections where ``plan.lora`` is on
+    (after packing: it wraps whatever linear each projection is), else None."""
+    if plan.lora.value is None:
+        return None
+    from atlas_vlm.lora.manager import LoRAModelManager
+
+    max_loras, max_rank = plan.lora.value
+    return LoRAModelManager(model, max_loras, max_rank, model.capabilities().qkv_sizes)
+
+
 def build_decode_paths(model, kv_cache, plan: EnginePlan, max_num_seqs: int, mrope: bool):
     """(compiled decode or None, its reason, the one-call C decode step or None, its reason),
     as ``plan.compile_decode`` / ``plan.decode_step`` decided; the C step is built only

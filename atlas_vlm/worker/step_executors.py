@@ -50,6 +50,8 @@ class StepInputs:
         x = r.model.embed(inp.input_ids, inp.mm_embeds, inp.mm_token_index)  # [num_tokens, hidden]
         mm = dict(mm_embeds=inp.mm_embeds, mm_token_index=inp.mm_token_index) \
             if r.capabilities.multimodal_in_forward else {}
+        if r.lora is not None:  # each row's adapter slot, grouped for the wrapped projections
+            inp.lora_slots = r.lora.set_step(self.chunks, r.device)
         self.inp = inp
         return inp, x, mm
 

@@ -68,6 +68,11 @@ CASES = {
                                               "kv_cache_dir needs prefix caching, which HybridLM"),
     "kv_cache_dir_mtp": (cfg(speculative="mtp", kv_cache_dir="/tmp/x"), HYBRID, CPU,
                          "kv_cache_dir cannot serve speculative='mtp'"),
+    "lora_unsupported_model": (cfg(enable_lora=True), HYBRID, CPU, "enable_lora=True cannot serve HybridLM yet"),
+    "lora_deterministic": (cfg(enable_lora=True, deterministic=True), caps(lora=True), CPU,
+                           "enable_lora=True cannot run with deterministic=True"),
+    "lora_mtp": (cfg(enable_lora=True, speculative="mtp"), caps(HYBRID, lora=True), CPU,
+                 "enable_lora=True cannot run with speculative='mtp'"),
 }
 
 

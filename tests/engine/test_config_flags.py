@@ -27,7 +27,8 @@ COMPANIONS = {"--num-speculative-tokens": ["--speculative", "ngram"], "--kv-cach
 EXPLICIT = {"--compile-decode": (["true"], True), "--device": (["cpu"], "cpu"), "--mmproj": (["mm.gguf"], "mm.gguf"),
             "--hf-file": (["m-Q8_0.gguf"], "m-Q8_0.gguf"), "--kv-cache-dir-max-gb": (["1.5"], int(1.5 * (1 << 30))),
             "--allowed-media-domains": (["a.example", "b.example"], ["a.example", "b.example"]),
-            "--served-model-name": (["one", "two"], ["one", "two"])}
+            "--served-model-name": (["one", "two"], ["one", "two"]),
+            "--lora-modules": (["a=/x", "b=/y"], ["a=/x", "b=/y"])}
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:

@@ -50,6 +50,7 @@ from atlas_vlm.entrypoints.openai.serving_chat import create_chat_completion
 from atlas_vlm.entrypoints.openai.serving_common import ServerContext, engine_error, until_disconnected
 from atlas_vlm.entrypoints.openai.serving_completion import create_completion
 from atlas_vlm.entrypoints.openai.serving_embedding import EmbeddingRequest, create_embedding
+from atlas_vlm.entrypoints.openai.serving_lora import LoRAServing, add_lora_routes, parse_lora_modules
 from atlas_vlm.entrypoints.openai.serving_tokenize import add_tokenize_routes
 from atlas_vlm.entrypoints.web import add_web_routes
 
@@ -227,7 +228,8 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
         "type": "object", "required": ["object", "data"],
         "properties": {"object": {"type": "string"}, "data": {"type": "array", "items": card_ref}}})})
     async def models():
-        return {"object": "list", "data": [_card(name) for name in ctx.model_names]}
+        return {"object": "list", "data": [_card(name) for name in ctx.model_names]
+                + (ctx.lora.cards(created) if ctx.lora is not None else [])}
 
     @app.get("/v1/models/{model_id:path}", responses={**_responses(401, 404), 200: _ok(card_ref)})
     async def model(model_id: str):
@@ -259,6 +261,8 @@ def create_app(ctx: ServerContext, registry, api_key: str | None = None, metrics
     add_batch_routes(app, files, jobs, _responses)
     if getattr(ctx.engine, "engine", None) is not None:  # a local engine: its tokenizer (not the Ray ingress)
         add_tokenize_routes(app, ctx, _responses)
+    if ctx.lora is not None:  # --enable-lora: /v1/load_lora_adapter, /v1/unload_lora_adapter
+        add_lora_routes(app, ctx.lora, _responses)
     add_web_routes(app)  # the chat page at / (its requests go to the guarded /v1 routes)
 
     install_openapi(app)
@@ -329,6 +333,9 @@ def run_server(engine_config, server_config=None) -> int:
     sc = ServerConfig() if server_config is None else server_config
     media = MediaPolicy.over(engine_config.multimodal_config.media, allowed_local_media_path=sc.allowed_local_media_path)
     engine_config, media = one_media_policy(engine_config, media)
+    lora_modules = parse_lora_modules(sc.lora_modules)
+    if lora_modules and not engine_config.lora_config.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     max_request_body_bytes = sc.max_request_body_bytes
     if max_request_body_bytes is None:
         max_request_body_bytes = default_max_request_body_bytes(media.max_image_bytes)
@@ -350,6 +357,8 @@ def run_server(engine_config, server_config=None) -> int:
                      stat_logger=StatLoggers(stat_logger, log_stats), input_workers=sc.input_workers, on_dead=on_dead)
     stat_logger.attach(front)
     ctx = server_context(engine, front, engine_config, served_model_names, media, sc.max_prompts_per_request)
+    if engine.runner.lora is not None:  # --enable-lora; a refused --lora-modules adapter: no server (ValueError)
+        ctx.lora = LoRAServing.start(engine, ctx.model_names[0], lora_modules)
     app = create_app(ctx, stat_logger.registry, sc.api_key, max_request_body_bytes=max_request_body_bytes,
                      protect_docs_metrics=sc.protect_docs_metrics, files=FileStore(sc.files_dir, sc.max_file_bytes),
                      batch_max_in_flight=sc.max_batch_concurrency,

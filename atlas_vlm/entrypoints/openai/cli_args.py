@@ -111,6 +111,8 @@ def run_serve(args) -> int:
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     if args.replicas > 1:
+        if args.lora_modules:
+            raise ValueError("--lora-modules serves adapters on one engine; not with --replicas yet")
         from atlas_vlm.entrypoints.ray_serve import run_ray_server
         return run_ray_server(config, args)
     if args.served_model_name is None:
@@ -130,7 +132,7 @@ def _run_router(args, models: list[str]) -> int:
     if not specs:
         raise ValueError(f"no model found in --models-dir {args.models_dir!r}")
     refuse_replicas(len(specs), args.replicas)  # Ray Serve replicas hold one model each (it says why)
-    for flag in ("served_model_name",):
+    for flag in ("served_model_name", "lora_modules"):
         if getattr(args, flag) not in (None, 1):
             raise ValueError(f"--{flag.replace('_', '-')} serves one model; not with several models")
     if args.idle_unload_s is not None and args.idle_unload_s <= 0:

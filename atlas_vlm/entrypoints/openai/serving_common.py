@@ -33,6 +33,7 @@ class ServerContext:
     reasoning_parser: object = None  # atlas_vlm.reasoning.ReasoningParser: split thinking from content
     tool_parser: type | None = None  # an atlas_vlm.tool_parsers.ToolParser class; None: from the chat template
     model_info: object = None  # model_card.ModelInfo of the /v1/models cards; None: from is_vlm alone
+    lora: object = None  # serving_lora.LoRAServing (--enable-lora): adapters picked by model=NAME
 
     def check_model(self, name: str | None) -> str:
         """The served name responses carry (the first one) for a request's ``model``: a
@@ -43,10 +44,15 @@ class ServerContext:
             APIError(404): a model name we do not serve.
         """
         from atlas_vlm.entrypoints.openai.served_name import same_model_path
+        from atlas_vlm.entrypoints.openai.serving_lora import CURRENT_LORA
 
+        adapters = list(self.lora.adapters) if self.lora is not None else []
+        CURRENT_LORA.set(self.lora.adapters[name] if name in adapters else None)  # start_choices reads it
+        if name in adapters:
+            return name
         if name is not None and name not in self.model_names and not same_model_path(name, self.model_root):
-            raise APIError(404, f"The model `{name}` does not exist; this server serves {self.model_names}",
-                           "model", "model_not_found")
+            raise APIError(404, f"The model `{name}` does not exist; this server serves {self.model_names}"
+                           + (f" and the LoRA adapters {adapters}" if adapters else ""), "model", "model_not_found")
         return self.model_names[0]
 
     @contextlib.asynccontextmanager
@@ -140,10 +146,13 @@ async def start_choices(ctx: ServerContext, prompt, params: list[SamplingParams]
     Raises:
         APIError: from ``engine_error`` (nothing is left running).
     """
+    from atlas_vlm.entrypoints.openai.serving_lora import CURRENT_LORA
+
     started: list[RequestStream] = []
-    arrival = time.monotonic()
+    arrival, lora = time.monotonic(), CURRENT_LORA.get()  # the adapter check_model found (None: base)
+    kw = {"lora_request": lora} if lora is not None else {}  # a remote engine front takes no adapters
     try:
-        first = await ctx.engine.add_request(prompt, params[0], f"{base_id}-0", arrival)
+        first = await ctx.engine.add_request(prompt, params[0], f"{base_id}-0", arrival, **kw)
         started.append(first)
         record_streams(base_id, started)
         if len(params) == 1:
@@ -151,7 +160,7 @@ async def start_choices(ctx: ServerContext, prompt, params: list[SamplingParams]
         it = aiter(first)
         head = await anext(it)
         for i, p in enumerate(params[1:], 1):
-            started.append(await ctx.engine.add_request(prompt, p, f"{base_id}-{i}", arrival))
+            started.append(await ctx.engine.add_request(prompt, p, f"{base_id}-{i}", arrival, **kw))
             record_streams(base_id, started[-1:], counts_prompt=False)
         return [_prepend(head, first), *started[1:]], first
     except (ValueError, TypeError, RuntimeError, OSError) as e:

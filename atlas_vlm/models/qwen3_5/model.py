@@ -143,6 +143,7 @@ class Qwen3_5ForCausalLM(CausalLM):
     quantizable = False
     supports_state_snapshots = True
     supports_state_rollback = True
+    supports_lora = False  # its linear-attention layers have no q/k/v/o projections (not wrapped yet)
 
     def __init__(self, arch: ModelArch, text_config):
         nn.Module.__init__(self)  # CausalLM's embed / compute_logits, not its plain decoder
