@@ -45,6 +45,10 @@ class ModelConfig:
     tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is not None:
+            from atlas_vlm.reasoning import ReasoningParserManager
+
+            ReasoningParserManager.get_reasoning_parser(self.reasoning_parser)  # ValueError listing the known names
         if self.tool_call_parser is not None:
             from atlas_vlm.tool_parsers import ToolParserManager
 

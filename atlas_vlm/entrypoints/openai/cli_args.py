@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 from atlas_vlm.entrypoints.cli import bytes_arg
+from atlas_vlm.reasoning import ReasoningParserManager
 
 
 def tool_parser_names() -> list[str]:
@@ -142,7 +143,7 @@ def add_engine_args(p) -> None:
     p.add_argument("--max-pixels", type=int, default=None, help="per-image pixel bound after resize")
     p.add_argument("--min-pixels", type=int, default=None, help="per-image lower pixel bound after resize")
     p.add_argument("--seed", type=int, default=0, help="default sampling seed")
-    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+    p.add_argument("--reasoning-parser", default=None, choices=ReasoningParserManager.names(),
                    help="split <think>..</think> into reasoning_content (Qwen3 / Qwen3-VL); grammars apply after it")
     p.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
                    help="tool-call format: hermes (<tool_call> JSON), qwen3_coder (XML), llama3_json, mistral "
