@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-#: Where a request's output is with respect to its reasoning.
-MAYBE, REASONING, ENDED = "maybe", "reasoning", "ended"
+from atlas_vlm.reasoning.streaming import ENDED, MAYBE, REASONING, ReasoningStreamer
+
+__all__ = ["ENDED", "MAYBE", "REASONING", "ReasoningParser", "ReasoningParserManager", "get_reasoning_parser"]
 
 
 @dataclass
@@ -42,10 +43,12 @@ class ReasoningParser:
                 return REASONING
         return MAYBE
 
-    def streamer(self, state: str = MAYBE):
-        """A ``ReasoningStreamer`` for one output starting in ``state`` (``initial_state``)."""
-        from atlas_vlm.reasoning.streaming import ReasoningStreamer
+    def streamer(self, state: str = MAYBE) -> ReasoningStreamer:
+        """A ``ReasoningStreamer`` for one output starting in ``state`` (``initial_state``).
 
+        Raises:
+            ValueError: ``state`` is not one of the three states.
+        """
         return ReasoningStreamer(self, state)
 
     def extract_reasoning(self, text: str, state: str = MAYBE) -> tuple[str | None, str]:

@@ -13,8 +13,8 @@ output is reasoning only if it opens (after blanks) with the start marker, else 
 
 from __future__ import annotations
 
-from atlas_vlm.reasoning.abstract import ENDED, MAYBE, REASONING
-
+#: Where a request's output is with respect to its reasoning (``ReasoningParser.initial_state``).
+MAYBE, REASONING, ENDED = "maybe", "reasoning", "ended"
 _OPENING, _INSIDE, _AFTER_END, _CONTENT = "opening", "inside", "after_end", "content"
 _FIRST_PHASE = {MAYBE: _OPENING, REASONING: _INSIDE, ENDED: _CONTENT}
 
@@ -23,7 +23,8 @@ class ReasoningStreamer:
     """Per choice: feed the whole output so far, get the new reasoning and content.
 
     Args:
-        parser: the request's ``ReasoningParser`` (its ``start`` / ``end`` texts).
+        parser: the request's ``ReasoningParser`` (``atlas_vlm.reasoning.abstract``; its
+            ``start`` / ``end`` texts).
         state: where the output starts (``parser.initial_state(prompt ids)``).
 
     Attributes:

@@ -24,6 +24,7 @@ import mm_token_pipeline as mtp
 from atlas_vlm.models.qwen2_vl.vision import VisionEncoder
 from atlas_vlm.models.qwen3_vl.vision import QWEN3_VL_IMAGE_MEAN, QWEN3_VL_IMAGE_STD
 from test_video_io import write_clip
+from atlas_vlm.models.qwen2_vl.image_processor import preprocess_image
 
 pytestmark = pytest.mark.vlm
 
@@ -128,7 +129,7 @@ def test_encoder_takes_videos_as_hf_visual(tiny_models):
     encoder = VisionEncoder.from_state_dict(hf.config.vision_config, hf.model.visual.state_dict(), fast=False)
     fast = VisionEncoder.from_state_dict(hf.config.vision_config, hf.model.visual.state_dict())
     video = mtp.preprocess_video(mtp.load_video(VIDEOS / "frames_2fps_8.mp4", nframes=4), **SMALL)
-    image = mtp.preprocess_image(Image.fromarray(mtp.load_video(VIDEOS / "frames_2fps_8.mp4").frames[0]),
+    image = preprocess_image(Image.fromarray(mtp.load_video(VIDEOS / "frames_2fps_8.mp4").frames[0]),
                                  **SMALL)
     grid = torch.tensor([video.grid_thw])
     with torch.no_grad():

@@ -29,6 +29,11 @@ class ChatChoiceOutput:
         self.splitter = ChatOutputSplitter(reasoning_parser, self.tool_parser if parse_tools else None)
         self.seen = 0  # ``delta``: characters of the CUMULATIVE text already fed
 
+    @property
+    def called(self) -> bool:
+        """A tool call was streamed (``delta`` / ``feed_delta``)."""
+        return self.splitter.called
+
     def message(self, out) -> tuple[dict, str | None]:
         """``(message, finish_reason)`` of a finished output."""
         state = self.reasoning_parser.initial_state(out.prompt_token_ids) if self.reasoning_parser else ENDED
