@@ -11,7 +11,8 @@ use) and the standard library; never ``atlas_vlm`` or ``mm_kv_cache_management``
 Each family's own code (its vision tower, prompt rules, media inputs, image processor,
 chat template) lives in its folder under ``atlas_vlm/models/`` (see ``atlas_vlm.models.registry``):
 for Qwen2-VL / Qwen2.5-VL the tower is ``atlas_vlm.models.qwen2_vl.vision.VisionEncoder``, the
-image processor ``qwen2_vl.image_processor.preprocess_image`` (HF ``Qwen2VLImageProcessor``) and
+image and video processors ``qwen2_vl.image_processor.preprocess_image`` and
+``qwen2_vl.video_processor.preprocess_video`` (HF ``Qwen2VLImageProcessor`` / ``Qwen2VLVideoProcessor``),
 the prompt ids ``qwen2_vl.prompt_ids.build_prompt_ids`` (placeholder expansion, the Qwen2.5-VL
 default chat template ``QWEN2_5_VL_CHAT_TEMPLATE``).
 
@@ -38,16 +39,17 @@ Data path of one request (shapes for the default geometry: patch 14 px, merge 2)
     embeds = encoder.encode(processed)                # [num_tokens_i, out_hidden] each
     next_pos = mtp.decode_position(len(ids), rope_delta)     # position of the first new token
 
-Video: ``load_video`` decodes with PyAV, seeking to the
-frames qwen-vl-utils 0.0.14 samples (``sample_frame_indices``), into uint8 RGB
-``[T, H, W, 3]`` plus fps / frame-index metadata; ``preprocess_video`` resizes every frame as
-qwen-vl-utils ``fetch_video`` (``video_frame_bounds`` / ``video_resized_size``) and patchifies
-with HF's video processor into a ``ProcessedVideo`` (``pixel_values``, ``grid_thw``,
-``second_per_grid_t``, Qwen3-VL ``timestamps``) that ``VisionEncoder.encode`` takes as
-it takes images; ``qwen2_vl.prompt_ids.build_prompt_ids`` expands ``<|video_pad|>`` (``extract_mm_items`` lists
-images and videos in prompt order; ``video_timestamps=True`` for Qwen3-VL);
-``get_rope_index(..., video_token_id, video_grid_thw, second_per_grid_ts, tokens_per_second)``
-gives the positions (Qwen3-VL's: ``atlas_vlm.models.qwen3_vl.mrope.get_rope_index_qwen3_vl``).
+Video: ``load_video`` decodes with PyAV, seeking to the frames qwen-vl-utils 0.0.14 samples
+(``sample_frame_indices``), into uint8 RGB ``[T, H, W, 3]`` plus fps / frame-index metadata;
+Qwen-VL's ``qwen2_vl.video_processor.preprocess_video`` resizes every frame as qwen-vl-utils
+``fetch_video`` (``video_frame_bounds`` / ``video_resized_size``, ``resize_frames``) and
+patchifies with HF's video processor into a ``ProcessedVideo`` (``pixel_values``,
+``grid_thw``, ``second_per_grid_t``, Qwen3-VL ``timestamps``) that ``VisionEncoder.encode``
+takes as it takes images; ``qwen2_vl.prompt_ids.build_prompt_ids`` expands ``<|video_pad|>``
+(``extract_mm_items`` lists images and videos in prompt order; ``video_timestamps=True`` for
+Qwen3-VL); ``get_rope_index(..., video_token_id, video_grid_thw, second_per_grid_ts,
+tokens_per_second)`` gives the positions (Qwen3-VL's:
+``atlas_vlm.models.qwen3_vl.mrope.get_rope_index_qwen3_vl``).
 Bad input raises ``VideoInputError``.
 
 Other families live in their own folders: ``atlas_vlm.models.qwen3_vl`` (patch 16, DeepStack
@@ -72,7 +74,7 @@ from .processor_config import ImageProcessorSettings
 from .resize import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, MAX_ASPECT_RATIO, smart_resize
 from .video_io import (VideoFrameBounds, VideoFrames, VideoInputError, VideoProbe, load_video, probe_video,
                        sample_frame_indices, video_frame_bounds, video_resized_size)
-from .video_processor import ProcessedVideo, preprocess_video
+from .video_processor import ProcessedVideo, resize_frames, video_content_hash
 
 __all__ = [
     "ImageInputError",
@@ -109,5 +111,6 @@ __all__ = [
     "video_frame_bounds",
     "video_resized_size",
     "ProcessedVideo",
-    "preprocess_video",
+    "resize_frames",
+    "video_content_hash",
 ]

@@ -24,6 +24,7 @@ from atlas_vlm.models.qwen3_vl.mrope import get_rope_index_qwen3_vl
 from mm_token_pipeline import decode_position, get_rope_index
 from atlas_vlm.models.qwen2_vl.image_processor import preprocess_image
 from atlas_vlm.models.qwen2_vl.prompt_ids import build_prompt_ids
+from atlas_vlm.models.qwen2_vl.video_processor import preprocess_video
 
 pytestmark = pytest.mark.vlm
 
@@ -124,7 +125,7 @@ def test_real_prompt_equals_hf(qwen3):
     geometry = dict(patch_size=16, image_mean=(0.5,) * 3, image_std=(0.5,) * 3) if qwen3 else {}
     px = 1024 if qwen3 else 784
     clip = mtp.load_video("tests/data/videos/frames_30fps_90.mp4")
-    video = mtp.preprocess_video(clip, min_pixels=16 * px, max_pixels=40 * px, **geometry)
+    video = preprocess_video(clip, min_pixels=16 * px, max_pixels=40 * px, **geometry)
     image = preprocess_image(mtp.load_image("tests/data/images/chelsea.png"), max_pixels=30 * px, **geometry)
     messages = [{"role": "user", "content": [{"type": "video", "video": "v"}, {"type": "text", "text": "and"},
                                              {"type": "image", "image": "i"}, {"type": "text", "text": "?"}]}]

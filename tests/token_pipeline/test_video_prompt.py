@@ -27,6 +27,7 @@ from mm_token_pipeline.video_processor import resize_frames
 from test_video_processor import VIDEOS
 from atlas_vlm.models.qwen2_vl.image_processor import preprocess_image
 from atlas_vlm.models.qwen2_vl.prompt_ids import QWEN2_5_VL_CHAT_TEMPLATE, build_prompt_ids
+from atlas_vlm.models.qwen2_vl.video_processor import preprocess_video
 
 pytestmark = pytest.mark.vlm
 
@@ -61,7 +62,7 @@ def media(messages, qwen3: bool):
             images.append(pil.resize(item.resized_hw[::-1], Image.Resampling.BICUBIC))
         else:
             clip = mtp.load_video(source)
-            item = mtp.preprocess_video(clip, **(dict(Q3, **Q3_BOUNDS) if qwen3 else BOUNDS))
+            item = preprocess_video(clip, **(dict(Q3, **Q3_BOUNDS) if qwen3 else BOUNDS))
             videos.append(resize_frames(clip.frames, item.resized_hw))
             metas.append({k: v for k, v in clip.qwen_metadata().items() if k != "video_backend"})
         ours.append(item)

@@ -46,7 +46,9 @@ class QwenVLInputs(MediaInputs):
                 min_pixels, max_pixels = opts.resolved()
                 items.append(preprocess_image(medium, min_pixels=min_pixels, max_pixels=max_pixels, **geometry))
             else:
-                from mm_token_pipeline import VideoInputError, load_video, preprocess_video
+                from mm_token_pipeline import VideoInputError, load_video
+
+                from .video_processor import preprocess_video
 
                 sampling = {k: opts[k] for k in ("fps", "nframes", "min_frames", "max_frames", "video_start",
                                                  "video_end", "sample_fps") if k in opts}
