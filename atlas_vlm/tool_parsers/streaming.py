@@ -155,10 +155,10 @@ class ToolCallStreamer:
                 m = self._opener.search(text, self.search) if self._opener else None
                 self._scanned += (len(text) if m is None else m.end()) - self.search
                 if m is None:
-                    self._content(text, len(text) - (0 if finished else self._partial(text)), out,
-                                  force=finished and not self.dropped)
-                    # openers are literals: one not found can only start in the last ``_longest - 1``
-                    self.search = max(self.search, len(text) - self._longest + 1)
+                    hold = 0 if finished else self._partial(text)
+                    self._content(text, len(text) - hold, out, force=finished and not self.dropped)
+                    # openers are literals: one not found yet can only start in the held suffix
+                    self.search = max(self.search, len(text) - hold)
                     return "".join(out), deltas
                 self._content(text, m.start(), out)
                 if not finished and self._partial(text) >= len(text) - m.start():

@@ -83,7 +83,7 @@ def test_streamed_split_reads_each_step_once(fmt):
     assert [c["function"]["name"] for c in calls] == ["get_weather", "zoom"] * 3
     # work: every character is examined (the counter is real), each about once by each scan
     # (reasoning scan: the whole text; tool scan: the content), never the whole text again
-    assert len(text) <= splitter.scanned <= 2 * len(text) + 8 * len(pieces)
+    assert len(text) <= splitter.scanned <= 2 * len(text)
     # flat per step: no step reads more than its piece plus a marker's or a call's length ...
     longest_call = max(len(CALL[fmt]("get_weather", {"city": "c0", "days": 0})), 64)
     assert max(per_step_chars) <= 2 * longest_call
