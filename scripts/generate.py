@@ -18,12 +18,16 @@ import argparse
 import sys
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompt", required=True, help="user message (sent through the chat template)")
+def _add_input_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
+    p.add_argument("--prompt", required=required, help="user message (sent through the chat template)")
     p.add_argument("--image", action="append", default=[], help="image path or URI; repeat for several")
     p.add_argument("--video", action="append", default=[],
                    help="video path or URI (mp4, webm, ...); repeat for several; after the images")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_input_args(p)
     from atlas_vlm.entrypoints.generate_args import add_generation_args
 
     add_generation_args(p)
@@ -33,7 +37,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     """Run the CLI; returns the exit code: 0 done, 1 bad input, 130 interrupted (Ctrl-C,
-    the shell's 128 + SIGINT), with a one-line notice on stderr instead of a traceback."""
+    the shell's 128 + SIGINT), with a one-line notice on stderr instead of a traceback.
+    The prompt and media are checked before the engine flags are built (those import the
+    settings classes, so torch): a bad input fails at once."""
+    early = argparse.ArgumentParser(add_help=False)
+    _add_input_args(early, required=False)
+    inputs = early.parse_known_args(argv)[0]
+    if inputs.prompt is not None:
+        try:
+            _check_inputs(inputs)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     args = parse_args(argv)
     streaming = []  # non-empty once text went to stdout
     try:

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from atlas_vlm.config.checks import check_positive, flat
+from atlas_vlm.config.cli import flag
 
 KV_CACHE_KINDS = ("paged", "contiguous")
 DEFAULT_KV_CACHE_DIR_MAX_BYTES = 10 << 30  # 10 GiB
@@ -24,26 +25,35 @@ class CacheConfig:
         ValueError: on creation, for any out-of-range field (the message names it).
     """
 
-    kv_cache: str = "paged"  # "paged" (blocks) or "contiguous" (one max_model_len strip per request)
-    # K/V storage: "auto" (the model dtype), "int8" or "fp8_e4m3" (8-bit codes with one scale per
-    # token and KV head: mm_kv_cache_management.kv_quant)
-    kv_cache_dtype: str = "auto"
-    block_size: int = field(default=16, metadata=flat("kvcache_block_size"))  # tokens per KV block
-    num_kvcache_blocks: int = -1  # -1: derive from memory (below)
-    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the engine may use
-    kv_cache_memory: int = 1 << 30  # CPU: bytes reserved for K/V when num_kvcache_blocks == -1
-    enable_prefix_caching: bool = True  # share computed full blocks by content hash
-    # hybrid models (Qwen3.5) under prefix caching: the linear-attention state is snapshotted every
-    # hybrid_snapshot_interval tokens (a multiple of block_size) into a pool of
-    # max_state_snapshots (StateSpec.bytes_per_seq each, ~20 MB for Qwen3.5-0.8B, off the KV
-    # budget); a hit resumes from the last snapshot. 0 snapshots: prefix caching off for them
+    kv_cache: str = field(default="paged", metadata=flag(choices=KV_CACHE_KINDS))
+    """"paged" (blocks) or "contiguous" (one max_model_len strip per request)."""
+    kv_cache_dtype: str = field(default="auto", metadata=flag(choices=lambda: _kv_cache_dtypes()))
+    """K/V storage: "auto" (the model dtype), "int8" or "fp8_e4m3" (8-bit codes with one scale per
+    token and KV head, mm_kv_cache_management.kv_quant: ~1.9x the tokens in the same memory)."""
+    block_size: int = field(default=16, metadata=flat("kvcache_block_size"))
+    """Tokens per KV block."""
+    num_kvcache_blocks: int = -1
+    """KV blocks; -1: derived from memory (gpu_memory_utilization on CUDA, kv_cache_memory on CPU)."""
+    gpu_memory_utilization: float = 0.9
+    """CUDA: fraction of device memory the engine may use."""
+    kv_cache_memory: int = field(default=1 << 30, metadata=flag(bytes=True))
+    """CPU: bytes reserved for K/V when num_kvcache_blocks is -1 (e.g. 512MiB)."""
+    enable_prefix_caching: bool = True
+    """Share computed full KV blocks between requests by content hash."""
     hybrid_snapshot_interval: int = 256
+    """Hybrid models (Qwen3.5) under prefix caching: tokens between snapshots of the linear-attention
+    state (a multiple of block_size); a prefix-cache hit resumes from the last snapshot."""
     max_state_snapshots: int = 16
-    # disk tier below the prefix cache (mm_kv_cache_management/disk_tier.py): full KV blocks are
-    # written to kv_cache_dir/<fingerprint>/ and found again, also after a restart; None: off.
-    # Needs prefix caching (and the paged cache). Size cap in bytes, least recently used out first.
-    kv_cache_dir: str | None = None
-    kv_cache_dir_max_bytes: int = DEFAULT_KV_CACHE_DIR_MAX_BYTES
+    """Hybrid models (Qwen3.5) under prefix caching: state snapshots kept (each StateSpec.bytes_per_seq,
+    ~20 MB for Qwen3.5-0.8B, off the KV budget; docs/kv-cache.md); 0: prefix caching off for them."""
+    kv_cache_dir: str | None = field(default=None, metadata=flag(metavar="PATH"))
+    """Disk tier below the prefix cache (mm_kv_cache_management/disk_tier.py): full KV blocks are
+    written to this folder (under a model fingerprint) and found again, also after a restart; needs
+    prefix caching and the paged cache. None: off."""
+    kv_cache_dir_max_bytes: int = field(default=DEFAULT_KV_CACHE_DIR_MAX_BYTES, metadata=flag(
+        name="kv-cache-dir-max-gb", type=float, default=None, metavar="X", convert=lambda gb: _gib_bytes(gb),
+        requires="kv_cache_dir", help="On the command line in GiB (default 10)."))
+    """Size cap of the disk tier in bytes, least recently used blocks out first."""
 
     def __post_init__(self) -> None:
         from mm_kv_cache_management.kv_quant import check_kv_cache_dtype
@@ -84,6 +94,19 @@ class CacheConfig:
         return self.enable_prefix_caching and self.kv_cache == "paged"
 
 
+def _kv_cache_dtypes() -> tuple:
+    from mm_kv_cache_management.kv_quant import KV_CACHE_DTYPES
+
+    return KV_CACHE_DTYPES
+
+
+def _gib_bytes(max_gb: float) -> int:
+    """``--kv-cache-dir-max-gb X`` in bytes. Raises ValueError: X <= 0 (named)."""
+    if not max_gb > 0:
+        raise ValueError(f"--kv-cache-dir-max-gb must be > 0 (GiB), got {max_gb}")
+    return max(1, int(max_gb * (1 << 30)))
+
+
 def kv_cache_dir_kwargs(path: str | None, max_gb: float | None) -> dict:
     """``EngineConfig`` keywords of the CLIs' ``--kv-cache-dir PATH --kv-cache-dir-max-gb X``
     (X in GiB, 2**30 bytes; None: the default cap). Empty when ``path`` is None.
@@ -97,6 +120,4 @@ def kv_cache_dir_kwargs(path: str | None, max_gb: float | None) -> dict:
         return {}
     if max_gb is None:
         return {"kv_cache_dir": path}
-    if not max_gb > 0:
-        raise ValueError(f"--kv-cache-dir-max-gb must be > 0 (GiB), got {max_gb}")
-    return {"kv_cache_dir": path, "kv_cache_dir_max_bytes": max(1, int(max_gb * (1 << 30)))}
+    return {"kv_cache_dir": path, "kv_cache_dir_max_bytes": _gib_bytes(max_gb)}

@@ -6,11 +6,31 @@ Scope: validated on creation; the messages name the flat ``EngineConfig(...)`` k
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from atlas_vlm.config.cli import flag
+
 ATTENTION_BACKENDS = ("auto", "reference", "bucketed", "decode_kernel", "triton")  # the one list (layers.attention derives its own)
+
+
+def _auto_bool(text: str) -> bool | str:
+    """``--compile-decode`` value: "auto", or true / false (also 1 / 0, yes / no, on / off).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse's own error names the flag).
+    """
+    import argparse
+
+    word = str(text).strip().lower()
+    if word == "auto":
+        return "auto"
+    if word in ("true", "1", "yes", "on"):
+        return True
+    if word in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected auto, true or false, got {text!r}")
 
 
 @dataclass
@@ -21,25 +41,27 @@ class DeviceConfig:
         ValueError: on creation, for any out-of-range field (the message names it).
     """
 
-    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
-    # CPU threads for torch; None: $OMP_NUM_THREADS if set, else the usable cores less those
-    # busy with other work, chosen once per process (hardware.default_num_threads)
+    device: str = "auto"
+    """"auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"."""
     num_threads: int | None = None
-    # "auto" (default): "triton" on CUDA where Triton imports (kernels/triton_attention.py), else
-    # "decode_kernel" on CPU where the C decode kernel builds, else "bucketed"; "triton" forced
-    # also runs CPU tensors under TRITON_INTERPRET=1 (how CI tests it);
-    # "decode_kernel" (bucketed prefill + kernels/csrc/paged_decode.c for decode rows, from the blocks),
-    # "bucketed" (layers/attention_bucketed: SDPA per context-length bucket), or "reference"
-    # (padded SDPA with a dense mask, the exactness reference for the other two)
-    attention_backend: str = "auto"
-    # pure-decode steps through a torch.compile'd forward, one graph per batch-size bucket
-    # (worker/compiled_decode.py): True, False, or "auto" (on where it pays and inductor works:
-    # CUDA; off on CPU, where it was measured not to pay). The eager path is the fallback.
-    compile_decode: bool | str = "auto"
-    # batch-invariant mode (docs/deterministic.md): a request's logits (so its greedy tokens and
-    # logprobs) do not depend on what else runs in its step, on chunked prefill or on the step's
-    # row count; CPU, dense weights, C decode kernel only (else ValueError at load); slower
+    """CPU threads for torch; None: $OMP_NUM_THREADS if set, else the usable cores less those busy
+    with other work, chosen once per process (hardware.default_num_threads)."""
+    attention_backend: str = field(default="auto", metadata=flag(choices=ATTENTION_BACKENDS))
+    """"auto": "triton" on CUDA where Triton imports (kernels/triton_attention.py), else
+    "decode_kernel" on CPU where the C decode kernel builds, else "bucketed". "triton" forced also
+    runs CPU tensors under TRITON_INTERPRET=1 (how CI tests it); "decode_kernel": bucketed prefill +
+    kernels/csrc/paged_decode.c for decode rows, from the blocks; "bucketed": SDPA per context-length
+    bucket (layers/attention_bucketed); "reference": padded SDPA with a dense mask, the exactness
+    reference for the others."""
+    compile_decode: bool | str = field(default="auto", metadata=flag(type=lambda text: _auto_bool(text),
+                                                                      metavar="{auto,true,false}"))
+    """Pure-decode steps through a torch.compile'd forward, one graph per batch-size bucket
+    (worker/compiled_decode.py): true, false, or "auto" (on where it pays and inductor works: CUDA;
+    off on CPU, where it was measured not to pay). The eager path is the fallback."""
     deterministic: bool = False
+    """Batch-invariant mode (docs/deterministic.md): a request's logits (so its greedy tokens and
+    logprobs) do not depend on what else runs in its step, on chunked prefill or on the step's row
+    count; CPU, dense weights, C decode kernel only (else ValueError at load); slower."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.deterministic, bool):

@@ -8,7 +8,8 @@ span two of them. The flat keywords (``EngineConfig(model=..., kvcache_block_siz
 ``LLM(..., max_num_seqs=8)``) are generated from the sub-configs' fields (``flat_routes``):
 a field's own name, or the alias in its ``flat(...)`` metadata; a nested policy's fields
 (``multimodal_config.media``) are flat keywords too. Adding a setting is adding one field
-to one sub-config. Reading ``config.<flat name>`` still works (a read-only view through
+to one sub-config; its command-line flag follows too (``add_cli_args`` / ``from_cli_args``,
+``atlas_vlm.config.cli``). Reading ``config.<flat name>`` still works (a read-only view through
 the same routes) for code written before the split; the code base reads the sub-configs.
 """
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass, fields, is_dataclass
 import torch
 
 from atlas_vlm.config.cache import CacheConfig
+from atlas_vlm.config.cli import add_flags, flag_values
 from atlas_vlm.config.device import DeviceConfig
 from atlas_vlm.config.model import ModelConfig
 from atlas_vlm.config.multimodal import MultiModalConfig
@@ -60,6 +62,7 @@ def _routes() -> dict[str, tuple[str, ...]]:
 
 #: flat keyword -> attribute path from an EngineConfig, e.g. "kvcache_block_size" -> ("cache_config", "block_size").
 FLAT_ROUTES = _routes()
+_FLAT_BY_PATH = {path: name for name, path in FLAT_ROUTES.items()}
 
 
 def _build(cls, values: dict, base=None):
@@ -145,6 +148,42 @@ class EngineConfig:
     def flat_kwargs(self) -> dict:
         """This config as flat keywords: ``EngineConfig(**config.flat_kwargs()) == config``."""
         return {name: getattr(self, name) for name in FLAT_ROUTES}
+
+    # ---- command-line flags, generated from the sub-configs' fields (atlas_vlm.config.cli) ------
+    @staticmethod
+    def add_cli_args(parser, *, exclude=(), only=None, overrides: dict | None = None) -> None:
+        """Add one flag per sub-config field to ``parser`` (one argument group per sub-config),
+        less the field names in ``exclude`` and the fields marked ``flag(skip=...)`` (only
+        those in ``only`` when given); ``overrides``: ``{field name: {Flag attribute: value}}``
+        (a command's own default, choices or help; ``atlas_vlm.config.cli.flag_specs``)."""
+        for cls in SUB_CONFIGS.values():
+            title = f"{cls.__doc__.strip().splitlines()[0].rstrip('.')} ({cls.__name__})"
+            add_flags(parser, cls, exclude=exclude, only=only, overrides=overrides, group=title)
+
+    @staticmethod
+    def cli_kwargs(args, *, overrides: dict | None = None) -> dict:
+        """The flat ``EngineConfig(...)`` / ``LLM(...)`` keywords of the parsed flags that
+        ``add_cli_args`` added (those ``args`` lacks are left out: their defaults apply).
+
+        Raises:
+            ValueError: a flag's value refused by its converter, or a flag without the one it needs.
+        """
+        out = {}
+        for attr, cls in SUB_CONFIGS.items():
+            stack = [((attr,), flag_values(args, cls, overrides=overrides))]
+            while stack:
+                path, values = stack.pop()
+                for name, value in values.items():
+                    if isinstance(value, dict):
+                        stack.append((path + (name,), value))
+                    else:
+                        out[_FLAT_BY_PATH[path + (name,)]] = value
+        return out
+
+    @classmethod
+    def from_cli_args(cls, args, *, overrides: dict | None = None, **kwargs) -> EngineConfig:
+        """``EngineConfig(**cli_kwargs(args), **kwargs)``: the parsed flags, then ``kwargs`` over them."""
+        return cls(**{**cls.cli_kwargs(args, overrides=overrides), **kwargs})
 
     # ---- derived values that need two sub-configs ----------------------------------------------
     def torch_device(self) -> torch.device:

@@ -7,13 +7,32 @@ messages name the flat ``EngineConfig(...)`` / ``LLM(...)`` keyword.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from atlas_vlm import hardware
+from atlas_vlm.config.cli import flag
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _quantization_methods() -> tuple:
+    from atlas_vlm.quantization import QUANTIZATION_METHODS
+
+    return QUANTIZATION_METHODS
+
+
+def _reasoning_parsers() -> list[str]:
+    from atlas_vlm.reasoning import ReasoningParserManager
+
+    return ReasoningParserManager.names()
+
+
+def _tool_parsers() -> list[str]:
+    from atlas_vlm.tool_parsers import ToolParserManager
+
+    return ToolParserManager.names()
 
 
 @dataclass
@@ -24,25 +43,34 @@ class ModelConfig:
         ValueError: on creation, for any out-of-range field (the message names it).
     """
 
-    model: str  # HF model folder, .gguf file or Hugging Face Hub id ORG/NAME
-    # llama.cpp's mmproj GGUF (the vision tower) of the VLM whose language model GGUF `model` is
-    # (atlas_vlm.quantization.gguf_mmproj); None: no mmproj
+    model: str = field(metadata=flag(skip="each command takes it its own way: serve's positional MODEL (and the "
+                                           "router's --model [NAME=]PATH), generate's --model, chat's positional MODEL"))
+    """HF model folder, .gguf file or Hugging Face Hub id ORG/NAME."""
     mmproj: str | None = None
-    revision: str | None = None  # Hub branch / tag / commit when model is a Hub id (None: main)
-    # the .gguf of a Hub GGUF repo `model` to load (llama.cpp's --hf-file); None: by the id's
-    # :QUANT tag, else Q4_K_M, else the first .gguf (atlas_vlm.hub_gguf)
-    hf_file: str | None = None
-    dtype: str = "auto"  # "auto": bf16 on CUDA (fp16 without bf16) and on a CPU with AMX/AVX512-BF16, else fp32
-    max_model_len: int | None = None  # tokens per request (prompt + output); None: min(model max, 4096)
-    # weight-only quantization (atlas_vlm.quantization): None (dense), "int8" / "int4" (quantized
-    # at load, round to nearest), "gguf" (a .gguf's tensors as stored), "awq" / "gptq" (read from
-    # the checkpoint's quantization_config, which is honoured when this is None)
-    quantization: str | None = None
-    seed: int = 0  # default sampling seed of requests that set none
-    reasoning_parser: str | None = None  # "qwen3": <think>..</think> reasoning; grammars apply after it
-    # tool-call format (atlas_vlm.tool_parsers: hermes, qwen3_coder, llama3_json, mistral);
-    # None: detected from the chat template's text
-    tool_call_parser: str | None = None
+    """llama.cpp's mmproj GGUF (the vision tower) of the VLM whose language model GGUF is the model
+    (atlas_vlm.quantization.gguf_mmproj); None: no mmproj."""
+    revision: str | None = None
+    """Hub branch / tag / commit when the model is a Hub id (None: main)."""
+    hf_file: str | None = field(default=None, metadata=flag(metavar="NAME.gguf"))
+    """The .gguf of a Hub GGUF repo model to load (llama.cpp's --hf-file); None: by the id's :QUANT tag
+    (ORG/NAME-GGUF:Q8_0), else Q4_K_M, else the repo's first .gguf (atlas_vlm.hub_gguf)."""
+    dtype: str = field(default="auto", metadata=flag(choices=("auto", *DTYPES)))
+    """Weights, activations and K/V: "auto" is bf16 on CUDA (fp16 without bf16) and on a CPU with
+    AMX/AVX512-BF16, else fp32 (the exactness reference)."""
+    max_model_len: int | None = None
+    """Tokens per request (prompt + output); None: min(the model's max, 4096)."""
+    quantization: str | None = field(default=None, metadata=flag(choices=lambda: _quantization_methods()))
+    """Weight-only quantization (atlas_vlm.quantization): None (dense), "int8" / "int4" (quantized at
+    load, round to nearest), "gguf" (a .gguf's tensors as stored), "awq" / "gptq" (read from the
+    checkpoint's quantization_config, which is honoured when this is None)."""
+    seed: int = 0
+    """Default sampling seed of requests that set none."""
+    reasoning_parser: str | None = field(default=None, metadata=flag(choices=lambda: _reasoning_parsers()))
+    """Split <think>..</think> reasoning into reasoning_content (atlas_vlm.reasoning registry:
+    "qwen3": Qwen3 / Qwen3-VL; "deepseek_r1"); grammars apply after it. None: no split."""
+    tool_call_parser: str | None = field(default=None, metadata=flag(choices=lambda: _tool_parsers()))
+    """Tool-call format (atlas_vlm.tool_parsers): hermes (<tool_call> JSON), qwen3_coder (XML),
+    llama3_json, mistral; None: detected from the chat template's text."""
 
     def __post_init__(self) -> None:
         if self.reasoning_parser is not None:

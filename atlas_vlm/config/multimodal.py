@@ -12,11 +12,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from atlas_vlm.config.checks import flat, is_int
+from atlas_vlm.config.cli import Flag, flag
 from mm_token_pipeline import MultiModalOptions
 from mm_token_pipeline.fetch_policy import MediaFetchPolicy
 
 #: Flat keywords of the policy's fields whose names differ (the rest keep theirs).
 MEDIA_FLAT_NAMES = {"http_timeout_s": "http_image_timeout_s", "max_image_bytes": "http_image_max_bytes"}
+#: The policy's flags (its field comments are their help): names as ``vllm serve``'s where it has one.
+MEDIA_FLAGS = {"http_timeout_s": Flag(name="image-fetch-timeout"), "max_image_bytes": Flag(bytes=True),
+               "max_video_bytes": Flag(bytes=True, help="A data: URI is also bounded by --max-request-body-bytes."),
+               "allowed_media_domains": Flag(metavar="HOST", help="Used with --allow-http-images."),
+               "max_redirects": Flag(name="max-media-redirects")}
 
 
 @dataclass
@@ -27,14 +33,20 @@ class MultiModalConfig:
         ValueError: on creation, for any out-of-range field (the message names it).
     """
 
-    # per-image area bounds after smart_resize (pixels); None: the checkpoint's own
-    # (preprocessor_config.json, models.processor_settings.image_processor_settings)
     min_pixels: int | None = None
+    """Per-image lower pixel bound after resize (smart_resize); None: the checkpoint's own
+    (preprocessor_config.json, models.processor_settings.image_processor_settings)."""
     max_pixels: int | None = None
-    limit_request_pixels: bool = False  # requests may lower max_pixels, never raise it (the server sets this)
-    # http(s) media: whether fetched, timeout, byte caps, allowed hosts, redirects; the server's
-    # MediaPolicy is this policy plus its local-file rule (atlas_vlm.entrypoints.openai.media)
-    media: MediaFetchPolicy = field(default_factory=MediaFetchPolicy, metadata=flat(names=MEDIA_FLAT_NAMES))
+    """Per-image pixel bound after resize: one visual token per 28x28 px on Qwen2.5-VL, 32x32 on
+    Qwen3-VL / Qwen3.5; SmolVLM2: longest edge floor(sqrt(P)) in whole tiles. None: the checkpoint's own."""
+    limit_request_pixels: bool = field(default=False, metadata=flag(
+        skip="set by the command: serve turns it on (a request may lower the server's image bounds, never "
+             "raise them); generate and chat leave it off"))
+    """Requests may lower max_pixels, never raise it (the server sets this)."""
+    media: MediaFetchPolicy = field(default_factory=MediaFetchPolicy, metadata={
+        **flat(names=MEDIA_FLAT_NAMES), **flag(sub=MEDIA_FLAGS)})
+    """http(s) media: whether fetched, timeout, byte caps, allowed hosts, redirects; the server's
+    MediaPolicy is this policy plus its local-file rule (atlas_vlm.entrypoints.openai.media)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.media, MediaFetchPolicy):

@@ -19,14 +19,18 @@ class SchedulerConfig:
         ValueError: on creation, for any out-of-range field (the message names it).
     """
 
-    max_num_seqs: int = 64  # requests running at once
-    max_num_batched_tokens: int = 2048  # tokens computed in one step (prefill chunks + decodes)
-    enable_chunked_prefill: bool = True  # split long prompts across steps
-    # media encoder (vLLM v1's encoder cache and encoder_compute_budget), in encoder rows =
-    # placeholder tokens: outputs kept by content hash (LRU), and rows encoded per step (None:
-    # max_num_batched_tokens); one item larger than the budget still runs, alone in its step
+    max_num_seqs: int = 64
+    """Requests running at once."""
+    max_num_batched_tokens: int = 2048
+    """Tokens computed in one step (prefill chunks + decodes)."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps."""
     encoder_cache_tokens: int = 16384
+    """Media encoder outputs kept by content hash (LRU), in encoder rows = placeholder tokens
+    (vLLM v1's encoder cache)."""
     max_num_encoder_tokens: int | None = None
+    """Encoder rows (placeholder tokens) encoded per step (vLLM v1's encoder_compute_budget); one item
+    larger still runs, alone in its step. None: max_num_batched_tokens."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):

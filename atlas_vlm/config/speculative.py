@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from atlas_vlm.config.checks import check_optional_positive, flat, is_int
+from atlas_vlm.config.cli import flag
 
 SPECULATIVE_METHODS = (None, "ngram", "mtp")  # atlas_vlm.spec_decode's proposers
 
@@ -22,18 +23,24 @@ class SpeculativeConfig:
         ValueError: on creation, for any out-of-range field (the message names it).
     """
 
-    # "ngram" (prompt-lookup drafts, vLLM's method="ngram"), "mtp" (a Qwen3.5 checkpoint's MTP head)
-    # or None (off); drafts per decode step
-    # (None: 4 when on), and the longest / shortest n-gram looked up (vLLM's prompt_lookup_max / _min)
-    method: str | None = field(default=None, metadata=flat("speculative"))
+    method: str | None = field(default=None, metadata={**flat("speculative"), **flag(
+        name="speculative", choices=SPECULATIVE_METHODS)})
+    """Speculative decoding (docs/speculative.md): "ngram" (prompt-lookup drafts, vLLM's method="ngram")
+    or "mtp" (a Qwen3.5 checkpoint's multi-token-prediction head); None: off. Distribution-exact
+    always; token-for-token equal to speculation off only in fp32 or with deterministic (in bf16 a
+    near-tie can part them: verification rows are other GEMM shapes)."""
     num_speculative_tokens: int | None = None
+    """Drafts per decode step with speculation on (None: 4)."""
     prompt_lookup_max: int = 4
+    """ngram: the longest n-gram looked up in the prompt (vLLM's prompt_lookup_max)."""
     prompt_lookup_min: int = 1
-    # no drafts while more than this many requests run (vLLM's speculative_disable_by_batch_size;
-    # None: draft at any batch size). Measured (scripts/bench.py --spec, SmolLM2, CPU): one stream
-    # 2.2-4.3x on copying tasks, but 4, 8 and 16 requests ran at 0.8-0.92x with drafts: a batched
-    # step is no longer bound by reading the weights once, so verification rows cost compute
-    disable_by_batch_size: int | None = field(default=2, metadata=flat("speculative_disable_by_batch_size"))
+    """ngram: the shortest n-gram looked up (vLLM's prompt_lookup_min)."""
+    disable_by_batch_size: int | None = field(default=2, metadata={**flat("speculative_disable_by_batch_size"), **flag(
+        name="speculative-disable-by-batch-size")})
+    """No drafts while more than this many requests run (None: draft at any batch size). Measured
+    (scripts/bench.py --spec, SmolLM2, CPU): one stream 2.2-4.3x on copying tasks, but 4, 8 and 16
+    requests ran at 0.8-0.92x with drafts: a batched step is no longer bound by reading the weights
+    once, so verification rows cost compute."""
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:

@@ -15,80 +15,51 @@ import os
 URI_SCHEMES = ("http://", "https://", "data:")  # left to the engine's fetch / decode rules
 
 
+#: Engine fields that generate / chat do not take as a flag, and why.
+NOT_ENGINE_FLAGS = {"seed": "--seed is the request's sampling seed (SamplingParams.seed), which wins over the "
+                            "engine's default seed anyway"}
+
+
 def add_generation_args(p: argparse.ArgumentParser, *, model_flag: bool = True) -> None:
-    """Register the model, engine, sampling and video sampling flags on ``p``.
+    """Register the video sampling, model, sampling and engine flags on ``p``; the engine flags
+    are one per ``EngineConfig`` sub-config field (``EngineConfig.add_cli_args``, as
+    ``atlas-vlm serve``'s) less ``NOT_ENGINE_FLAGS``.
 
     ``model_flag=False`` leaves ``--model`` out (``atlas-vlm chat`` takes MODEL positionally).
     """
+    from atlas_vlm.config import EngineConfig
+
     p.add_argument("--fps", type=float, default=None, help="video frames sampled per second (default 2, qwen-vl-utils)")
     p.add_argument("--max-frames", type=int, default=None, help="video frames sampled at most")
     if model_flag:
         p.add_argument("--model", default=None,
                        help="HF model folder, .gguf file or Hub id ORG/NAME (default: embedded)")
-    p.add_argument("--mmproj", default=None,
-                   help="llama.cpp mmproj GGUF (vision tower) of the VLM whose language model GGUF is --model")
-    p.add_argument("--revision", default=None, help="Hub branch / tag / commit for a Hub id")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0, help="keep tokens with probability >= P x the best's; 0 = off")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
+    s = p.add_argument_group("sampling (SamplingParams)")
+    s.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--min-p", type=float, default=0.0, help="keep tokens with probability >= P x the best's; 0 = off")
+    s.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="divide / multiply the logits of tokens seen in prompt and output (HF / vLLM); 1 = off")
-    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, per output occurrence, in [-2, 2]")
-    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, once per output token, in [-2, 2]")
-    p.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID=BIAS",
+    s.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, per output occurrence, in [-2, 2]")
+    s.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, once per output token, in [-2, 2]")
+    s.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID=BIAS",
                    help="add BIAS (in [-100, 100]) to a token's logit (OpenAI's logit_bias); repeat for several")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--kv-cache", choices=["paged", "contiguous"], default="paged")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
-                   help="K/V storage: auto (the model dtype), int8 or fp8_e4m3 (8 bits + one scale per token and KV "
-                        "head: ~1.9x the tokens in the same memory)")
-    from atlas_vlm.entrypoints.openai.cli_args import add_kv_cache_dir_args
-
-    add_kv_cache_dir_args(p)
-    p.add_argument("--max-model-len", type=int, default=None, help="tokens per request (prompt + output)")
-    p.add_argument("--max-pixels", type=int, default=None,
-                   help="per-image pixel bound after resize: one visual token per 28x28 px on Qwen2.5-VL, "
-                        "32x32 on Qwen3-VL / Qwen3.5; SmolVLM2: longest edge floor(sqrt(P)) in whole tiles")
-    p.add_argument("--min-pixels", type=int, default=None, help="per-image lower pixel bound after resize")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: bf16 on CUDA and on CPUs with AMX/AVX512-BF16, else fp32")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf", "awq", "gptq"],
-                   help="weight-only quantization: int8 / int4 at load, gguf as stored (a .gguf), awq / gptq "
-                        "(read from the checkpoint's quantization_config when not given)")
-    p.add_argument("--speculative", default=None, choices=["ngram", "mtp"],
-                   help="speculative decoding (distribution-exact; token-for-token exact in fp32 or with "
-                        "--deterministic): ngram (prompt-lookup drafts) or mtp (a Qwen3.5 checkpoint's "
-                        "multi-token-prediction head); docs/speculative.md")
-    p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="drafts per decode step with --speculative (default 4)")
-    p.add_argument("--deterministic", action="store_true",
-                   help="batch-invariant mode: the same tokens and logprobs whatever the batch (CPU, dense; "
-                        "docs/deterministic.md)")
+    s.add_argument("--seed", type=int, default=None, help="sampling seed (default: the engine's, 0)")
+    EngineConfig.add_cli_args(p, exclude=tuple(NOT_ENGINE_FLAGS))
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    """``LLM`` keywords from the parsed flags (the model itself not included).
+    """``LLM`` keywords from the parsed engine flags (the model itself not included):
+    ``EngineConfig.cli_kwargs``.
 
     Raises:
         ValueError: a bad ``--kv-cache-dir`` / ``--kv-cache-dir-max-gb``.
     """
-    from atlas_vlm.config import kv_cache_dir_kwargs
+    from atlas_vlm.config import EngineConfig
 
-    kwargs = dict(kv_cache=args.kv_cache, kvcache_block_size=args.block_size, revision=args.revision,
-                  mmproj=args.mmproj, dtype=args.dtype, device=args.device, quantization=args.quantization,
-                  kv_cache_dtype=args.kv_cache_dtype, speculative=args.speculative,
-                  num_speculative_tokens=args.num_speculative_tokens, deterministic=args.deterministic)
-    if args.max_model_len:
-        kwargs["max_model_len"] = args.max_model_len
-    for name in ("max_pixels", "min_pixels"):
-        if getattr(args, name) is not None:
-            kwargs[name] = getattr(args, name)
-    kwargs.update(kv_cache_dir_kwargs(args.kv_cache_dir, args.kv_cache_dir_max_gb))
-    return kwargs
+    return EngineConfig.cli_kwargs(args)
 
 
 def sampling_params(args: argparse.Namespace):

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from atlas_vlm.config import EngineConfig
 from atlas_vlm.default_models import default_text_model
 from atlas_vlm.entrypoints.cli import bytes_arg
 from atlas_vlm.entrypoints.plan_matrix import CHAIN, HYBRID, MATRIX_GIB, format_matrix, gib
@@ -147,6 +148,23 @@ def format_plan(p: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
+#: The engine settings a plan takes, as the engine's flags (``EngineConfig.add_cli_args``).
+PLAN_FIELDS = ("revision", "max_model_len", "dtype", "quantization", "kv_cache_dtype", "block_size",
+               "gpu_memory_utilization", "max_state_snapshots", "max_num_seqs", "max_pixels")
+#: Where the plan's flag differs from the engine's: a GPU's dtype by default, the schemes memory_plan knows.
+PLAN_OVERRIDES = {
+    "dtype": {"default": "bfloat16", "choices": tuple(DTYPE_BYTES),
+              "help": "Here: the bytes per weight and KV element planned (auto: bf16 on a GPU); bf16 / fp16 / fp32 "
+                      "are aliases."},
+    "quantization": {"choices": ("int8", "int4", "awq", "gptq"),
+                     "help": "Here: the scheme of the decoder's projections planned (default: dense); --matrix adds "
+                             "int4 rows when not given."},
+    "kv_cache_dtype": {"help": "Here: 1 byte + a 2-byte scale per token and KV head; --matrix adds 'kv int8' rows "
+                               "when not given."},
+    "max_num_seqs": {"help": "Here: a hybrid model's (Qwen3.5) state slots, one per running sequence."},
+}
+
+
 def add_parser(subparsers) -> None:
     """Register the ``plan`` subcommand."""
     p = subparsers.add_parser("plan", help="KV memory plan of a model from its config.json (no weights)",
@@ -155,38 +173,22 @@ def add_parser(subparsers) -> None:
                                     "Qwen2.5-VL-3B-Instruct, SmolVLM2-2.2B-Instruct, Qwen2.5-0.5B-Instruct, "
                                     "Qwen3.5-0.8B / 2B / 4B / 9B); default: the "
                                     "embedded SmolLM2-135M-Instruct, as serve and generate")
-    p.add_argument("--revision", default=None, help="Hub branch / tag / commit")
     p.add_argument("--gpu-memory", type=bytes_arg(bare_unit=GiB), default=24 * GiB, help="device memory (default 24GiB)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-model-len", type=int, default=None, help="L, tokens per sequence (default min(model, 4096))")
-    p.add_argument("--max-pixels", type=int, default=None,
-                   help="bound of the one image per sequence, in pixels (default: the checkpoint's own, from its "
-                        "preprocessor_config.json, as the engine)")
-    p.add_argument("--video-seconds", type=float, default=10.0,
+    v = p.add_argument_group("the planned video clip")
+    v.add_argument("--video-seconds", type=float, default=10.0,
                    help="length of the planned video clip in seconds (default 10): frames x pixels by each "
                         "family's default sampling (qwen-vl-utils fps 2; SmolVLM2's video_sampling)")
-    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPE_BYTES),
-                   help="as the engine's --dtype (auto: bf16 on a GPU); bf16 / fp16 / fp32 are aliases")
-    p.add_argument("--fps", type=float, default=None,
+    v.add_argument("--fps", type=float, default=None,
                    help="the planned clip's sampling rate, as a video item's fps (default: the family's: "
                         "qwen-vl-utils 2; SmolVLM2's video_sampling)")
-    p.add_argument("--max-frames", type=int, default=None, help="at most this many frames (a video item's max_frames)")
-    p.add_argument("--frames", type=int, default=None,
+    v.add_argument("--max-frames", type=int, default=None, help="at most this many frames (a video item's max_frames)")
+    v.add_argument("--frames", type=int, default=None,
                    help="exactly this many frames (a video item's nframes; wins over --fps)")
-    p.add_argument("--block-size", type=int, default=16, help="kvcache_block_size")
-    p.add_argument("--max-num-seqs", type=int, default=64,
-                   help="as the engine's (default 64): a hybrid model's (Qwen3.5) state slots, one per running sequence")
-    p.add_argument("--max-state-snapshots", type=int, default=16,
-                   help="as the engine's (default 16; 0: prefix caching off): a hybrid model's state snapshots")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
-                   help="as the engine's: auto (the dtype's bytes), int8 / fp8_e4m3 (1 byte + a 2-byte scale per "
-                        "token and KV head); --matrix adds 'kv int8' rows when not given")
+    EngineConfig.add_cli_args(p, only=PLAN_FIELDS, overrides=PLAN_OVERRIDES)
     p.add_argument("--matrix", action="store_true",
                    help="Qwen3-VL-4B, Qwen2.5-VL-3B, SmolVLM2-2.2B and Qwen2.5-0.5B on 8/12/16/24/48/80 GiB GPUs "
                         "(dense and int4 rows unless --quantization is given), then Qwen3.5-0.8B/2B/4B/9B (dense, "
                         "with their state bytes per sequence)")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4", "awq", "gptq"],
-                   help="weight-only scheme of the decoder's projections (default: dense)")
     p.set_defaults(func=run)
 
 

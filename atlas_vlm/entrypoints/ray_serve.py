@@ -21,6 +21,8 @@ import os
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from atlas_vlm.entrypoints.openai.model_specs import SEVERAL_MODELS_WITH_REPLICAS
+
 
 @serve.deployment(max_ongoing_requests=1024, health_check_period_s=2, health_check_timeout_s=30)
 class EngineReplica:
@@ -187,8 +189,11 @@ def build_app(engine_kwargs: dict, num_replicas: int, *, served_model_names: lis
 def app_builder(args: dict):
     """``serve run atlas_vlm.entrypoints.ray_serve:app_builder key=value ...`` and the
     ``import_path`` of ``deploy/ray_serve.yaml``: ``args`` holds ``engine`` (``EngineConfig``
-    fields) and the keyword arguments of :func:`build_app` (``num_replicas`` default 2)."""
+    fields) and the keyword arguments of :func:`build_app` (``num_replicas`` default 2); a
+    ``models`` list is a ValueError saying why (``SEVERAL_MODELS_WITH_REPLICAS``)."""
     args = dict(args)
+    if "models" in args:  # several models are the router's (one process), never replicas of one
+        raise ValueError(f"`models` in a Ray Serve application: {SEVERAL_MODELS_WITH_REPLICAS}")
     engine = dict(args.pop("engine", {}))
     if "model" in args:
         engine["model"] = args.pop("model")

@@ -17,7 +17,7 @@ ERROR_SCHEMA = {"type": "object", "required": ["type", "error"], "properties": {
 
 
 
-def _anthropic_responses(responses: dict, stream: bool) -> dict:
+def anthropic_openapi_responses(responses: dict, stream: bool) -> dict:
     """``responses`` (the chat route's OpenAPI responses) with Anthropic's error JSON as the
     schema of every error status, and named events as the SSE schema (JSON only unless
     ``stream``)."""
@@ -37,10 +37,10 @@ def add_anthropic_routes(app: FastAPI, ctx: ServerContext, respond, responses: d
     ``POST /v1/messages/count_tokens``; ``responses``: the chat route's OpenAPI responses,
     declared here with Anthropic's error JSON, which these paths answer (``api_server._error``)."""
 
-    @app.post("/v1/messages", responses=_anthropic_responses(responses, stream=True))
+    @app.post("/v1/messages", responses=anthropic_openapi_responses(responses, stream=True))
     async def messages(body: MessagesRequest, raw: Request):
         return respond(await until_disconnected(create_message(ctx, body), raw.receive))
 
-    @app.post("/v1/messages/count_tokens", responses=_anthropic_responses(responses, stream=False))
+    @app.post("/v1/messages/count_tokens", responses=anthropic_openapi_responses(responses, stream=False))
     async def messages_count_tokens(body: CountTokensRequest, raw: Request):
         return respond(await until_disconnected(count_tokens(ctx, body), raw.receive))

@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException
 from atlas_vlm.engine.request_stream import EngineDeadError, EngineStepError
 from atlas_vlm.entrypoints.anthropic.routes import add_anthropic_routes
 from atlas_vlm.entrypoints.openai.access_log import AccessLogMiddleware
-from atlas_vlm.entrypoints.openai.batch.files import DEFAULT_MAX_FILE_BYTES, FileStore
+from atlas_vlm.entrypoints.openai.batch.files import FileStore
 from atlas_vlm.entrypoints.openai.batch.jobs import DEFAULT_BATCH_IN_FLIGHT, BatchJobs
 from atlas_vlm.entrypoints.openai.batch.routes import FILES_PATH, add_batch_routes
 from atlas_vlm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
@@ -301,22 +301,13 @@ def one_media_policy(engine_config, media=None):
     return dataclasses.replace(engine_config, multimodal_config=mm), media
 
 
-def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, served_model_names=None,
-               api_key: str | None = None, max_waiting_requests: int | None = None, media=None,
-               log_level: str = "info", max_request_body_bytes: int | None = None,
-               max_prompts_per_request: int = 64, protect_docs_metrics: bool = False,
-               input_workers: int = 2, shutdown_timeout_s: float = 30.0, files_dir: str | None = None,
-               max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, batch_max_in_flight: int = DEFAULT_BATCH_IN_FLIGHT,
-               responses_dir: str | None = None, max_stored_responses: int = 1024, access_log: bool = True,
-               log_stats_interval_s: float | None = 10.0) -> int:
-    """Build the engine, serve until SIGTERM/SIGINT, shut down cleanly. ``files_dir``: where
-    ``/v1/files`` keeps files (None: a temporary directory), each upload at most
-    ``max_file_bytes``; ``batch_max_in_flight``: lines of one batch running at once;
-    ``responses_dir`` / ``max_stored_responses``: the ``/v1/responses`` store (None: memory).
-    ``media``: the server's ``MediaPolicy`` (None: the engine's ``multimodal_config.media``, no
-    local files); its fetch fields become the engine's too (``one_media_policy``).
-    ``access_log``: one line per request (``access_log``); ``log_stats_interval_s``: seconds
-    between the engine lines while busy (``stat_logging``; None: none).
+def run_server(engine_config, server_config=None) -> int:
+    """Build the engine of ``engine_config`` (an ``EngineConfig``) and serve it with
+    ``server_config`` (a ``ServerConfig``: address, key, limits, stores, logs; None: its
+    defaults) until SIGTERM/SIGINT, then shut down cleanly. The server's ``MediaPolicy`` is the
+    engine's ``multimodal_config.media`` plus ``server_config.allowed_local_media_path``, one
+    policy for both (``one_media_policy``); the served names default to the model's
+    (``default_served_model_name``).
 
     Returns:
         0 after a signal; 1 if the engine was declared dead (repeated step failures), so a
@@ -331,11 +322,19 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
     from atlas_vlm.engine.async_llm import AsyncLLM
     from atlas_vlm.entrypoints.openai.metrics import PrometheusStatLogger
     from atlas_vlm.entrypoints.openai.stat_logging import LoggingStatLogger, StatLoggers, log_startup
+    from atlas_vlm.config.server import ServerConfig
+    from atlas_vlm.entrypoints.openai.media import MediaPolicy
+    from atlas_vlm.entrypoints.openai.served_name import default_served_model_name
 
+    sc = ServerConfig() if server_config is None else server_config
+    media = MediaPolicy.over(engine_config.multimodal_config.media, allowed_local_media_path=sc.allowed_local_media_path)
     engine_config, media = one_media_policy(engine_config, media)
+    max_request_body_bytes = sc.max_request_body_bytes
     if max_request_body_bytes is None:
         max_request_body_bytes = default_max_request_body_bytes(media.max_image_bytes)
-    log_stats = LoggingStatLogger(log_stats_interval_s) if log_stats_interval_s is not None else None
+    served_model_names = sc.served_model_name or [default_served_model_name(str(engine_config.model_config.model))]
+    shutdown_timeout_s = sc.shutdown_timeout_s
+    log_stats = LoggingStatLogger(sc.log_stats_interval_s) if sc.log_stats_interval_s else None
     engine = LLMEngine(engine_config)
     stat_logger = PrometheusStatLogger()
     exit_code = {"code": 0}
@@ -347,28 +346,29 @@ def run_server(engine_config, *, host: str = "127.0.0.1", port: int = 8000, serv
         if server is not None:
             server.should_exit = True
 
-    front = AsyncLLM(engine, max_waiting_requests=max_waiting_requests, stat_logger=StatLoggers(stat_logger, log_stats),
-                     input_workers=input_workers, on_dead=on_dead)
+    front = AsyncLLM(engine, max_waiting_requests=sc.max_waiting_requests,
+                     stat_logger=StatLoggers(stat_logger, log_stats), input_workers=sc.input_workers, on_dead=on_dead)
     stat_logger.attach(front)
-    ctx = server_context(engine, front, engine_config, served_model_names, media, max_prompts_per_request)
-    app = create_app(ctx, stat_logger.registry, api_key, max_request_body_bytes=max_request_body_bytes,
-                     protect_docs_metrics=protect_docs_metrics, files=FileStore(files_dir, max_file_bytes),
-                     batch_max_in_flight=batch_max_in_flight,
-                     responses_store=ResponseStore(max_stored_responses, responses_dir), access_log=access_log)
+    ctx = server_context(engine, front, engine_config, served_model_names, media, sc.max_prompts_per_request)
+    app = create_app(ctx, stat_logger.registry, sc.api_key, max_request_body_bytes=max_request_body_bytes,
+                     protect_docs_metrics=sc.protect_docs_metrics, files=FileStore(sc.files_dir, sc.max_file_bytes),
+                     batch_max_in_flight=sc.max_batch_concurrency,
+                     responses_store=ResponseStore(sc.max_stored_responses, sc.responses_dir),
+                     access_log=sc.access_log)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # first signal: stop admitting, end every stream now
             front.shutdown()
             super().handle_exit(sig, frame)
 
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+    server = _Server(uvicorn.Config(app, host=sc.host, port=sc.port, log_level=sc.log_level,
                                     timeout_graceful_shutdown=shutdown_timeout_s, access_log=False))
     server_ref["server"] = server
     # uvicorn re-raises a captured signal after shutdown with the handlers it found; make those no-ops so the
     # process exits 0 after a graceful stop instead of dying by the signal
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    log_startup(host, port, str(engine_config.model_config.model), ctx.model_names,
+    log_startup(sc.host, sc.port, str(engine_config.model_config.model), ctx.model_names,
                 ctx.model_info is not None and ctx.model_info.random_weights)
     if log_stats is not None:
         log_stats.start(front)

@@ -2,20 +2,17 @@
 Ollama's scheduler and llama-server's router mode behave the same way).
 
 The router owns one ``LoadedModel`` (its ``ServerContext``, a ``close`` that shuts its
-``AsyncLLM`` down, and its Prometheus registry) per resident model, by served name. A route
-``acquire``s the context of its request's ``model`` and ``release``s it when the answer
-(or stream) ends. The first request for an unloaded model starts its load (in a thread, so
-other models keep serving); concurrent requests for it wait on that same load, each at most
-``load_timeout_s`` (then 503 with ``Retry-After``). At most ``max_loaded`` models are
-resident: before a load, the least recently used model with no request in flight is unloaded
-(a load waits while every resident model is busy: a request in flight, or one waiting
-for that model's load, which keeps two loads from evicting each other's model before their
-requests start). ``idle_unload_s`` unloads a model idle
-that long. A load that fails fails its waiting requests (500 naming the model and the cause)
-and is tried again on the next request. Loads and unloads run one at a time.
-
-Unloading returns memory: the engine is shut down, every reference dropped, ``gc.collect()``
-run and glibc's ``malloc_trim(0)`` called (``release_memory``).
+``AsyncLLM`` down, its Prometheus registry) per resident model, by served name. A route
+``acquire``s the context of its request's ``model`` and ``release``s it when the answer (or
+stream) ends (``router_routes.RoutedContext.lease``: both). The first request for an unloaded model starts its load (in a
+thread, so other models keep serving); concurrent requests wait on that same load, each at
+most ``load_timeout_s`` (then 503 with ``Retry-After``). At most ``max_loaded`` models are
+resident: before a load, the least recently used model with no request in flight or waiting
+for it is unloaded (else the load waits; a waiting request keeps two loads from evicting each
+other's model). ``idle_unload_s`` unloads a model idle that long. A load that fails fails its
+waiting requests (500 naming the model and the cause) and is tried again on the next
+request. Loads and unloads run one at a time. Unloading returns memory: the engine is shut
+down, every reference dropped, ``gc.collect()`` run and glibc's ``malloc_trim(0)`` called.
 """
 
 from __future__ import annotations

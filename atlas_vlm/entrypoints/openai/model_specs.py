@@ -13,6 +13,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+#: why ``--replicas`` (Ray Serve) is refused with several models
+SEVERAL_MODELS_WITH_REPLICAS = (
+    "--replicas N serves N copies of ONE model: each Ray Serve replica owns one engine built at deploy time "
+    "and the ingress picks a replica by prefix cache and load, not by the request's `model`, so a model "
+    "loaded on demand in one replica would be missing in the others. Serve several models from one process "
+    "(drop --replicas: the router loads and unloads them by name), or run one `atlas-vlm serve MODEL "
+    "--replicas N` per model behind your proxy")
+
+
+def refuse_replicas(num_models: int, replicas: int | None) -> None:
+    """Raise when the several-model server (several ``--model`` or a ``--models-dir``, of
+    ``num_models`` models) is asked for Ray Serve replicas (``replicas > 1``).
+
+    Raises:
+        ValueError: ``SEVERAL_MODELS_WITH_REPLICAS`` (it says why and what to do instead).
+    """
+    if replicas is not None and replicas > 1:
+        raise ValueError(f"{num_models} models with --replicas {replicas}: {SEVERAL_MODELS_WITH_REPLICAS}")
+
 
 @dataclass(frozen=True)
 class ModelSpec:

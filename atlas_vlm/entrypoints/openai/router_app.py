@@ -2,14 +2,14 @@
 its uvicorn runner. ``atlas-vlm serve --model A --model B`` / ``--models-dir`` start it; one
 model is the single-model server (``api_server``), unchanged.
 
-Routes: ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings`` answer with the
-engine their ``model`` names (loaded first if needed); ``/v1/models`` lists every model with
+Routes: every model-taking route (``router_routes``: chat, completions, embeddings,
+responses, Anthropic messages, tokenize, files and batches) answers with the engine its
+``model`` names (loaded first if needed); ``/v1/models`` lists every model with
 ``status`` (``loaded`` / ``loading`` / ``unloaded``; a loaded one with its full card);
 ``POST /models/load`` and ``POST /models/unload`` (llama-server's router routes, body
 ``{"model": NAME}``); ``/metrics`` has each resident model's metrics with a ``model_name``
 label; ``/health`` and the chat page as in the single-model server. Errors, the API key and
-body limits as ``api_server.create_app``. ``/v1/responses``, the Anthropic routes, batches
-and ``/tokenize`` are single-model only (not routed yet).
+body limits as ``api_server.create_app``.
 """
 
 from __future__ import annotations
@@ -19,19 +19,19 @@ import contextlib
 import logging
 import time
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel
 
-from atlas_vlm.entrypoints.openai.api_server import (_responses, install_error_handlers, install_middlewares,
-                                                     install_openapi)
+from atlas_vlm.entrypoints.openai.api_server import (UPLOAD_MARGIN_BYTES, _responses, install_error_handlers,
+                                                     install_middlewares, install_openapi)
+from atlas_vlm.entrypoints.openai.batch.files import DEFAULT_MAX_FILE_BYTES, FileStore
+from atlas_vlm.entrypoints.openai.batch.jobs import DEFAULT_BATCH_IN_FLIGHT
+from atlas_vlm.entrypoints.openai.batch.routes import FILES_PATH
 from atlas_vlm.entrypoints.openai.model_card import model_card
 from atlas_vlm.entrypoints.openai.model_router import ModelRouter
-from atlas_vlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from atlas_vlm.entrypoints.openai.serving_chat import create_chat_completion
-from atlas_vlm.entrypoints.openai.serving_common import until_disconnected
-from atlas_vlm.entrypoints.openai.serving_completion import create_completion
-from atlas_vlm.entrypoints.openai.serving_embedding import EmbeddingRequest, create_embedding
+from atlas_vlm.entrypoints.openai.responses.store import ResponseStore
+from atlas_vlm.entrypoints.openai.router_routes import add_routed_routes
 from atlas_vlm.entrypoints.web import add_web_routes
 
 logger = logging.getLogger(__name__)
@@ -67,22 +67,31 @@ def metrics_text(router: ModelRouter) -> bytes:
 
 
 def create_router_app(router: ModelRouter, api_key: str | None = None, *, max_request_body_bytes: int | None = None,
-                      protect_docs_metrics: bool = False, access_log: bool = True) -> FastAPI:
+                      protect_docs_metrics: bool = False, access_log: bool = True, files: FileStore | None = None,
+                      batch_max_in_flight: int = DEFAULT_BATCH_IN_FLIGHT,
+                      responses_store: ResponseStore | None = None) -> FastAPI:
     """FastAPI app over ``router`` (routes in the module docstring; keywords as
     ``api_server.create_app``'s)."""
     from prometheus_client import CONTENT_TYPE_LATEST
+
+    files = files if files is not None else FileStore()
+    responses_store = responses_store if responses_store is not None else ResponseStore()
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):  # the idle unloader runs while serving; every model unloaded at shutdown
         task = asyncio.create_task(router.run_idle_unloader())
         yield
         task.cancel()
+        await background.close()
+        await jobs.close()
         await router.close()
+        files.close()
 
     app = FastAPI(title="Atlas VLM OpenAI-compatible server (several models)", lifespan=lifespan)
     created = int(time.time())
     install_error_handlers(app)
-    install_middlewares(app, api_key, protect_docs_metrics, access_log, max_request_body_bytes)
+    install_middlewares(app, api_key, protect_docs_metrics, access_log, max_request_body_bytes,
+                        {FILES_PATH: (files.max_file_bytes + UPLOAD_MARGIN_BYTES, "--max-file-bytes")})
 
     def _card(name: str) -> dict:
         loaded = router.slots[name].loaded
@@ -118,39 +127,8 @@ def create_router_app(router: ModelRouter, api_key: str | None = None, *, max_re
         was_loaded = await router.unload(body.model)
         return {"success": True, "model": body.model, "was_loaded": was_loaded, "status": router.status(body.model)}
 
-    async def _released(stream, name: str):
-        try:
-            async for chunk in stream:
-                yield chunk
-        finally:
-            router.release(name)
-
-    async def _serve(create, body, raw: Request):
-        ctx = await router.acquire(body.model)
-        try:
-            result = await until_disconnected(create(ctx, body), raw.receive)
-        except BaseException:
-            router.release(body.model)
-            raise
-        if isinstance(result, dict):
-            router.release(body.model)
-            return JSONResponse(result)
-        return StreamingResponse(_released(result, body.model), media_type="text/event-stream")
-
-    errors = (400, 401, 404, 413, 500, 503)
-
-    @app.post("/v1/chat/completions", responses=_responses(*errors, stream=True))
-    async def chat(body: ChatCompletionRequest, raw: Request):
-        return await _serve(create_chat_completion, body, raw)
-
-    @app.post("/v1/completions", responses=_responses(*errors, stream=True))
-    async def completions(body: CompletionRequest, raw: Request):
-        return await _serve(create_completion, body, raw)
-
-    @app.post("/v1/embeddings", responses=_responses(*errors))
-    async def embeddings(body: EmbeddingRequest, raw: Request):
-        return await _serve(create_embedding, body, raw)
-
+    background, jobs = add_routed_routes(app, router, _responses, files=files, store=responses_store,
+                                         batch_max_in_flight=batch_max_in_flight)
     add_web_routes(app)
     install_openapi(app)
     return app
@@ -161,11 +139,14 @@ def run_router_server(specs, config_for, *, host: str = "127.0.0.1", port: int =
                       max_request_body_bytes: int | None = None, max_prompts_per_request: int = 64,
                       protect_docs_metrics: bool = False, input_workers: int = 2, shutdown_timeout_s: float = 30.0,
                       access_log: bool = True, max_loaded_models: int = 1, model_load_timeout_s: float = 600.0,
-                      idle_unload_s: float | None = None) -> int:
+                      idle_unload_s: float | None = None, files_dir: str | None = None,
+                      max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, batch_max_in_flight: int = DEFAULT_BATCH_IN_FLIGHT,
+                      responses_dir: str | None = None, max_stored_responses: int = 1024) -> int:
     """Serve the ``ModelSpec``s ``specs`` behind one endpoint until SIGTERM/SIGINT; each
     model's engine is built as ``api_server.run_server`` builds its one (``LLMEngine`` over
     ``config_for(spec)``, an ``AsyncLLM`` front, ``server_context``) when first needed.
-    Other keywords as ``run_server``'s, plus the router's (``ModelRouter``).
+    Other keywords as ``run_server``'s (files, batches and stored responses shared by every
+    model), plus the router's (``ModelRouter``).
 
     Returns:
         0 after a signal.
@@ -203,7 +184,9 @@ def run_router_server(specs, config_for, *, host: str = "127.0.0.1", port: int =
     if max_request_body_bytes is None and media is not None:
         max_request_body_bytes = default_max_request_body_bytes(media.max_image_bytes)
     app = create_router_app(router, api_key, max_request_body_bytes=max_request_body_bytes,
-                            protect_docs_metrics=protect_docs_metrics, access_log=access_log)
+                            protect_docs_metrics=protect_docs_metrics, access_log=access_log,
+                            files=FileStore(files_dir, max_file_bytes), batch_max_in_flight=batch_max_in_flight,
+                            responses_store=ResponseStore(max_stored_responses, responses_dir))
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # first signal: stop admitting, end every stream now

@@ -6,6 +6,7 @@ usage / logprobs / SSE wire formats (OpenAI's, as vLLM writes them).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -47,6 +48,12 @@ class ServerContext:
             raise APIError(404, f"The model `{name}` does not exist; this server serves {self.model_names}",
                            "model", "model_not_found")
         return self.model_names[0]
+
+    @contextlib.asynccontextmanager
+    async def lease(self, name: str | None):
+        """``async with ctx.lease(model) as c``: this context (``model`` checked by the
+        serving function); a several-model server's ``RoutedContext.lease`` loads and holds the named model."""
+        yield self
 
 
 def output_kind(stream: bool, n: int, index: int) -> RequestOutputKind:

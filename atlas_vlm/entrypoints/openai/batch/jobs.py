@@ -38,7 +38,8 @@ class BatchJobs:
     """The server's batches.
 
     Args:
-        ctx: the routes' context (engine front and settings).
+        ctx: the routes' context (engine front and settings), or a ``router_routes.RoutedContext`` (each
+            line's ``model`` picks its engine through ``lease``).
         files: where inputs are read and results stored.
         max_in_flight: lines of one batch running at once (>= 1).
     """
@@ -168,7 +169,7 @@ class BatchJobs:
                            "are in its output and error files")
         except EngineDeadError as e:  # a plain shutdown, or the engine failed for good
             self._keep_results(batch, out, err)
-            if getattr(self.ctx.engine, "dead", False):
+            if getattr(getattr(self.ctx, "engine", None), "dead", False):  # a router has no one engine
                 self._fail(batch, "engine_dead", f"the engine failed ({e}); run the batch again on a new server")
             else:
                 self._fail(batch, "server_stopped", "the server stopped while this batch ran; its finished lines "

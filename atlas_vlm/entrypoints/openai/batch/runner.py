@@ -55,7 +55,8 @@ async def _answer(ctx: ServerContext, item: BatchLine) -> dict:
                        "stream", "invalid_value")
     while True:
         try:
-            body = await create(ctx, req)
+            async with ctx.lease(req.model) as model_ctx:  # several models: the line's ``model`` picks its engine
+                body = await create(model_ctx, req)
             break
         except APIError as e:
             if e.code != "queue_full":

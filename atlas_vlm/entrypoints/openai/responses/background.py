@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 
 
 class BackgroundResponses:
-    """The background responses running on ``ctx``'s engine, kept in ``store``."""
+    """The background responses running on ``ctx``'s engine (a ``RoutedContext``: the engine of
+    each request's ``model``, held while it runs), kept in ``store``."""
 
     def __init__(self, ctx: ServerContext, store: ResponseStore):
         self.ctx, self.store = ctx, store
@@ -54,7 +55,8 @@ class BackgroundResponses:
         rid = queued["id"]
         self.store.put({**queued, "status": "in_progress"}, [])
         try:
-            await create_response(self.ctx, self.store, req, read_file, rid=rid)  # stores the answer
+            async with self.ctx.lease(req.model) as ctx:  # several models: ``model`` picks (and holds) its engine
+                await create_response(ctx, self.store, req, read_file, rid=rid)  # stores the answer
         except asyncio.CancelledError:
             self.store.put({**queued, "status": "cancelled"}, [])
             raise
