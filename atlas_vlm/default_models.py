@@ -84,8 +84,9 @@ def _build_random_vlm(out_dir: Path) -> None:
     import torch
     from transformers import AutoTokenizer, GenerationConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
 
+    from atlas_vlm.models.qwen2_vl.prompt_ids import QWEN2_5_VL_CHAT_TEMPLATE
     from atlas_vlm.models.qwen2_vl.tokenizer_files import qwen_tokenizer_dir
-    from mm_token_pipeline import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, QWEN2_5_VL_CHAT_TEMPLATE
+    from mm_token_pipeline import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
 
     tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
     tokenizer.chat_template = QWEN2_5_VL_CHAT_TEMPLATE

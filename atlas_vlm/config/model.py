@@ -24,9 +24,9 @@ def _quantization_methods() -> tuple:
 
 
 def _reasoning_parsers() -> list[str]:
-    from atlas_vlm.reasoning.qwen3 import REASONING_PARSERS
+    from atlas_vlm.reasoning import ReasoningParserManager
 
-    return list(REASONING_PARSERS)
+    return ReasoningParserManager.names()
 
 
 def _tool_parsers() -> list[str]:
@@ -66,13 +66,17 @@ class ModelConfig:
     seed: int = 0
     """Default sampling seed of requests that set none."""
     reasoning_parser: str | None = field(default=None, metadata=flag(choices=lambda: _reasoning_parsers()))
-    """Split <think>..</think> reasoning into reasoning_content ("qwen3": Qwen3 / Qwen3-VL;
-    "deepseek_r1"); grammars apply after it. None: no split."""
+    """Split <think>..</think> reasoning into reasoning_content (atlas_vlm.reasoning registry:
+    "qwen3": Qwen3 / Qwen3-VL; "deepseek_r1"); grammars apply after it. None: no split."""
     tool_call_parser: str | None = field(default=None, metadata=flag(choices=lambda: _tool_parsers()))
     """Tool-call format (atlas_vlm.tool_parsers): hermes (<tool_call> JSON), qwen3_coder (XML),
     llama3_json, mistral; None: detected from the chat template's text."""
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is not None:
+            from atlas_vlm.reasoning import ReasoningParserManager
+
+            ReasoningParserManager.get_reasoning_parser(self.reasoning_parser)  # ValueError listing the known names
         if self.tool_call_parser is not None:
             from atlas_vlm.tool_parsers import ToolParserManager
 

@@ -18,6 +18,7 @@ from atlas_vlm.config import EngineConfig
 from atlas_vlm.default_models import default_text_model
 from atlas_vlm.engine import LLMEngine
 from atlas_vlm.engine.token_ids import is_token_id_sequence
+from atlas_vlm.entrypoints.chat_split import split_output
 from atlas_vlm.entrypoints.router import OutputRouter
 from atlas_vlm.lora.request import as_lora_requests
 from atlas_vlm.outputs import RequestOutput
@@ -32,11 +33,9 @@ def _finish_chat(out: RequestOutput, reasoning_parser=None, tool_parser=None) ->
     """A finished chat output with ``reasoning_content`` / ``content`` split by the engine's
     reasoning parser (if any) and ``tool_calls`` parsed from the content by ``tool_parser``
     (an ``atlas_vlm.tool_parsers.ToolParser``; None: no tool parsing); the server's split
-    (``entrypoints.openai.chat_output.split_output``)."""
+    (``entrypoints.chat_split.split_output``, the one split)."""
     if not out.finished or out.finish_reason == "error":
         return out
-    from atlas_vlm.entrypoints.openai.chat_output import split_output
-
     state = reasoning_parser.initial_state(out.prompt_token_ids) if reasoning_parser is not None else None
     reasoning, content, calls = split_output(out.text, reasoning_parser, state, tool_parser)
     split = {}  # a new output: the engine's finished output is never written after the fact

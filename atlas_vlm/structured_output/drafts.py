@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from atlas_vlm.reasoning.qwen3 import ENDED, MAYBE, REASONING
+from atlas_vlm.reasoning import ENDED, MAYBE, REASONING
 from atlas_vlm.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
 
 

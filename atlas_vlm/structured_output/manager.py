@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from atlas_vlm.reasoning.qwen3 import ENDED, MAYBE, REASONING
+from atlas_vlm.reasoning import ENDED, MAYBE, REASONING
 from atlas_vlm.structured_output.backend import (GuidanceBackend, StructuredOutputBackend, StructuredOutputGrammar,
                                                  allocate_token_bitmask)
 from atlas_vlm.structured_output.drafts import draft_prefix_with_reasoning, fill_step_masks, row_plan

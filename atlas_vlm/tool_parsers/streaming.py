@@ -39,9 +39,11 @@ class _Block:
     def __init__(self, i: int, start: str, end: str):
         self.body = self.searched = i + len(start)
         self.end = end
+        self.scanned = 0  # characters the end marker was looked for in
 
     def step(self, parser, text: str, finished: bool, lenient: bool):
         k = text.find(self.end, self.searched)
+        self.scanned += (len(text) if k == -1 else k + len(self.end)) - self.searched
         if k != -1:
             pair = parser.parse_block(text[self.body:k])
             return ("calls", k + len(self.end), [pair], False) if pair else ("content", k + len(self.end))
@@ -58,6 +60,11 @@ class _Json:
     def __init__(self, i: int, fenced: bool):
         self.i, self.fenced, self.span = i, fenced, None
         self.skip = i + (len(FENCE) if fenced else 1)  # where the scan resumes if it is not a call
+
+    @property
+    def scanned(self) -> int:
+        """Characters of the value read so far (``JsonSpan`` reads each once)."""
+        return 0 if self.span is None else self.span.scanned - self.span.start
 
     def step(self, parser, text: str, finished: bool, lenient: bool):
         names = None if lenient else parser.tool_names
@@ -104,6 +111,10 @@ class ToolCallStreamer:
 
     Args:
         parser: the request's ``ToolParser`` instance.
+
+    Attributes:
+        scanned: the characters the scan has passed over so far (its work: the opener search,
+            the candidates' reads; about once per character, ``tests/engine/test_parse_once.py``).
     """
 
     def __init__(self, parser):
@@ -123,6 +134,12 @@ class ToolCallStreamer:
         self.pending = None  # (index, candidate) being decided
         self.calls: list[dict] = []  # per sent call: id, name
         self.dropped = False  # some text was taken out of the content (calls, tags, blank pieces)
+        self._scanned = 0  # by the opener search and decided candidates
+
+    @property
+    def scanned(self) -> int:
+        """Characters passed over so far (see the class docstring)."""
+        return self._scanned + (self.pending[1].scanned if self.pending is not None else 0)
 
     @property
     def called(self) -> bool:
@@ -136,9 +153,12 @@ class ToolCallStreamer:
         while True:
             if self.pending is None:
                 m = self._opener.search(text, self.search) if self._opener else None
+                self._scanned += (len(text) if m is None else m.end()) - self.search
                 if m is None:
-                    self._content(text, len(text) - (0 if finished else self._partial(text)), out,
-                                  force=finished and not self.dropped)
+                    hold = 0 if finished else self._partial(text)
+                    self._content(text, len(text) - hold, out, force=finished and not self.dropped)
+                    # openers are literals: one not found yet can only start in the held suffix
+                    self.search = max(self.search, len(text) - hold)
                     return "".join(out), deltas
                 self._content(text, m.start(), out)
                 if not finished and self._partial(text) >= len(text) - m.start():
@@ -149,6 +169,7 @@ class ToolCallStreamer:
             if decision is WAIT:
                 return "".join(out), deltas
             self.pending = None
+            self._scanned += candidate.scanned
             if decision[0] == "content":
                 self.search = decision[1]
                 continue
@@ -196,6 +217,8 @@ class ToolCallStreamer:
 class _Tag:
     """A tag (``<|python_tag|>``, ``[TOOL_CALLS]``) ending at ``end``: taken out of the content,
     the JSON calls right after it may have any name."""
+
+    scanned = 0
 
     def __init__(self, end: int):
         self.end = end

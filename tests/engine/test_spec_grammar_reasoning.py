@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from atlas_vlm import LLM, SamplingParams
-from atlas_vlm.reasoning.qwen3 import ENDED, MAYBE, REASONING
+from atlas_vlm.reasoning import ENDED, MAYBE, REASONING
 from atlas_vlm.structured_output import StructuredOutputsParams
 from atlas_vlm.structured_output.backend import allocate_token_bitmask
 from helpers import compiled_json_request

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from atlas_vlm.entrypoints.openai.chat_output import ChatChoiceOutput, split_output
-from atlas_vlm.reasoning.qwen3 import MAYBE, ReasoningParser
+from atlas_vlm.reasoning import MAYBE, ReasoningParser
 from atlas_vlm.tool_parsers import ToolCallStreamer, ToolParserManager
 
 pytestmark = pytest.mark.text

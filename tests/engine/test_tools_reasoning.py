@@ -13,7 +13,7 @@ import pytest
 from atlas_vlm import LLM, SamplingParams
 from atlas_vlm.entrypoints.openai.chat_output import ChatChoiceOutput
 from atlas_vlm.outputs import RequestOutput
-from atlas_vlm.reasoning.qwen3 import ENDED, MAYBE, REASONING
+from atlas_vlm.reasoning import ENDED, MAYBE, REASONING
 
 pytestmark = pytest.mark.text
 
@@ -134,7 +134,7 @@ def test_grammar_applies_after_the_reasoning(thinker):
 
 
 def test_reasoning_split_streamed_equals_whole():
-    from atlas_vlm.reasoning.qwen3 import ReasoningParser
+    from atlas_vlm.reasoning import ReasoningParser
 
     rp = ReasoningParser(1, 2, "<think>", "</think>")
     text = '<think>\nso: a <b> c </thin\n</think>\n\n<tool_call>\n{"name": "zoom", "arguments": {"factor": 2}}\n</tool_call>'

@@ -15,6 +15,8 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 import mm_token_pipeline as mtp
 from atlas_vlm.models.qwen3_5.vision import Qwen3_5VisionEncoder
 from helpers import IMAGES
+from atlas_vlm.models.qwen2_vl.image_processor import preprocess_image
+from atlas_vlm.models.qwen2_vl.video_processor import preprocess_video
 
 pytestmark = pytest.mark.vlm
 
@@ -44,10 +46,10 @@ def ours(hf_tower):
 
 
 def items():
-    images = [mtp.preprocess_image(mtp.load_image(IMAGES / name), max_pixels=tokens * PX, min_pixels=4 * PX, **GEOMETRY)
+    images = [preprocess_image(mtp.load_image(IMAGES / name), max_pixels=tokens * PX, min_pixels=4 * PX, **GEOMETRY)
               for name, tokens in (("chelsea.png", 40), ("grace_hopper.jpg", 24), ("strip_31x639.png", 30))]
     clip = mtp.load_video(VIDEOS / "frames_30fps_90.mp4")
-    video = mtp.preprocess_video(clip, min_pixels=8 * PX, max_pixels=16 * PX, **GEOMETRY)
+    video = preprocess_video(clip, min_pixels=8 * PX, max_pixels=16 * PX, **GEOMETRY)
     return images + [video]
 
 

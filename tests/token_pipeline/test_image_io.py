@@ -16,7 +16,8 @@ import pytest
 from PIL import Image
 
 from helpers import IMAGES
-from mm_token_pipeline import ImageInputError, load_image, preprocess_image
+from mm_token_pipeline import ImageInputError, load_image
+from atlas_vlm.models.qwen2_vl.image_processor import preprocess_image
 
 pytestmark = pytest.mark.vlm
 

@@ -18,6 +18,7 @@ from atlas_vlm import LLM, EngineConfig
 from atlas_vlm.engine.chat_input import ChatInput
 from helpers import conv
 from tiny_vlms import build_tiny_qwen3_vl
+from atlas_vlm.models.qwen2_vl.image_processor import preprocess_image
 
 pytestmark = pytest.mark.vlm
 
@@ -68,7 +69,7 @@ def test_released_qwen3_vl_folder_gives_transformers_token_counts(qwen3_vl_relea
     settings = image_processor_settings(qwen3_vl_released, hf_config)
     chat = ChatInput(None, EngineConfig(model=str(qwen3_vl_released)), hf_config, settings)
     opts = chat.engine_bounds
-    ours = mtp.preprocess_image(image, min_pixels=opts.min_pixels, max_pixels=opts.max_pixels,
+    ours = preprocess_image(image, min_pixels=opts.min_pixels, max_pixels=opts.max_pixels,
                                 **settings.preprocess_kwargs())
     assert ours.num_tokens == expected
     assert list(ours.grid_thw) == grid.tolist()
@@ -101,7 +102,7 @@ def _tokens(folder, messages, mm_options=None, **engine):
                      image_processor_settings(folder, hf_config))
     media = chat.media.media({"messages": messages, "mm_options": mtp.MultiModalOptions.from_value(mm_options)})
     pairs = [(opts, pil) for _, _, opts, pil in media]  # (modality, index, options, loaded image)
-    return [mtp.preprocess_image(pil, min_pixels=o.min_pixels, max_pixels=o.max_pixels).num_tokens for o, pil in pairs]
+    return [preprocess_image(pil, min_pixels=o.min_pixels, max_pixels=o.max_pixels).num_tokens for o, pil in pairs]
 
 
 def test_checkpoint_then_engine_then_request_then_item(qwen25):

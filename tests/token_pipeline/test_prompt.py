@@ -12,10 +12,9 @@ from transformers import AutoTokenizer
 
 from helpers import IMAGES
 from atlas_vlm.models.qwen2_vl.tokenizer_files import qwen_tokenizer_dir
-from mm_token_pipeline import (
-    QWEN2_5_VL_CHAT_TEMPLATE, build_prompt_ids, expand_image_pads, extract_images, load_image,
-    preprocess_image,
-)
+from mm_token_pipeline import extract_images, load_image
+from atlas_vlm.models.qwen2_vl.image_processor import preprocess_image
+from atlas_vlm.models.qwen2_vl.prompt_ids import QWEN2_5_VL_CHAT_TEMPLATE, build_prompt_ids, expand_image_pads
 
 pytestmark = pytest.mark.vlm
 

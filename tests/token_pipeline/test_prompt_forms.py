@@ -11,9 +11,10 @@ from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLImageProcess
 
 from helpers import IMAGES
 from atlas_vlm.models.qwen2_vl.tokenizer_files import qwen_tokenizer_dir
-from mm_token_pipeline import (DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, QWEN2_5_VL_CHAT_TEMPLATE, build_prompt_ids,
-                               load_image, preprocess_image)
+from mm_token_pipeline import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, load_image
 from mm_token_pipeline.messages import check_messages, to_string_content
+from atlas_vlm.models.qwen2_vl.image_processor import preprocess_image
+from atlas_vlm.models.qwen2_vl.prompt_ids import QWEN2_5_VL_CHAT_TEMPLATE, build_prompt_ids
 
 pytestmark = pytest.mark.vlm
 

@@ -16,6 +16,7 @@ from atlas_vlm.models.processor_settings import image_processor_settings
 from atlas_vlm.models.qwen3_vl.vision import QWEN3_VL_IMAGE_MEAN, QWEN3_VL_IMAGE_STD
 from helpers import IMAGES as IMAGE_DIR
 from tiny_vlms import QWEN3_VL_PIX
+from atlas_vlm.models.qwen2_vl.image_processor import preprocess_image
 
 pytestmark = pytest.mark.vlm
 
@@ -31,7 +32,7 @@ def test_grid_equals_hf_fast_processor_and_bound_holds(max_tokens):
     for name in IMAGES:
         image = mtp.load_image(IMAGE_DIR / name)
         ref = fast(images=[image], return_tensors="pt")
-        ours = mtp.preprocess_image(image, min_pixels=min_pixels, max_pixels=max_pixels, patch_size=16,
+        ours = preprocess_image(image, min_pixels=min_pixels, max_pixels=max_pixels, patch_size=16,
                                     image_mean=QWEN3_VL_IMAGE_MEAN, image_std=QWEN3_VL_IMAGE_STD)
         assert list(ours.grid_thw) == ref["image_grid_thw"][0].tolist(), name
         assert ours.num_tokens <= max_tokens

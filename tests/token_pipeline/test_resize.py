@@ -16,7 +16,8 @@ from PIL import Image
 from qwen_vl_utils.vision_process import smart_resize as qvu_smart_resize
 
 from helpers import IMAGES
-from mm_token_pipeline import ImageInputError, load_image, preprocess_image, smart_resize
+from mm_token_pipeline import ImageInputError, load_image, smart_resize
+from atlas_vlm.models.qwen2_vl.image_processor import preprocess_image
 
 pytestmark = pytest.mark.vlm
 

@@ -22,6 +22,9 @@ from atlas_vlm.models.qwen2_vl.tokenizer_files import qwen_tokenizer_dir
 from helpers import mm_token_type_ids
 from atlas_vlm.models.qwen3_vl.mrope import get_rope_index_qwen3_vl
 from mm_token_pipeline import decode_position, get_rope_index
+from atlas_vlm.models.qwen2_vl.image_processor import preprocess_image
+from atlas_vlm.models.qwen2_vl.prompt_ids import build_prompt_ids
+from atlas_vlm.models.qwen2_vl.video_processor import preprocess_video
 
 pytestmark = pytest.mark.vlm
 
@@ -122,11 +125,11 @@ def test_real_prompt_equals_hf(qwen3):
     geometry = dict(patch_size=16, image_mean=(0.5,) * 3, image_std=(0.5,) * 3) if qwen3 else {}
     px = 1024 if qwen3 else 784
     clip = mtp.load_video("tests/data/videos/frames_30fps_90.mp4")
-    video = mtp.preprocess_video(clip, min_pixels=16 * px, max_pixels=40 * px, **geometry)
-    image = mtp.preprocess_image(mtp.load_image("tests/data/images/chelsea.png"), max_pixels=30 * px, **geometry)
+    video = preprocess_video(clip, min_pixels=16 * px, max_pixels=40 * px, **geometry)
+    image = preprocess_image(mtp.load_image("tests/data/images/chelsea.png"), max_pixels=30 * px, **geometry)
     messages = [{"role": "user", "content": [{"type": "video", "video": "v"}, {"type": "text", "text": "and"},
                                              {"type": "image", "image": "i"}, {"type": "text", "text": "?"}]}]
-    ids = mtp.build_prompt_ids(tok, messages, [video, image], video_timestamps=qwen3,
+    ids = build_prompt_ids(tok, messages, [video, image], video_timestamps=qwen3,
                                default_template=QWEN3_VL_CHAT_TEMPLATE if qwen3 else None)
     grids = dict(image_grid_thw=torch.tensor([image.grid_thw]), video_grid_thw=torch.tensor([video.grid_thw]))
     if qwen3:

@@ -1,4 +1,4 @@
-"""Tests of mm_token_pipeline.preprocess_video against qwen-vl-utils 0.0.14 and HF transformers.
+"""Tests of the Qwen-VL preprocess_video (models/qwen2_vl/video_processor.py) against qwen-vl-utils 0.0.14 and HF transformers.
 
 Reference: qwen-vl-utils' own ``fetch_video`` (its per-frame bounds, ``smart_resize`` and
 torchvision bicubic resize) fed with the frames ``load_video`` decodes (its reader backend
@@ -24,6 +24,8 @@ import mm_token_pipeline as mtp
 from atlas_vlm.models.qwen2_vl.vision import VisionEncoder
 from atlas_vlm.models.qwen3_vl.vision import QWEN3_VL_IMAGE_MEAN, QWEN3_VL_IMAGE_STD
 from test_video_io import write_clip
+from atlas_vlm.models.qwen2_vl.image_processor import preprocess_image
+from atlas_vlm.models.qwen2_vl.video_processor import preprocess_video
 
 pytestmark = pytest.mark.vlm
 
@@ -59,7 +61,7 @@ def test_qwen2_features_equal_qwen_vl_utils_and_hf(monkeypatch, name, sampling, 
     ref_frames, meta, sample_fps = qwen_fetch_video(monkeypatch, video, bounds, 14)
     ref = Qwen2VLVideoProcessor(do_resize=False, do_sample_frames=False, cap_pixels_per_frame=False)(
         videos=[ref_frames], return_tensors="pt")
-    ours = mtp.preprocess_video(video, **bounds)
+    ours = preprocess_video(video, **bounds)
     assert ours.resized_hw == tuple(ref_frames.shape[-2:])
     assert list(ours.grid_thw) == ref["video_grid_thw"][0].tolist()
     assert torch.equal(ours.pixel_values, ref["pixel_values_videos"])
@@ -79,7 +81,7 @@ def test_qwen3_features_and_timestamps_equal_hf(monkeypatch, name, sampling, bou
     ref_frames, meta, _ = qwen_fetch_video(monkeypatch, video, bounds, 16)
     ref = Qwen3VLVideoProcessor(do_resize=False, do_sample_frames=False, cap_pixels_per_frame=False)(
         videos=[ref_frames], return_tensors="pt")
-    ours = mtp.preprocess_video(video, patch_size=16, image_mean=QWEN3_VL_IMAGE_MEAN, image_std=QWEN3_VL_IMAGE_STD,
+    ours = preprocess_video(video, patch_size=16, image_mean=QWEN3_VL_IMAGE_MEAN, image_std=QWEN3_VL_IMAGE_STD,
                                 **bounds)
     assert list(ours.grid_thw) == ref["video_grid_thw"][0].tolist()
     assert torch.equal(ours.pixel_values, ref["pixel_values_videos"])
@@ -91,7 +93,7 @@ def test_qwen3_features_and_timestamps_equal_hf(monkeypatch, name, sampling, bou
 
 def test_timestamps_literal():
     video = mtp.load_video(VIDEOS / "frames_30fps_90.mp4")  # frames 0, 18, 36, 53, 71, 89 at 30 fps
-    ours = mtp.preprocess_video(video, **SMALL)
+    ours = preprocess_video(video, **SMALL)
     assert ours.frame_indices == [0, 18, 36, 53, 71, 89]
     assert ours.timestamps == pytest.approx([9 / 30, (36 + 53) / 60, (71 + 89) / 60], abs=1e-12)
     assert ours.second_per_grid_t == 1.0  # 2 frames / 2 fps
@@ -99,26 +101,26 @@ def test_timestamps_literal():
 
 def test_content_hash_follows_frames_and_options():
     path = VIDEOS / "frames_30fps_90.mp4"
-    a = mtp.preprocess_video(mtp.load_video(path), **SMALL)
-    again = mtp.preprocess_video(mtp.load_video(path), **SMALL)
+    a = preprocess_video(mtp.load_video(path), **SMALL)
+    again = preprocess_video(mtp.load_video(path), **SMALL)
     assert a.content_hash == again.content_hash
-    assert mtp.preprocess_video(mtp.load_video(path, fps=1), **SMALL).content_hash != a.content_hash
-    bigger = mtp.preprocess_video(mtp.load_video(path), min_pixels=16 * PX14, max_pixels=200 * PX14)
+    assert preprocess_video(mtp.load_video(path, fps=1), **SMALL).content_hash != a.content_hash
+    bigger = preprocess_video(mtp.load_video(path), min_pixels=16 * PX14, max_pixels=200 * PX14)
     assert bigger.content_hash != a.content_hash
     other = mtp.load_video(VIDEOS / "frames_2fps_8.mp4", nframes=6)
-    assert mtp.preprocess_video(other, **SMALL).content_hash != a.content_hash
+    assert preprocess_video(other, **SMALL).content_hash != a.content_hash
 
 
 def test_one_frame_gives_one_temporal_group(tmp_path):
     """A clip shorter than one sampling step: one temporal group, the frame repeated."""
     clip = mtp.load_video(write_clip(tmp_path / "one.mp4", 1))  # 1 frame: sampled [0, 0]
-    ours = mtp.preprocess_video(clip, **SMALL)
+    ours = preprocess_video(clip, **SMALL)
     assert ours.grid_thw[0] == 1 and ours.frame_indices == [0, 0]
     assert ours.timestamps == [0.0] and ours.second_per_grid_t == 2 / clip.sample_fps
     cols = ours.pixel_values.view(-1, 3, 2, 14 * 14)  # columns: channel, temporal, 14 x 14
     assert torch.equal(cols[:, :, 0], cols[:, :, 1])
     # a list of one frame: qwen-vl-utils pads it to 2 and numbers them 0, 1 (fetch_video)
-    listed = mtp.preprocess_video(mtp.load_video([Image.fromarray(clip.frames[0])], sample_fps=2.0), **SMALL)
+    listed = preprocess_video(mtp.load_video([Image.fromarray(clip.frames[0])], sample_fps=2.0), **SMALL)
     assert listed.grid_thw == ours.grid_thw and listed.frame_indices == [0, 1]
     assert listed.timestamps == [0.25] and listed.second_per_grid_t == 1.0
 
@@ -127,8 +129,8 @@ def test_encoder_takes_videos_as_hf_visual(tiny_models):
     hf = tiny_models["qwen2_5_vl"][1]
     encoder = VisionEncoder.from_state_dict(hf.config.vision_config, hf.model.visual.state_dict(), fast=False)
     fast = VisionEncoder.from_state_dict(hf.config.vision_config, hf.model.visual.state_dict())
-    video = mtp.preprocess_video(mtp.load_video(VIDEOS / "frames_2fps_8.mp4", nframes=4), **SMALL)
-    image = mtp.preprocess_image(Image.fromarray(mtp.load_video(VIDEOS / "frames_2fps_8.mp4").frames[0]),
+    video = preprocess_video(mtp.load_video(VIDEOS / "frames_2fps_8.mp4", nframes=4), **SMALL)
+    image = preprocess_image(Image.fromarray(mtp.load_video(VIDEOS / "frames_2fps_8.mp4").frames[0]),
                                  **SMALL)
     grid = torch.tensor([video.grid_thw])
     with torch.no_grad():
@@ -144,10 +146,10 @@ def test_encoder_takes_videos_as_hf_visual(tiny_models):
 
 def test_errors_name_the_input():
     with pytest.raises(mtp.VideoInputError, match="needs VideoFrames"):
-        mtp.preprocess_video(torch.zeros(2, 8, 8, 3))
+        preprocess_video(torch.zeros(2, 8, 8, 3))
     video = mtp.load_video(VIDEOS / "frames_2fps_8.mp4", nframes=2)
     # a lone max_pixels lowers the default minimum, and 100 pixels hold no 28x28 tile
     with pytest.raises(mtp.VideoInputError, match=r"frames_2fps_8.mp4.*max_pixels \(100\) is below one 28x28 tile"):
-        mtp.preprocess_video(video, max_pixels=100)
+        preprocess_video(video, max_pixels=100)
     with pytest.raises(mtp.VideoInputError, match="frames_2fps_8.mp4.*max_pixels=100 is below min_pixels=784"):
-        mtp.preprocess_video(video, min_pixels=784, max_pixels=100)
+        preprocess_video(video, min_pixels=784, max_pixels=100)

@@ -25,6 +25,9 @@ from helpers import IMAGES, VIDEO_PAD_ID
 from atlas_vlm.models.qwen3_vl.vision import QWEN3_VL_CHAT_TEMPLATE, QWEN3_VL_IMAGE_MEAN, QWEN3_VL_IMAGE_STD
 from mm_token_pipeline.video_processor import resize_frames
 from test_video_processor import VIDEOS
+from atlas_vlm.models.qwen2_vl.image_processor import preprocess_image
+from atlas_vlm.models.qwen2_vl.prompt_ids import QWEN2_5_VL_CHAT_TEMPLATE, build_prompt_ids
+from atlas_vlm.models.qwen2_vl.video_processor import preprocess_video
 
 pytestmark = pytest.mark.vlm
 
@@ -55,11 +58,11 @@ def media(messages, qwen3: bool):
     for modality, source, _ in mtp.extract_mm_items(messages):
         if modality == "image":
             pil = mtp.load_image(source)
-            item = mtp.preprocess_image(pil, **(dict(Q3, min_pixels=4 * 1024) if qwen3 else {}))
+            item = preprocess_image(pil, **(dict(Q3, min_pixels=4 * 1024) if qwen3 else {}))
             images.append(pil.resize(item.resized_hw[::-1], Image.Resampling.BICUBIC))
         else:
             clip = mtp.load_video(source)
-            item = mtp.preprocess_video(clip, **(dict(Q3, **Q3_BOUNDS) if qwen3 else BOUNDS))
+            item = preprocess_video(clip, **(dict(Q3, **Q3_BOUNDS) if qwen3 else BOUNDS))
             videos.append(resize_frames(clip.frames, item.resized_hw))
             metas.append({k: v for k, v in clip.qwen_metadata().items() if k != "video_backend"})
         ours.append(item)
@@ -73,7 +76,7 @@ def hf_processor(tokenizer, qwen3: bool):
                                 video_processor=Qwen3VLVideoProcessor(**kwargs), chat_template=QWEN3_VL_CHAT_TEMPLATE)
     return Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessorFast(), tokenizer=tokenizer,
                                video_processor=Qwen2VLVideoProcessor(**kwargs),
-                               chat_template=mtp.QWEN2_5_VL_CHAT_TEMPLATE)
+                               chat_template=QWEN2_5_VL_CHAT_TEMPLATE)
 
 
 def hf_ids(processor, messages, images, videos, metas):
@@ -95,7 +98,7 @@ def test_ids_equal_hf_processor(tokenizer, name, qwen3):
     ours, images, videos, metas = media(messages, qwen3)
     out = hf_ids(hf_processor(tokenizer, qwen3), messages, images, videos, metas)
     template = QWEN3_VL_CHAT_TEMPLATE if qwen3 else None
-    ids = mtp.build_prompt_ids(tokenizer, messages, ours, default_template=template, video_timestamps=qwen3)
+    ids = build_prompt_ids(tokenizer, messages, ours, default_template=template, video_timestamps=qwen3)
     assert ids == out["input_ids"][0].tolist()
     grids = [list(p.grid_thw) for p in ours if p.modality == "video"]
     assert out["video_grid_thw"].tolist() == grids
@@ -125,11 +128,11 @@ def test_count_and_order_errors(tokenizer):
     ours, *_ = media(CONVERSATIONS["image_video"], qwen3=False)
     messages = CONVERSATIONS["image_video"]
     with pytest.raises(ValueError, match="1 video placeholders but 0 videos were given"):
-        mtp.build_prompt_ids(tokenizer, messages, ours[:1])
+        build_prompt_ids(tokenizer, messages, ours[:1])
     with pytest.raises(ValueError, match=r"media order \['image', 'video'\], got \['video', 'image'\]"):
-        mtp.build_prompt_ids(tokenizer, messages, ours[::-1])
+        build_prompt_ids(tokenizer, messages, ours[::-1])
     video = ours[1]
-    assert torch.equal(torch.tensor(mtp.build_prompt_ids(tokenizer, CONVERSATIONS["video"], [video])).eq(
+    assert torch.equal(torch.tensor(build_prompt_ids(tokenizer, CONVERSATIONS["video"], [video])).eq(
         VIDEO_PAD_ID).sum(), torch.tensor(video.num_tokens))
 
 
@@ -149,7 +152,7 @@ def test_one_frame_clip_end_to_end(tokenizer, tmp_path, qwen3):
     video = ours[0]
     assert video.grid_thw[0] == 1 and video.frame_indices == [0, 0] and len(video.timestamps) == 1
     out = hf_ids(hf_processor(tokenizer, qwen3), messages, images, videos, metas)
-    ids = mtp.build_prompt_ids(tokenizer, messages, ours, video_timestamps=qwen3,
+    ids = build_prompt_ids(tokenizer, messages, ours, video_timestamps=qwen3,
                                default_template=QWEN3_VL_CHAT_TEMPLATE if qwen3 else None)
     assert ids == out["input_ids"][0].tolist()
     if qwen3:

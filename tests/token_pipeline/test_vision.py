@@ -16,7 +16,8 @@ import torch
 
 from helpers import IMAGES
 from atlas_vlm.models.qwen2_vl.vision import VisionEncoder
-from mm_token_pipeline import load_image, preprocess_image
+from mm_token_pipeline import load_image
+from atlas_vlm.models.qwen2_vl.image_processor import preprocess_image
 
 pytestmark = pytest.mark.vlm
 

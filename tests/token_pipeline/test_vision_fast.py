@@ -17,8 +17,9 @@ from helpers import IMAGES, conv
 from atlas_vlm import LLM, SamplingParams
 from atlas_vlm.layers.linear import PackedLinear, can_pack, pack_linears
 from atlas_vlm.models.qwen2_vl.vision import VisionEncoder
-from mm_token_pipeline import load_image, preprocess_image
+from mm_token_pipeline import load_image
 from atlas_vlm.models.qwen2_vl.vision_fast import FAST_TOWER_ENV, FastQwenVisionTower, fast_tower_unsupported
+from atlas_vlm.models.qwen2_vl.image_processor import preprocess_image
 
 pytestmark = pytest.mark.vlm
 

@@ -188,7 +188,7 @@ async def _stream(iters, first, rid, model, view, stops) -> AsyncIterator[str]:
                         yield e
                 for e in blocks.close():
                     yield e
-                reason, sequence = stop_reason(out, stops, view.streamer.called)
+                reason, sequence = stop_reason(out, stops, view.called)
                 yield event("message_delta", {"type": "message_delta",
                                               "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                               "usage": {"output_tokens": output_tokens}})

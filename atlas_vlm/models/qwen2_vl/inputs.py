@@ -23,7 +23,8 @@ class QwenVLInputs(MediaInputs):
     Attributes:
         video_needs_fps: a video's source fps is required (seconds per temporal group feed
             M-RoPE or timestamps); Qwen2-VL's positions do not use it.
-        default_chat_template: the template when the tokenizer has none (None: the shared default).
+        default_chat_template: the template when the tokenizer has none that renders images (None:
+            Qwen2.5-VL's, ``prompt_ids.QWEN2_5_VL_CHAT_TEMPLATE``).
         video_timestamps: ``'<t seconds>'`` per temporal group in the prompt (Qwen3-VL).
     """
 
@@ -32,7 +33,8 @@ class QwenVLInputs(MediaInputs):
     video_timestamps: bool = False
 
     def prompt_ids(self, p: dict) -> tuple[list[int], list]:
-        from mm_token_pipeline import build_prompt_ids, preprocess_image
+        from .image_processor import preprocess_image
+        from .prompt_ids import build_prompt_ids
 
         family = self.hf_config.model_type
         geometry = self.image_settings.preprocess_kwargs()
@@ -44,7 +46,9 @@ class QwenVLInputs(MediaInputs):
                 min_pixels, max_pixels = opts.resolved()
                 items.append(preprocess_image(medium, min_pixels=min_pixels, max_pixels=max_pixels, **geometry))
             else:
-                from mm_token_pipeline import VideoInputError, load_video, preprocess_video
+                from mm_token_pipeline import VideoInputError, load_video
+
+                from .video_processor import preprocess_video
 
                 sampling = {k: opts[k] for k in ("fps", "nframes", "min_frames", "max_frames", "video_start",
                                                  "video_end", "sample_fps") if k in opts}
