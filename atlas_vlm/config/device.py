@@ -22,8 +22,8 @@ class DeviceConfig:
     """
 
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
-    # CPU threads for torch; None: $OMP_NUM_THREADS if set, else the usable cores less those
-    # busy with other work, chosen once per process (hardware.default_num_threads)
+    # CPU threads for torch; None: $OMP_NUM_THREADS if set, else the cores this process may run
+    # on (affinity, cgroup quota), as llama.cpp (hardware.default_num_threads)
     num_threads: int | None = None
     # "auto" (default): "triton" on CUDA where Triton imports (kernels/triton_attention.py), else
     # "decode_kernel" on CPU where the C decode kernel builds, else "bucketed"; "triton" forced

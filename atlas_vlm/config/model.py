@@ -34,8 +34,8 @@ class ModelConfig:
     hf_file: str | None = None
     dtype: str = "auto"  # "auto": bf16 on CUDA (fp16 without bf16) and on a CPU with AMX/AVX512-BF16, else fp32
     max_model_len: int | None = None  # tokens per request (prompt + output); None: min(model max, 4096)
-    # weight-only quantization (atlas_vlm.quantization): None (dense), "int8" / "int4" (quantized
-    # at load, round to nearest), "gguf" (a .gguf's tensors as stored), "awq" / "gptq" (read from
+    # weight-only quantization (atlas_vlm.quantization): None (as stored: dense, a .gguf's blocks), "int8" /
+    # "int4" (quantized at load), "gguf" (= None for a .gguf), "dequantize" (a .gguf's dense copy), "awq" / "gptq" (read from
     # the checkpoint's quantization_config, which is honoured when this is None)
     quantization: str | None = None
     seed: int = 0  # default sampling seed of requests that set none
