@@ -171,6 +171,7 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
         revision: Hub branch / tag / commit for a Hub id.
         quantization: None (as stored: a folder dense, a .gguf's blocks in place), "int8" /
             "int4" (quantized at load, round to nearest), "gguf" (a .gguf as stored, as None),
+            "gguf_int" (a .gguf converted exactly to our int8 / int4 tiles),
             "dequantize" (a .gguf converted once to a dense fp32 folder in the cache), "awq" /
             "gptq" (the checkpoint's own ``quantization_config`` is read and honoured either
             way); see :mod:`atlas_vlm.quantization`.
@@ -203,10 +204,8 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelNotFoundError(f"model file {path} is not a .gguf file; pass an HF model folder or a .gguf file")
-        if quantization in (None, "gguf"):
-            from atlas_vlm.quantization.gguf_stored import load_gguf_stored
-
-            return load_gguf_stored(path, dtype=dtype, device=device)
+        if quantization in (None, "gguf", "gguf_int"):
+            return _load_gguf(path, quantization, dtype, device)
         path = gguf_to_folder(path)  # the dense copy: "dequantize", or "int8" / "int4" quantized from it
         quantization = None if quantization == "dequantize" else quantization
     if not (path / "config.json").exists():
@@ -251,6 +250,27 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
     return LoadedModel(model, hf_config, tokenizer, visual or None, path, settings)
 
 
+def _load_gguf(path: Path, quantization: str | None, dtype, device, meta_folder: Path | None = None) -> LoadedModel:
+    """A ``.gguf`` as stored on CPU (``gguf_stored``); converted to our int8 / int4 tiles
+    (``gguf_converted``) with ``quantization="gguf_int"``, and on a GPU (whose matmuls read those
+    tiles) with ``"gguf"``; on a GPU with None the dense copy as before (a pair: its ``meta_folder``)."""
+    if torch.device(device).type == "cpu" and quantization != "gguf_int":
+        from atlas_vlm.quantization.gguf_stored import FamilyNotStoredError, load_gguf_stored
+
+        try:
+            return load_gguf_stored(path, dtype=dtype, device=device, meta_folder=meta_folder)
+        except FamilyNotStoredError as e:
+            if quantization is not None or meta_folder is not None:
+                raise
+            print(f"{e}: loading the dense copy", file=sys.stderr, flush=True)
+            return load_model(gguf_to_folder(path), dtype=dtype, device=device)
+    if quantization in ("gguf", "gguf_int") or meta_folder is not None:
+        from atlas_vlm.quantization.gguf_converted import load_gguf_converted
+
+        return load_gguf_converted(path, dtype=dtype, device=device, meta_folder=meta_folder)
+    return load_model(gguf_to_folder(path), dtype=dtype, device=device)
+
+
 def _load_gguf_pair(path: Path, mmproj: Path, dtype, device, quantization: str | None) -> LoadedModel:
     """A VLM from a model GGUF + its mmproj GGUF: the decoder as stored (None / "gguf"), or
     dequantized to a dense folder ("dequantize"); the tower from the mmproj."""
@@ -258,16 +278,16 @@ def _load_gguf_pair(path: Path, mmproj: Path, dtype, device, quantization: str |
 
     if not path.is_file() or path.suffix != ".gguf":
         raise ValueError(f"mmproj {mmproj} needs the model to be its language model .gguf file, got {path}")
-    if quantization not in (None, "gguf", "dequantize"):
+    if quantization not in (None, "gguf", "gguf_int", "dequantize"):
         raise ValueError(f"quantization={quantization!r} does not apply to a GGUF pair: use None / 'gguf' (as "
                          f"stored) or 'dequantize'")
-    folder = gguf_pair_folder(path, mmproj, dense=quantization == "dequantize")
-    if quantization == "dequantize":
+    dense = quantization == "dequantize" or (quantization is None and torch.device(device).type != "cpu")
+    folder = gguf_pair_folder(path, mmproj, dense=dense)
+    if dense:
         return load_model(folder, dtype=dtype, device=device)
     from atlas_vlm.models.processor_settings import image_processor_settings
-    from atlas_vlm.quantization.gguf_stored import load_gguf_stored
 
-    loaded = load_gguf_stored(path, dtype=dtype, device=device, meta_folder=folder)
+    loaded = _load_gguf(path, quantization, dtype, device, meta_folder=folder)
     with safe_open(str(folder / "vision.safetensors"), framework="pt") as f:
         loaded.vision_state_dict = {k[len("visual."):]: f.get_tensor(k) for k in f.keys()}
     loaded.image_settings = image_processor_settings(folder, loaded.hf_config)

@@ -56,9 +56,9 @@ def add_generation_args(p: argparse.ArgumentParser, *, model_flag: bool = True) 
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bf16 on CUDA and on CPUs with AMX/AVX512-BF16, else fp32")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf", "dequantize", "awq", "gptq"],
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf", "gguf_int", "dequantize", "awq", "gptq"],
                    help="weight-only quantization: int8 / int4 at load, gguf as stored (a .gguf's default), "
-                        "dequantize (a .gguf's dense fp32 copy, cached), awq / gptq "
+                        "gguf_int (a .gguf converted to int8 / int4 tiles), dequantize (its dense copy), awq / gptq "
                         "(read from the checkpoint's quantization_config when not given)")
     p.add_argument("--speculative", default=None, choices=["ngram", "mtp"],
                    help="speculative decoding (distribution-exact; token-for-token exact in fp32 or with "

@@ -25,11 +25,15 @@ import torch
 from torch import nn
 
 from atlas_vlm.layers.gguf_stored import GGUFDequantLinear, GGUFEmbedding, GGUFFusedLinear, stored_linear
-from atlas_vlm.quantization import build_empty, materialize
+from atlas_vlm.quantization import UnsupportedQuantizationError, build_empty, materialize
 from atlas_vlm.quantization.gguf import (_PARAM, _PROJ, DENSE_TYPES, _row_permutation, check_types, dense_tensor,
                                          drop_pages)
 
-__all__ = ["load_gguf_stored"]
+__all__ = ["FamilyNotStoredError", "load_gguf_stored"]
+
+
+class FamilyNotStoredError(UnsupportedQuantizationError):
+    """The model family has no as-stored GGUF load yet (a hybrid decoder: Qwen3.5)."""
 
 
 def _blocks(t) -> torch.Tensor:
@@ -85,6 +89,7 @@ def load_gguf_stored(gguf_path: str | os.PathLike, *, dtype: torch.dtype = torch
     Raises:
         GGUFFileError: a truncated or corrupt file (``checkpoint.read_gguf``).
         UnsupportedQuantizationError: a tensor type ``gguf`` cannot read (named, before any work).
+        FamilyNotStoredError: a family without plain decoder layers (Qwen3.5).
         ValueError: the tensors do not match the config (missing / unexpected names), or a
             device other than CPU.
     """
@@ -103,6 +108,9 @@ def load_gguf_stored(gguf_path: str | os.PathLike, *, dtype: torch.dtype = torch
     check_types(reader.tensors)  # every type before any work
     hf_config = AutoConfig.from_pretrained(meta_folder) if meta_folder else gguf_config(reader, gguf_path)
     family = resolve_family(hf_config)
+    if not model_class(family).quantizable:  # declared (CausalLM): plain decoder layers
+        raise FamilyNotStoredError(f"GGUF {gguf_path.name}: {family.name} does not load as stored yet; use "
+                                   f"quantization='dequantize'")
     arch = ModelArch.from_hf_config(hf_config)
     tensors = {t.name: t for t in reader.tensors}
     gguf_arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")

@@ -120,9 +120,9 @@ def add_engine_args(p) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="tokens per request (prompt + output)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf", "dequantize", "awq", "gptq"],
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf", "gguf_int", "dequantize", "awq", "gptq"],
                    help="weight-only quantization: int8 / int4 at load, gguf as stored (a .gguf's default), "
-                        "dequantize (a .gguf's dense fp32 copy, cached), awq / gptq "
+                        "gguf_int (a .gguf converted to int8 / int4 tiles), dequantize (its dense copy), awq / gptq "
                         "(read from the checkpoint's quantization_config when not given)")
     p.add_argument("--kv-cache-memory", type=bytes_arg(), default=None,
                    help="CPU: bytes of KV cache (e.g. 512MiB; default 1GiB)")
