@@ -117,7 +117,7 @@ class RemoteEngine:
                 from atlas_vlm.tokenizer import gguf_tokenizer_settings
 
                 reader = read_gguf(path)
-                self._tokenizer = gguf_tokenizer(path, gguf_config(reader, path),
+                self._tokenizer = gguf_tokenizer(reader, gguf_config(reader, path),
                                                  gguf_tokenizer_settings(path, reader.fields))
             else:
                 self._tokenizer = AutoTokenizer.from_pretrained(path)

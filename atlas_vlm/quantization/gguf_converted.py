@@ -135,5 +135,5 @@ def load_gguf_converted(gguf_path: str | os.PathLike, *, dtype: torch.dtype = to
     if meta_folder:
         tokenizer = AutoTokenizer.from_pretrained(meta_folder, fix_mistral_regex=False)
     else:
-        tokenizer = gguf_tokenizer(gguf_path, hf_config, gguf_tokenizer_settings(gguf_path, reader.fields))
+        tokenizer = gguf_tokenizer(reader, hf_config, gguf_tokenizer_settings(gguf_path, reader.fields))
     return LoadedModel(model, hf_config, tokenizer, None, meta_folder or gguf_path)

@@ -70,20 +70,62 @@ def gguf_config(reader, path: Path):
     return AutoConfig.for_model(**config)
 
 
-def gguf_tokenizer(path: Path, config, settings):
-    """The tokenizer of GGUF ``path`` (``config``: its :func:`gguf_config`), with the header's
-    special tokens, BOS / EOS flags, clean-up and chat template applied (``settings``:
-    ``tokenizer.gguf_tokenizer_settings``)."""
-    from transformers import AutoTokenizer
+def _tokenizer_metadata(reader) -> dict:
+    """The header's ``tokenizer.*`` keys and ``general.architecture`` in the form transformers'
+    ``read_gguf_metadata(path, ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))`` gives them
+    (those two string arrays as lists, any other string array as its count, numeric arrays as
+    lists), taken from our already parsed reader instead of a second walk over the header."""
+    from gguf.constants import GGUFValueType
+
+    out = {}
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer.") and key != "general.architecture":
+            continue
+        if field.types[0] == GGUFValueType.ARRAY and field.types[-1] == GGUFValueType.STRING and \
+                key not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+            out[key] = len(field.data)
+        elif field.types[0] == GGUFValueType.ARRAY:
+            out[key] = field.contents()
+        else:
+            out[key] = field.contents()
+    return out
+
+
+# transformers.integrations.gguf.gguf_tokenizer_mapping._SPECIAL_TOKENS (a private name there)
+_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+                   "pad_token": "padding_token_id"}
+
+
+def gguf_tokenizer(reader, config, settings):
+    """The tokenizer of the GGUF whose header ``reader`` holds (``config``: its
+    :func:`gguf_config`): transformers' GGUF tokenizer conversion (``get_gguf_tokenizer``'s
+    steps on the parsed header, then ``convert_gguf_tokenizer``) in the model type's tokenizer
+    class, then the header's special tokens, BOS / EOS flags, clean-up and chat template
+    (``settings``: ``tokenizer.gguf_tokenizer_settings``).
+
+    Raises:
+        ValueError: the model type has no tokenizer class in transformers.
+    """
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
     from atlas_vlm.tokenizer import apply_gguf_tokenizer_settings
 
-    path = Path(path)
+    metadata = _tokenizer_metadata(reader)
+    grouped = {group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()
+                       if f"tokenizer.{key}" in metadata}
+               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    tokenizer_dict, tokenizer_config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer_dict.get("tokenizer_type") == "llama":  # as get_gguf_tokenizer: llama.cpp adds BOS there
+        tokenizer_config.setdefault("add_bos_token", True)
+    elif tokenizer_dict.get("tokenizer_type") == "gemma4":
+        tokenizer_config["add_bos_token"] = False
+    for name, key in _SPECIAL_TOKENS.items():
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        tokenizer_config[name] = tokenizer_dict["tokens"][token_id] if token_id is not None else None
+    fast, extra = convert_gguf_tokenizer(metadata["general.architecture"], tokenizer_dict)
     cls = TOKENIZER_MAPPING.get(type(config), None)
     cls = next((c for c in reversed(cls) if c is not None), None) if isinstance(cls, tuple) else cls
-    if cls is None:  # no class for the model type: transformers picks (reading the config itself)
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    else:
-        tokenizer = cls.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = (cls or PreTrainedTokenizerFast)(tokenizer_object=fast, **tokenizer_config, **extra)
     return apply_gguf_tokenizer_settings(tokenizer, settings)
