@@ -55,16 +55,17 @@ def _projection(reader, parts: list, perms: list, biases: list, in_features: int
     if kinds <= set(DENSE_TYPES):
         ws = [dense_tensor(t) if p is None else dense_tensor(t)[p] for t, p in zip(parts, perms)]
         w = torch.cat(ws) if len(ws) > 1 else ws[0]  # [N, K]
-        lin = nn.Linear(in_features, w.shape[0], bias=bias is not None)
-        lin.weight.data, lin.bias = w.to(dtype), None if bias is None else nn.Parameter(bias.to(dtype))
+        lin = nn.Linear(in_features, w.shape[0], bias=bias is not None, device="meta")  # no init
+        lin.weight = nn.Parameter(w.to(dtype))
+        lin.bias = None if bias is None else nn.Parameter(bias.to(dtype))
         return lin
-    if len(kinds) == 1 and len(parts) > 1 or any(p is not None for p in perms):
-        if len(kinds) == 1:  # one type: the parts' rows concatenated once into anonymous memory
-            rows = [_blocks(t) if p is None else _blocks(t)[p] for t, p in zip(parts, perms)]
-            blocks = torch.cat(rows)  # [sum N, bytes per row]
-            for t in parts:
-                drop_pages(reader, t)
-            return stored_linear(blocks, kinds.pop(), in_features, blocks.shape[0], bias)
+    if len(kinds) == 1 and (len(parts) > 1 or perms[0] is not None):
+        # one type: the parts' rows (reordered) concatenated once into anonymous memory
+        rows = [_blocks(t) if p is None else _blocks(t)[p] for t, p in zip(parts, perms)]
+        blocks = torch.cat(rows) if len(rows) > 1 else rows[0].contiguous()  # [sum N, bytes per row]
+        for t in parts:
+            drop_pages(reader, t)
+        return stored_linear(blocks, kinds.pop(), in_features, blocks.shape[0], bias)
     if len(parts) == 1:
         return stored_linear(_blocks(parts[0]), parts[0].tensor_type.name, in_features, int(parts[0].shape[-1]), bias)
     mods = [_projection(reader, [t], [p], [b], in_features, dtype)  # mixed types: one module per part

@@ -107,3 +107,35 @@ def test_as_stored_is_the_default_and_matches_the_dense_copy(mixed):
     a = [o.token_ids for o in stored.generate(PROMPTS, params, use_tqdm=False)]
     b = [o.token_ids for o in dense.generate(PROMPTS, params, use_tqdm=False)]
     assert [x[:2] for x in a] == [y[:2] for y in b], (a, b)
+
+
+def test_header_config_and_tokenizer_equal_transformers_own():
+    """Config and tokenizer built from our parsed header equal transformers' own GGUF loading of
+    the embedded SmolLM2 (which re-reads the header): every config field, the tokens of mixed
+    text, special tokens, the chat template's output."""
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from atlas_vlm.checkpoint import read_gguf
+    from atlas_vlm.default_models import default_text_model
+    from atlas_vlm.quantization.gguf_meta import gguf_config, gguf_tokenizer
+    from atlas_vlm.tokenizer import apply_gguf_tokenizer_settings, gguf_tokenizer_settings
+
+    path = Path(default_text_model())
+    reader = read_gguf(path)
+    ours = gguf_config(reader, path)
+    theirs = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    drop = {"_name_or_path"}  # theirs names the folder it read
+    assert {k: v for k, v in ours.to_dict().items() if k not in drop} == \
+        {k: v for k, v in theirs.to_dict().items() if k not in drop}
+    settings = gguf_tokenizer_settings(path, reader.fields)
+    a = gguf_tokenizer(reader, ours, settings)
+    b = apply_gguf_tokenizer_settings(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name), settings)
+    for text in ["hello world def foo():\n  return 1", "  Ünïcödé 日本語 <|im_start|>user\nhi<|im_end|>"]:
+        assert a(text)["input_ids"] == b(text)["input_ids"]
+    msgs = [{"role": "user", "content": "hi there"}]
+    assert a.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == \
+        b.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert (type(a), a.bos_token, a.eos_token, a.pad_token, len(a)) == (type(b), b.bos_token, b.eos_token, b.pad_token,
+                                                                         len(b))
