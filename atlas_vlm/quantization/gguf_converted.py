@@ -58,7 +58,7 @@ def load_gguf_converted(gguf_path: str | os.PathLike, *, dtype: torch.dtype = to
     model = build_empty(model_class(family), arch, text_config_of(hf_config, family))
     used: set[str] = set()
 
-    layers = tqdm(model.model.layers, desc=f"Loading {gguf_path.name} (as stored)", unit="layer", leave=False)
+    layers = tqdm(model.model.layers, desc=f"Converting {gguf_path.name} to int tiles", unit="layer", leave=False)
     for i, layer in enumerate(layers):
         groups: dict[str, list[tuple[str, int | None]]] = {}
         for part, (path, shard) in _PROJ.items():
