@@ -25,7 +25,7 @@ __all__ = ["load_gguf_converted"]
 
 def load_gguf_converted(gguf_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu", meta_folder: Path | None = None):
-    """Load a ``.gguf`` with its tensors as stored (see the module docstring).
+    """Load a ``.gguf`` converted to our int8 / int4 tiles (see the module docstring).
 
     ``meta_folder``: a config / tokenizer folder to use instead of the header (a VLM pair's,
     whose decoder architecture transformers' GGUF support does not read).
