@@ -10,6 +10,12 @@ The public names are imported on first use (PEP 562), so ``import atlas_vlm.entr
 from __future__ import annotations
 
 import importlib
+import os
+
+# OpenMP threads (torch's, our C kernels') wait for work passively rather than spinning on a
+# core another process may need (llama.cpp's default too); read once when an OpenMP runtime
+# starts, so it is set here, before torch or a kernel library loads. A value the user set wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from typing import TYPE_CHECKING
 
 _EXPORTS = {

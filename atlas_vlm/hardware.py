@@ -174,19 +174,14 @@ def usable_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
     return max(1, cpus)
 
 
-def default_num_threads(load_1min: float | None = None, cpus: int | None = None) -> int:
+def default_num_threads(cpus: int | None = None) -> int:
     """Threads for torch when neither ``OMP_NUM_THREADS`` nor ``EngineConfig.num_threads`` says:
-    the usable CPUs less those busy with other work (the 1-minute load average, rounded),
-    at least 1. OpenMP threads spin-wait for each other, so one thread more than the free
-    cores costs far more than one thread less (measured on this project's shared 2-core
-    machine: README snippets 89 s at 2 threads beside other work, 34 s at 1)."""
-    cpus = usable_cpus() if cpus is None else cpus
-    if load_1min is None:
-        try:
-            load_1min = os.getloadavg()[0]
-        except (AttributeError, OSError):
-            load_1min = 0.0
-    return max(1, cpus - int(round(load_1min)))
+    the CPUs this process may run on (:func:`usable_cpus`: its affinity mask, capped by a cgroup
+    quota), as llama.cpp does. Not the load average: a value read once at start kept a server
+    started beside a briefly busy process at 1 of 2 threads for its whole life. OpenMP's
+    threads wait passively (``OMP_WAIT_POLICY=PASSIVE``, set by ``atlas_vlm/__init__``), so a
+    core busy with other work is shared, not spun on."""
+    return max(1, usable_cpus() if cpus is None else cpus)
 
 
 _threads_chosen = False
@@ -194,8 +189,8 @@ _threads_chosen = False
 
 def apply_num_threads(num_threads: int | None) -> int:
     """Set torch's CPU threads for an engine: ``num_threads`` if given; else, where
-    ``OMP_NUM_THREADS`` is unset, ``default_num_threads()`` once per process (later engines
-    keep it: the load then includes this process's own work). Returns the threads in use."""
+    ``OMP_NUM_THREADS`` is unset, ``default_num_threads()`` (once per process). Returns the
+    threads in use."""
     global _threads_chosen
     if num_threads is not None:
         torch.set_num_threads(num_threads)

@@ -1,5 +1,7 @@
 """Weight loading: a Hugging Face model folder (config.json + safetensors, sharded too) or a
-GGUF file (converted once through transformers' GGUF support and cached as a folder).
+GGUF file (as stored, memory-mapped: ``quantization.gguf_stored``; with
+``quantization="dequantize"`` converted once through transformers' GGUF support and cached as
+a dense folder).
 
 HF's separate q/k/v and gate/up projections are stacked into our fused ``qkv_proj`` and
 ``gate_up_proj`` (row sizes from the model's ``qkv_sizes`` where it has one); Qwen2.5-VL's
@@ -167,10 +169,12 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
         dtype: parameter dtype (``EngineConfig.torch_dtype``: bf16 on CUDA and on CPUs with
             AMX/AVX512-BF16, else fp32).
         revision: Hub branch / tag / commit for a Hub id.
-        quantization: None (dense), "int8" / "int4" (quantized at load, round to nearest),
-            "gguf" (a .gguf file's tensors as stored), "awq" / "gptq" (the checkpoint's
-            own ``quantization_config`` is read and honoured either way); see
-            :mod:`atlas_vlm.quantization`.
+        quantization: None (as stored: a folder dense, a .gguf's blocks in place), "int8" /
+            "int4" (quantized at load, round to nearest), "gguf" (a .gguf as stored, as None),
+            "gguf_int" (a .gguf converted exactly to our int8 / int4 tiles),
+            "dequantize" (a .gguf converted once to a dense fp32 folder in the cache), "awq" /
+            "gptq" (the checkpoint's own ``quantization_config`` is read and honoured either
+            way); see :mod:`atlas_vlm.quantization`.
         mmproj: llama.cpp's ``mmproj`` GGUF of the VLM whose language model ``path`` (a
             ``.gguf``) is: the pair is loaded as one VLM (:mod:`atlas_vlm.quantization.gguf_mmproj`).
         hf_file: the GGUF file of a Hub GGUF repo ``path`` to load (llama.cpp's ``--hf-file``).
@@ -200,11 +204,10 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelNotFoundError(f"model file {path} is not a .gguf file; pass an HF model folder or a .gguf file")
-        if quantization == "gguf":
-            from atlas_vlm.quantization.gguf import load_gguf_quantized
-
-            return load_gguf_quantized(path, dtype=dtype, device=device)
-        path = gguf_to_folder(path)
+        if quantization in (None, "gguf", "gguf_int"):
+            return _load_gguf(path, quantization, dtype, device)
+        path = gguf_to_folder(path)  # the dense copy: "dequantize", or "int8" / "int4" quantized from it
+        quantization = None if quantization == "dequantize" else quantization
     if not (path / "config.json").exists():
         raise ModelNotFoundError(f"model folder {path} has no config.json")
     hf_config = AutoConfig.from_pretrained(path)
@@ -247,22 +250,44 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
     return LoadedModel(model, hf_config, tokenizer, visual or None, path, settings)
 
 
+def _load_gguf(path: Path, quantization: str | None, dtype, device, meta_folder: Path | None = None) -> LoadedModel:
+    """A ``.gguf`` as stored on CPU (``gguf_stored``); converted to our int8 / int4 tiles
+    (``gguf_converted``) with ``quantization="gguf_int"``, and on a GPU (whose matmuls read those
+    tiles) with ``"gguf"``; on a GPU with None the dense copy as before (a pair: its ``meta_folder``)."""
+    if torch.device(device).type == "cpu" and quantization != "gguf_int":
+        from atlas_vlm.quantization.gguf_stored import FamilyNotStoredError, load_gguf_stored
+
+        try:
+            return load_gguf_stored(path, dtype=dtype, device=device, meta_folder=meta_folder)
+        except FamilyNotStoredError as e:
+            if quantization is not None or meta_folder is not None:
+                raise
+            print(f"{e}: loading the dense copy", file=sys.stderr, flush=True)
+            return load_model(gguf_to_folder(path), dtype=dtype, device=device)
+    if quantization in ("gguf", "gguf_int") or meta_folder is not None:
+        from atlas_vlm.quantization.gguf_converted import load_gguf_converted
+
+        return load_gguf_converted(path, dtype=dtype, device=device, meta_folder=meta_folder)
+    return load_model(gguf_to_folder(path), dtype=dtype, device=device)
+
+
 def _load_gguf_pair(path: Path, mmproj: Path, dtype, device, quantization: str | None) -> LoadedModel:
-    """A VLM from a model GGUF + its mmproj GGUF: the decoder as stored with
-    ``quantization="gguf"``, else dequantized as a text GGUF is; the tower from the mmproj."""
+    """A VLM from a model GGUF + its mmproj GGUF: the decoder as stored (None / "gguf"), or
+    dequantized to a dense folder ("dequantize"); the tower from the mmproj."""
     from atlas_vlm.quantization.gguf_mmproj import gguf_pair_folder
 
     if not path.is_file() or path.suffix != ".gguf":
         raise ValueError(f"mmproj {mmproj} needs the model to be its language model .gguf file, got {path}")
-    if quantization not in (None, "gguf"):
-        raise ValueError(f"quantization={quantization!r} does not apply to a GGUF pair: use None or 'gguf'")
-    folder = gguf_pair_folder(path, mmproj, dense=quantization is None)
-    if quantization is None:
+    if quantization not in (None, "gguf", "gguf_int", "dequantize"):
+        raise ValueError(f"quantization={quantization!r} does not apply to a GGUF pair: use None / 'gguf' (as "
+                         f"stored) or 'dequantize'")
+    dense = quantization == "dequantize" or (quantization is None and torch.device(device).type != "cpu")
+    folder = gguf_pair_folder(path, mmproj, dense=dense)
+    if dense:
         return load_model(folder, dtype=dtype, device=device)
     from atlas_vlm.models.processor_settings import image_processor_settings
-    from atlas_vlm.quantization.gguf import load_gguf_quantized
 
-    loaded = load_gguf_quantized(path, dtype=dtype, device=device, meta_folder=folder)
+    loaded = _load_gguf(path, quantization, dtype, device, meta_folder=folder)
     with safe_open(str(folder / "vision.safetensors"), framework="pt") as f:
         loaded.vision_state_dict = {k[len("visual."):]: f.get_tensor(k) for k in f.keys()}
     loaded.image_settings = image_processor_settings(folder, loaded.hf_config)

@@ -50,8 +50,13 @@ def _value(field):
     return field.contents() if field is not None else None
 
 
-def gguf_tokenizer_settings(path: str | Path) -> GGUFTokenizerSettings:
-    """Read and resolve the tokenizer settings of the GGUF file at ``path``.
+_SETTINGS: dict[tuple, GGUFTokenizerSettings] = {}  # (path, size, mtime) -> settings: a load reads them once
+
+
+def gguf_tokenizer_settings(path: str | Path, fields=None) -> GGUFTokenizerSettings:
+    """Read and resolve the tokenizer settings of the GGUF file at ``path`` (``fields``: its
+    header already read, ``checkpoint.read_gguf(path).fields``); kept per file (path, size,
+    modification time), so the engine's EOS ids do not read the header again.
 
     Defaults (llama.cpp): BPE (``gpt2``) models add no BOS unless the pre-tokenizer is a
     Llama-3-like one, clean spaces unless the pre-tokenizer turns it off; SentencePiece
@@ -63,7 +68,11 @@ def gguf_tokenizer_settings(path: str | Path) -> GGUFTokenizerSettings:
     """
     from atlas_vlm.checkpoint import read_gguf
 
-    fields = read_gguf(path).fields
+    stat = Path(path).stat()
+    key = (str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+    if key in _SETTINGS:
+        return _SETTINGS[key]
+    fields = read_gguf(path).fields if fields is None else fields
     if "tokenizer.ggml.tokens" not in fields:
         raise ValueError(f"{path}: GGUF file has no tokenizer.ggml.tokens")
     vocab = fields["tokenizer.ggml.tokens"].contents()
@@ -84,12 +93,13 @@ def gguf_tokenizer_settings(path: str | Path) -> GGUFTokenizerSettings:
         if not 0 <= int(value) < len(vocab):
             raise ValueError(f"{path}: tokenizer.ggml.{key}={value} is outside the vocabulary of {len(vocab)}")
         ids[name] = int(value)
-    return GGUFTokenizerSettings(
+    _SETTINGS[key] = GGUFTokenizerSettings(
         model=model, pre=pre, tokens={k: vocab[i] for k, i in ids.items()}, token_ids=ids,
         add_bos_token=add_bos if stated_bos is None else bool(stated_bos),
         add_eos_token=add_eos if stated_eos is None else bool(stated_eos),
         clean_up_tokenization_spaces=clean, chat_template=_value(fields.get("tokenizer.chat_template")),
     )
+    return _SETTINGS[key]
 
 
 def apply_gguf_tokenizer_settings(tokenizer, settings: GGUFTokenizerSettings):
@@ -133,11 +143,15 @@ def save_gguf_tokenizer(tokenizer, settings: GGUFTokenizerSettings, folder: Path
 
 def eos_token_ids(tokenizer, model_dir: str | Path) -> set[int]:
     """The ids that end generation: ``tokenizer.eos_token_id`` plus the model folder's
-    ``generation_config.json`` ``eos_token_id`` (an int or a list), as HF ``generate`` uses.
+    ``generation_config.json`` ``eos_token_id`` (an int or a list), as HF ``generate`` uses;
+    for a ``.gguf`` loaded as stored (``model_dir`` the file) the header's EOS and EOT ids.
     The one source of the engine's EOS set."""
     from transformers import GenerationConfig
 
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    if Path(model_dir).suffix == ".gguf" and Path(model_dir).is_file():
+        stated = gguf_tokenizer_settings(model_dir).token_ids
+        return ids | {stated[k] for k in ("eos", "eot") if k in stated}
     try:
         gen = GenerationConfig.from_pretrained(model_dir).eos_token_id
     except OSError:

@@ -44,8 +44,8 @@ class DeviceConfig:
     device: str = "auto"
     """"auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"."""
     num_threads: int | None = None
-    """CPU threads for torch; None: $OMP_NUM_THREADS if set, else the usable cores less those busy
-    with other work, chosen once per process (hardware.default_num_threads)."""
+    """CPU threads for torch; None: $OMP_NUM_THREADS if set, else the cores this process may run on
+    (affinity, cgroup quota), as llama.cpp (hardware.default_num_threads)."""
     attention_backend: str = field(default="auto", metadata=flag(choices=ATTENTION_BACKENDS))
     """"auto": "triton" on CUDA where Triton imports (kernels/triton_attention.py), else
     "decode_kernel" on CPU where the C decode kernel builds, else "bucketed". "triton" forced also

@@ -60,9 +60,11 @@ class ModelConfig:
     max_model_len: int | None = None
     """Tokens per request (prompt + output); None: min(the model's max, 4096)."""
     quantization: str | None = field(default=None, metadata=flag(choices=lambda: _quantization_methods()))
-    """Weight-only quantization (atlas_vlm.quantization): None (dense), "int8" / "int4" (quantized at
-    load, round to nearest), "gguf" (a .gguf's tensors as stored), "awq" / "gptq" (read from the
-    checkpoint's quantization_config, which is honoured when this is None)."""
+    """Weight-only quantization (atlas_vlm.quantization): None (as stored: dense weights, a .gguf's
+    own blocks memory-mapped), "int8" / "int4" (quantized at load, round to nearest), "gguf" (= None
+    for a .gguf), "gguf_int" (a .gguf converted to our int8 / int4 tiles), "dequantize" (a .gguf's
+    dense copy), "awq" / "gptq" (read from the checkpoint's quantization_config, which is honoured
+    when this is None)."""
     seed: int = 0
     """Default sampling seed of requests that set none."""
     reasoning_parser: str | None = field(default=None, metadata=flag(choices=lambda: _reasoning_parsers()))

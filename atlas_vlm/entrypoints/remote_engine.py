@@ -110,9 +110,17 @@ class RemoteEngine:
             from transformers import AutoTokenizer
 
             from atlas_vlm.hub import resolve_model_path
-            from atlas_vlm.loader import gguf_to_folder
             path = resolve_model_path(self.tokenizer_path)
-            self._tokenizer = AutoTokenizer.from_pretrained(gguf_to_folder(path) if path.is_file() else path)
+            if path.is_file():  # a .gguf: its header's tokenizer, in memory (no dense copy for a tokenizer)
+                from atlas_vlm.checkpoint import read_gguf
+                from atlas_vlm.quantization.gguf_meta import gguf_config, gguf_tokenizer
+                from atlas_vlm.tokenizer import gguf_tokenizer_settings
+
+                reader = read_gguf(path)
+                self._tokenizer = gguf_tokenizer(reader, gguf_config(reader, path),
+                                                 gguf_tokenizer_settings(path, reader.fields))
+            else:
+                self._tokenizer = AutoTokenizer.from_pretrained(path)
         return self._tokenizer
 
     async def add_request(self, prompt, sampling_params, request_id: str, arrival_time: float | None = None):

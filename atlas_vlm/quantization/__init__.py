@@ -4,13 +4,19 @@ linear modules in place of ``nn.Linear`` (names follow vLLM: ``quantization=``,
 
 Schemes (``EngineConfig.quantization`` / ``LLM(..., quantization=...)``):
 
-- ``None``: dense weights as stored (a GGUF is dequantized to fp32, as before).
+- ``None``: weights as stored: a folder's dense tensors, a ``.gguf``'s blocks in place
+  (:mod:`atlas_vlm.quantization.gguf_stored`).
 - ``"int8"``: weight-only int8 quantized at load from a dense checkpoint, round to nearest,
   one symmetric scale per output channel.
 - ``"int4"``: weight-only int4 quantized at load, round to nearest, asymmetric, one scale
   and zero per group of 128 inputs (64 or 32 where 128 does not divide the layer's inputs:
   :func:`atlas_vlm.layers.quant_linear.int4_group_size`).
-- ``"gguf"``: a ``.gguf`` file's tensors as stored (:mod:`atlas_vlm.quantization.gguf`).
+- ``"gguf"``: a ``.gguf`` file's tensors as stored (the same as None for a ``.gguf``).
+- ``"gguf_int"``: a ``.gguf`` converted at load, exactly, to our ``Int4Linear`` / ``Int8Linear``
+  tiles (:mod:`atlas_vlm.quantization.gguf_converted`; what ``"gguf"`` loaded before the
+  as-stored layers): the one-call C decode step and the GPU's Triton matmuls run those tiles.
+- ``"dequantize"``: a ``.gguf`` converted once to a dense fp32 folder in the cache (transformers'
+  GGUF support): the old default, for comparisons.
 - ``"awq"`` / ``"gptq"``: safetensors in their released layout, read from the checkpoint's
   ``quantization_config`` (:mod:`atlas_vlm.quantization.awq_gptq`).
 
@@ -26,7 +32,7 @@ from torch import nn
 
 from atlas_vlm.layers.quant_linear import Int4Linear, Int8Linear, int4_group_size
 
-QUANTIZATION_METHODS = ("int8", "int4", "gguf", "awq", "gptq")
+QUANTIZATION_METHODS = ("int8", "int4", "gguf", "gguf_int", "dequantize", "awq", "gptq")
 AT_LOAD_METHODS = ("int8", "int4")  # quantized from a dense checkpoint
 DECODER_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -74,8 +80,8 @@ def resolve_quantization(requested: str | None, hf_config) -> tuple[str | None, 
         if requested in ("awq", "gptq"):
             raise UnsupportedQuantizationError(f"quantization={requested!r} needs a checkpoint with a "
                                                f"quantization_config; this one has none")
-        if requested == "gguf":
-            raise UnsupportedQuantizationError("quantization='gguf' needs a .gguf file")
+        if requested in ("gguf", "gguf_int", "dequantize"):
+            raise UnsupportedQuantizationError(f"quantization={requested!r} needs a .gguf file")
         return requested, None
     method = str(qc.get("quant_method", "")).lower()
     if method not in ("awq", "gptq"):

@@ -98,11 +98,6 @@ def test_detection_on_this_machine_agrees_with_proc_cpuinfo():
         assert check() == cpu.onednn_bf16
 
 
-@pytest.mark.parametrize("load, cpus, expected", [(0.0, 2, 2), (0.9, 2, 1), (1.6, 2, 1), (5.0, 8, 3), (0.2, 1, 1)])
-def test_default_threads_leave_the_busy_cores(load, cpus, expected):
-    assert hardware.default_num_threads(load_1min=load, cpus=cpus) == expected
-
-
 @pytest.mark.parametrize("cpu_max, expected", [("max 100000", 4), ("150000 100000", 1), ("200000 100000", 2),
                                                ("800000 100000", 4)])
 def test_usable_cpus_follow_the_cgroup_quota(monkeypatch, tmp_path, cpu_max, expected):

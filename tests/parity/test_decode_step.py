@@ -94,7 +94,7 @@ def test_real_smollm2_gguf_same_bits():
     require_quant_kernel("the decode step on the real GGUF")
 
     def make():
-        return LLM(default_text_model(), quantization="gguf", dtype="bfloat16", max_model_len=256,
+        return LLM(default_text_model(), quantization="gguf_int", dtype="bfloat16", max_model_len=256,
                    num_kvcache_blocks=32)
 
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -111,7 +111,7 @@ def test_real_smollm2_gguf_drafted_steps_same_bits():
     require_quant_kernel("the decode step on the real GGUF")
 
     def make(**kw):
-        return LLM(default_text_model(), quantization="gguf", dtype="bfloat16", max_model_len=256,
+        return LLM(default_text_model(), quantization="gguf_int", dtype="bfloat16", max_model_len=256,
                    num_kvcache_blocks=32, **kw)
 
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -133,7 +133,7 @@ def test_a_one_token_prompt_chunk_beside_a_decode_gets_no_logits_row():
     require_quant_kernel("the decode step on the real GGUF")
     outs = []
     for on in (True, False):
-        llm = LLM(default_text_model(), quantization="gguf", dtype="bfloat16", max_model_len=256,
+        llm = LLM(default_text_model(), quantization="gguf_int", dtype="bfloat16", max_model_len=256,
                   num_kvcache_blocks=32, max_num_batched_tokens=2)
         runner, eng, rows = llm.engine.runner, llm.engine, []
         if not on:
@@ -195,7 +195,7 @@ def test_a_step_that_samples_no_row_runs_on_the_quantized_lm_head():
     tokens equal those of an unchunked prefill."""
     require_quant_kernel("the quantized LM head on the real GGUF")
     prompt, params = [1, 504, 3575, 282, 33, 44], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    outs = [LLM(default_text_model(), quantization="gguf", dtype="float32", max_model_len=256, num_kvcache_blocks=32,
+    outs = [LLM(default_text_model(), quantization="gguf_int", dtype="float32", max_model_len=256, num_kvcache_blocks=32,
                 max_num_batched_tokens=budget).generate([prompt], params, use_tqdm=False)[0].token_ids
             for budget in (2, 256)]
     assert outs[0] == outs[1] and len(outs[0]) == 6

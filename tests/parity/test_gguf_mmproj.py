@@ -16,6 +16,8 @@ from gguf_pairs import CONVERTER, IMAGE_MEAN, IMAGE_STD, Pairs
 from teacher_forcing import record_logits
 from helpers import CPU_FP32, IMAGES, SMALL, assert_matches_hf, chat, conv
 from atlas_vlm import LLM, SamplingParams
+from atlas_vlm.layers.gguf_linear import GGUFLinear
+from atlas_vlm.layers.gguf_stored import GGUFDequantLinear
 from atlas_vlm.layers.quant_linear import Int8Linear
 
 pytestmark = [pytest.mark.vlm, pytest.mark.skipif(not CONVERTER.is_file(), reason=(
@@ -139,14 +141,17 @@ def _prefixes(llm: LLM) -> tuple[list[list[int]], list[int]]:
     return [p + o.token_ids[:i] for p, o in zip(prompts, outs) for i in range(N)], [t for o in outs for t in o.token_ids]
 
 
-@pytest.mark.parametrize("quantization", [None, "gguf"])
+@pytest.mark.parametrize("quantization", ["dequantize", None, "gguf_int"])
 def test_q8_0_pair_agrees_with_f32_pair(pair, pairs, quantization):
     entry, llm = pair
     prefixes, want = _prefixes(llm)
     model, mmproj = entry["q8_0"]
     q8 = LLM(str(model), mmproj=str(mmproj), quantization=quantization, **ENGINE)
-    if quantization == "gguf":  # the decoder's Q8_0 projections stay int8
-        assert any(isinstance(m, Int8Linear) for m in q8.engine.runner.model.modules())
+    mods = list(q8.engine.runner.model.modules())
+    if quantization is None:  # the decoder's Q8_0 projections as stored (the default)
+        assert any(isinstance(m, (GGUFLinear, GGUFDequantLinear)) for m in mods)
+    if quantization == "gguf_int":  # converted to int8 tiles
+        assert any(isinstance(m, Int8Linear) for m in mods)
     outs = q8.generate(prefixes, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     got = [o.token_ids[0] for o in outs]
     agreement = sum(a == b for a, b in zip(got, want)) / len(want)
