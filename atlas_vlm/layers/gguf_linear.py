@@ -1,6 +1,9 @@
 """A linear layer on a GGUF tensor as stored: ``GGUFLinear`` holds the file's own bytes (a uint8
 view of the reader's memory map, no copy, no conversion) and multiplies through
-``kernels.gguf_kernel.gguf_matmul`` (Q4_K, Q5_K, Q6_K, Q8_0).
+``kernels.gguf_kernel.gguf_matmul`` (Q4_K, Q5_K, Q6_K, Q8_0). Q4_K and Q6_K rows are
+interleaved 16 at a time once, at construction, into anonymous memory (``gguf_kernel.repack``:
+the same quants and scales, 148 / 210 bytes a row per 256 values) and multiplied by
+``gguf_matmul_packed``, the fast kernel; the file's bytes are then no longer read.
 
 Not yet what ``quantization="gguf"`` loads (that still converts to ``Int4Linear`` /
 ``Int8Linear``; issue 34 item 4 switches it over): a building block and its test.
@@ -13,7 +16,7 @@ import warnings
 import torch
 from torch import nn
 
-from atlas_vlm.kernels.gguf_kernel import TYPES, gguf_matmul, row_bytes
+from atlas_vlm.kernels.gguf_kernel import TYPES, gguf_matmul, gguf_matmul_packed, repack, row_bytes
 
 
 class GGUFLinear(nn.Module):
@@ -25,6 +28,10 @@ class GGUFLinear(nn.Module):
         qtype: the GGUF type name (``"Q4_K"``, ``"Q5_K"``, ``"Q6_K"``, ``"Q8_0"``).
         in_features, out_features: ``K`` (a multiple of 256) and ``N``.
         bias: fp32 ``[N]`` or None.
+
+    Attributes:
+        blocks: the stored bytes as given. packed: uint8, the rows interleaved for the fast
+            kernel (``gguf_kernel.repack``), or None (another type, or no C kernel).
 
     Raises:
         ValueError: a type the kernel does not run, or ``blocks`` not ``[N, bytes per row]`` uint8.
@@ -40,6 +47,7 @@ class GGUFLinear(nn.Module):
         self.qtype, self.in_features, self.out_features = qtype, in_features, out_features
         self.register_buffer("blocks", blocks, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
+        self.register_buffer("packed", repack(blocks, qtype, out_features, in_features), persistent=False)
 
     @classmethod
     def from_tensor(cls, tensor, bias: torch.Tensor | None = None) -> GGUFLinear:
@@ -61,8 +69,11 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = gguf_matmul(x.reshape(-1, self.in_features), self.blocks, self.qtype, self.out_features,
-                        self.in_features)  # [M, N]
+        x2 = x.reshape(-1, self.in_features)  # [M, K]
+        if self.packed is not None:
+            y = gguf_matmul_packed(x2, self.packed, self.qtype, self.out_features, self.in_features)  # [M, N]
+        else:
+            y = gguf_matmul(x2, self.blocks, self.qtype, self.out_features, self.in_features)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)

@@ -18,6 +18,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define QK_K 256
 #define MAX_ROWS 8
@@ -28,6 +31,8 @@ typedef struct { /* the activations as q8_K: qs [M][K], d [M][nb], bsums [M][nb]
   const float *d;
   const int16_t *bsums;
   int64_t K, nb;
+  const int16_t *bs32; /* [M][nb][8] sums per 32 (the r16 Q4_K kernels' mins) */
+  const int32_t *b6;   /* [M][nb][16] -32 * bsums (the r16 Q6_K kernels' offset) */
 } Q8K;
 
 #include "half.h"
@@ -55,44 +60,19 @@ static inline void unpack_k4_scales(const uint8_t *s, uint32_t u[4]) {
   u[3] = ((a[2] >> 4) & 0x0f0f0f0fu) | (((a[1] >> 6) & 0x03030303u) << 4);
 }
 
+#include "gguf_repack.h"
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define GG_ISA "avx512vnni"
 #include "gguf_gemm_avx512.h"
-#elif defined(__AVX2__) && defined(__FMA__)
+#include "gguf_r16_avx512.h"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define GG_ISA "avx2"
 #include "gguf_gemm_avx2.h"
+#include "gguf_r16_avx2.h"
 #else
 #define GG_ISA "scalar"
 #define GG_PLAIN 1
-/* plain C: per super-block the weights unpacked to ints in x's order, then per row the same integers */
-static inline void unpack_super(const uint8_t *b, int type, int32_t *w, int32_t *sc, int32_t *mn, float *dw) {
-  if (type == GGML_Q6_K) {
-    for (int h = 0; h < 2; h++)
-      for (int l = 0; l < 64; l++) {
-        const uint8_t ql = b[64 * h + l], qh = b[128 + 32 * h + l % 32] >> (l < 32 ? 0 : 2);
-        w[128 * h + l] = (ql & 15) | (qh & 3) << 4;
-        w[128 * h + 64 + l] = (ql >> 4) | ((qh >> 4) & 3) << 4;
-      }
-    for (int j = 0; j < 16; j++) sc[j] = (int8_t)b[192 + j];
-    dw[0] = f16_at(b + 208);
-  } else if (type == GGML_Q8_0) {
-    for (int j = 0; j < 8; j++) {
-      dw[j] = f16_at(b + 34 * j);
-      for (int l = 0; l < 32; l++) w[32 * j + l] = (int8_t)b[34 * j + 2 + l];
-    }
-  } else { /* Q4_K, Q5_K */
-    const int five = type == GGML_Q5_K;
-    const uint8_t *qs = b + (five ? 48 : 16);
-    uint32_t u[4];
-    unpack_k4_scales(b + 4, u);
-    for (int j = 0; j < 8; j++) sc[j] = ((const uint8_t *)u)[j], mn[j] = ((const uint8_t *)u)[8 + j];
-    for (int j = 0; j < 8; j++)
-      for (int l = 0; l < 32; l++)
-        w[32 * j + l] = ((qs[32 * (j / 2) + l] >> (j % 2 ? 4 : 0)) & 15) | (five ? ((b[16 + l] >> j) & 1) << 4 : 0);
-    dw[0] = f16_at(b), dw[1] = f16_at(b + 2);
-  }
-}
-
 static void rows_plain(const uint8_t *row, int type, int64_t bb, const Q8K *q, int64_t m0, int mt, float *res) {
   int32_t w[QK_K], sc[16], mn[8];
   float dw[8];
@@ -145,9 +125,13 @@ static void row_dot(const uint8_t *row, int type, const Q8K *q, int64_t m0, int 
 #endif
 }
 
-/* x [M][K] fp32 -> q8_K (see the top of this file) */
-static void quantize_q8_K(const float *x, int64_t M, int64_t K, int8_t *qs, float *d, int16_t *bsums) {
+/* x [M][K] fp32 -> q8_K (see the top of this file), with the r16 kernels' bs32 and b6 */
+static void quantize_q8_K(const float *x, int64_t M, int64_t K, Q8K *out) {
   const int64_t nb = K / QK_K;
+  int8_t *qs = (int8_t *)out->qs;
+  float *d = (float *)out->d;
+  int16_t *bsums = (int16_t *)out->bsums, *bs32 = (int16_t *)out->bs32;
+  int32_t *b6 = (int32_t *)out->b6;
   for (int64_t r = 0; r < M * nb; r++) {
     const float *v = x + r * QK_K;
     float amax = 0.0f;
@@ -163,25 +147,30 @@ static void quantize_q8_K(const float *x, int64_t M, int64_t K, int8_t *qs, floa
     for (int j = 0; j < 16; j++) {
       int s = 0;
       for (int i = 0; i < 16; i++) s += q[16 * j + i];
-      bsums[r * 16 + j] = (int16_t)s;
+      bsums[r * 16 + j] = (int16_t)s, b6[r * 16 + j] = -32 * s;
     }
+    for (int j = 0; j < 8; j++) bs32[r * 8 + j] = (int16_t)(bsums[r * 16 + 2 * j] + bsums[r * 16 + 2 * j + 1]);
     d[r] = bad ? NAN : db;
   }
+}
+
+/* scratch for M rows of q8_K (one allocation, freed with free(q->qs)); 0 or -1 */
+static int q8k_alloc(int64_t M, int64_t K, Q8K *q) {
+  const int64_t nb = K / QK_K, n = M * nb;
+  char *p = (char *)malloc((size_t)(M * K + n * (4 + 32 + 16 + 64)));
+  if (p == NULL) return -1;
+  q->qs = (int8_t *)p, q->d = (float *)(p + M * K), q->b6 = (int32_t *)(p + M * K + 4 * n);
+  q->bsums = (int16_t *)(p + M * K + 68 * n), q->bs32 = (int16_t *)(p + M * K + 100 * n);
+  q->K = K, q->nb = nb;
+  return 0;
 }
 
 int gguf_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, int type, int64_t N, float *out,
               int num_threads) {
   const int64_t bb = block_bytes(type), nb = K / QK_K, row_bytes = nb * bb;
-  if (bb == 0 || M < 1 || N < 1 || K < QK_K || K % QK_K) return -1;
-  int8_t *qs = (int8_t *)malloc((size_t)(M * K));
-  float *d = (float *)malloc(sizeof(float) * (size_t)(M * nb));
-  int16_t *bsums = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * nb * 16));
-  if (qs == NULL || d == NULL || bsums == NULL) {
-    free(qs), free(d), free(bsums);
-    return -1;
-  }
-  quantize_q8_K(x, M, K, qs, d, bsums);
-  const Q8K q = {qs, d, bsums, K, nb};
+  Q8K q;
+  if (bb == 0 || M < 1 || N < 1 || K < QK_K || K % QK_K || q8k_alloc(M, K, &q)) return -1;
+  quantize_q8_K(x, M, K, &q);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && N > 1)
   for (int64_t n = 0; n < N; n++) {
     float res[MAX_ROWS];
@@ -191,6 +180,72 @@ int gguf_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, int type, 
       for (int i = 0; i < mt; i++) out[(m0 + i) * N + n] = res[i];
     }
   }
-  free(qs), free(d), free(bsums);
+  free((void *)q.qs);
+  return 0;
+}
+
+/* Bytes of N rows of K values of `type` repacked 16 rows at a time; 0: no r16 kernel for it. */
+int64_t gguf_packed_bytes(int type, int64_t N, int64_t K) {
+  if (N < 1 || K < QK_K || K % QK_K) return 0;
+  return (N + R16 - 1) / R16 * (K / QK_K) * packed_super_bytes(type);
+}
+
+/* The stored rows w [N][row bytes] -> dst (gguf_packed_bytes) in the layout of gguf_repack.h. */
+int gguf_repack(const uint8_t *w, int type, int64_t N, int64_t K, uint8_t *dst, int num_threads) {
+  const int64_t sb = packed_super_bytes(type), bb = block_bytes(type), nb = K / QK_K, G = (N + R16 - 1) / R16;
+  if (gguf_packed_bytes(type, N, K) == 0) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && G > 1)
+  for (int64_t g = 0; g < G; g++)
+    for (int64_t ib = 0; ib < nb; ib++) {
+      uint8_t *o = dst + (g * nb + ib) * sb;
+      memset(o, 0, (size_t)sb);
+      for (int r = 0; r < R16 && g * R16 + r < N; r++) pack_row(w + ((g * R16 + r) * nb + ib) * bb, type, r, o);
+    }
+  return 0;
+}
+
+/* packed group g against activation rows m0 .. m0 + mt - 1 -> res[i * 16 + r] */
+static void r16_group(const uint8_t *g, int type, const Q8K *q, int64_t m0, int mt, float *res) {
+#if defined(GG_PLAIN)
+  r16_plain(g, type, q, m0, mt, res);
+#else
+#define R4(n) q4k_r16(g, q, m0, n, res)
+#define R6(n) q6k_r16(g, q, m0, n, res)
+  if (type == GGML_Q4_K) GG_CASES(R4) else GG_CASES(R6)
+#endif
+}
+
+/* groups [g0, g1) of a packed weight against all M rows of q: out [M][N] (one thread's share) */
+static void r16_range(const uint8_t *p, int type, int64_t N, const Q8K *q, int64_t M, int64_t g0, int64_t g1,
+                      float *out) {
+  const int64_t gb = q->nb * packed_super_bytes(type);
+  float res[MAX_ROWS * R16];
+  for (int64_t g = g0; g < g1; g++) {
+    const int nv = N - g * R16 < R16 ? (int)(N - g * R16) : R16;
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+      const int mt = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
+      r16_group(p + g * gb, type, q, m0, mt, res);
+      for (int i = 0; i < mt; i++) memcpy(out + (m0 + i) * N + g * R16, res + i * R16, sizeof(float) * (size_t)nv);
+    }
+  }
+}
+
+/* y = x W^T on a packed weight (gguf_repack): as gguf_gemm, Q4_K and Q6_K. */
+int gguf_gemm_packed(const float *x, int64_t M, int64_t K, const uint8_t *p, int type, int64_t N, float *out,
+                     int num_threads) {
+  const int64_t G = (N + R16 - 1) / R16;
+  Q8K q;
+  if (gguf_packed_bytes(type, N, K) == 0 || M < 1 || q8k_alloc(M, K, &q)) return -1;
+  quantize_q8_K(x, M, K, &q);
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && G > 1)
+  {
+    int64_t g0 = 0, g1 = G;
+#ifdef _OPENMP
+    const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    g0 = G * tid / nt, g1 = G * (tid + 1) / nt;
+#endif
+    r16_range(p, type, N, &q, M, g0, g1, out);
+  }
+  free((void *)q.qs);
   return 0;
 }
