@@ -63,7 +63,7 @@ def load_variant(flags: list[str]) -> ctypes.CDLL | None:
     lib.gguf_packed_bytes.restype = i64
     lib.gguf_repack.argtypes = [p, i32, i64, i64, p, i32]
     lib.gguf_repack.restype = ctypes.c_int
-    lib.gguf_gemm_packed.argtypes = [p, i64, i64, p, i32, i64, p, i32]
+    lib.gguf_gemm_packed.argtypes = [p, i64, i64, p, i32, i64, p, p, i32]
     lib.gguf_gemm_packed.restype = ctypes.c_int
     return lib
 
@@ -180,10 +180,12 @@ def repack(blocks: torch.Tensor, qtype: str, out_features: int, in_features: int
 
 
 def gguf_matmul_packed(x: torch.Tensor, packed: torch.Tensor, qtype: str, out_features: int, in_features: int,
-                       lib: ctypes.CDLL | None = None) -> torch.Tensor:
+                       lib: ctypes.CDLL | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`gguf_matmul` on :func:`repack`'s output (made by the same ``lib``): the same
     integers per output (q8_K activations, exact int32 dot products), one fp32 multiply-add per
-    256 values, summed over super-blocks in order: every variant gives the same bits.
+    256 values, summed over super-blocks in order: every variant gives the same bits. ``bias``
+    (``[N]``, any float dtype, taken as fp32) is added in fp32 before the result is rounded
+    to ``x``'s dtype (the one-call decode step does the same).
 
     Raises:
         ValueError: ``x`` not fp32 / bf16 ``[M, in_features]``, or ``packed`` not the size
@@ -204,7 +206,10 @@ def gguf_matmul_packed(x: torch.Tensor, packed: torch.Tensor, qtype: str, out_fe
     if m == 0:
         return out.to(x.dtype)
     xf = x.float().contiguous()  # [M, K] fp32: the kernel quantizes it to q8_K
-    if lib.gguf_gemm_packed(xf.data_ptr(), m, in_features, packed.data_ptr(), tid, out_features, out.data_ptr(),
-                            torch.get_num_threads()):
+    b = None if bias is None else bias.float().contiguous()
+    if b is not None and tuple(b.shape) != (out_features,):
+        raise ValueError(f"bias must be [{out_features}], got {list(b.shape)}")
+    if lib.gguf_gemm_packed(xf.data_ptr(), m, in_features, packed.data_ptr(), tid, out_features,
+                            None if b is None else b.data_ptr(), out.data_ptr(), torch.get_num_threads()):
         raise RuntimeError(f"GGUF packed kernel refused x {list(x.shape)} (out of memory?)")
     return out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -70,12 +70,13 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [M, K]
-        if self.packed is not None:
-            y = gguf_matmul_packed(x2, self.packed, self.qtype, self.out_features, self.in_features)  # [M, N]
+        if self.packed is not None:  # the bias added in fp32, then one rounding to x's dtype
+            y = gguf_matmul_packed(x2, self.packed, self.qtype, self.out_features, self.in_features,
+                                   bias=self.bias)  # [M, N]
         else:
             y = gguf_matmul(x2, self.blocks, self.qtype, self.out_features, self.in_features)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:

@@ -36,6 +36,7 @@ typedef struct { /* the activations as q8_K: qs [M][K], d [M][nb], bsums [M][nb]
 } Q8K;
 
 #include "half.h"
+#include "bf16.h"
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -215,9 +216,11 @@ static void r16_group(const uint8_t *g, int type, const Q8K *q, int64_t m0, int 
 #endif
 }
 
-/* groups [g0, g1) of a packed weight against all M rows of q: out [M][N] (one thread's share) */
+/* groups [g0, g1) of a packed weight of N rows against all M rows of q, plus bias (fp32 [N] or
+ * NULL, added in fp32): columns col0 .. of out [M][ldo], fp32 or (out_bf16) bf16 rounded to
+ * nearest even (as torch's .to(bfloat16)); one thread's share. */
 static void r16_range(const uint8_t *p, int type, int64_t N, const Q8K *q, int64_t M, int64_t g0, int64_t g1,
-                      float *out) {
+                      const float *bias, void *out, int64_t ldo, int64_t col0, int out_bf16) {
   const int64_t gb = q->nb * packed_super_bytes(type);
   float res[MAX_ROWS * R16];
   for (int64_t g = g0; g < g1; g++) {
@@ -225,14 +228,20 @@ static void r16_range(const uint8_t *p, int type, int64_t N, const Q8K *q, int64
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
       const int mt = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
       r16_group(p + g * gb, type, q, m0, mt, res);
-      for (int i = 0; i < mt; i++) memcpy(out + (m0 + i) * N + g * R16, res + i * R16, sizeof(float) * (size_t)nv);
+      for (int i = 0; i < mt; i++)
+        for (int r = 0; r < nv; r++) {
+          const float v = bias != NULL ? res[i * R16 + r] + bias[g * R16 + r] : res[i * R16 + r];
+          const int64_t at = (m0 + i) * ldo + col0 + g * R16 + r;
+          if (out_bf16) ((uint16_t *)out)[at] = f32_to_bf16(v);
+          else ((float *)out)[at] = v;
+        }
     }
   }
 }
 
-/* y = x W^T on a packed weight (gguf_repack): as gguf_gemm, Q4_K and Q6_K. */
-int gguf_gemm_packed(const float *x, int64_t M, int64_t K, const uint8_t *p, int type, int64_t N, float *out,
-                     int num_threads) {
+/* y = x W^T (+ bias, fp32 [N] or NULL) on a packed weight (gguf_repack): as gguf_gemm, Q4_K and Q6_K. */
+int gguf_gemm_packed(const float *x, int64_t M, int64_t K, const uint8_t *p, int type, int64_t N, const float *bias,
+                     float *out, int num_threads) {
   const int64_t G = (N + R16 - 1) / R16;
   Q8K q;
   if (gguf_packed_bytes(type, N, K) == 0 || M < 1 || q8k_alloc(M, K, &q)) return -1;
@@ -244,7 +253,7 @@ int gguf_gemm_packed(const float *x, int64_t M, int64_t K, const uint8_t *p, int
     const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
     g0 = G * tid / nt, g1 = G * (tid + 1) / nt;
 #endif
-    r16_range(p, type, N, &q, M, g0, g1, out);
+    r16_range(p, type, N, &q, M, g0, g1, bias, out, N, 0, 0);
   }
   free((void *)q.qs);
   return 0;
