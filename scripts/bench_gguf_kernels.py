@@ -2,15 +2,19 @@
 16-row interleaved kernel (``gguf_matmul_packed``, what ``GGUFLinear`` runs), the stored-row
 kernel (``gguf_matmul``) and the converted int4 / int8 path (``Int4Linear`` / ``Int8Linear``,
 what ``quantization="gguf"`` loaded before), at M activation rows, with ratios; then a decode
-estimate: the per-layer matmul times summed over the layers plus the LM head.
+estimate: the per-layer matmul times summed over the layers plus the LM head. Those weights
+sit in the cache between calls (a 1.5B model's layer fits this machine's L3); ``--step``
+also times every matmul of the model in a decode step's order, the weights streaming from
+memory as in a real decode (needs the packed and the converted copies of every tensor).
 
-    python scripts/bench_gguf_kernels.py FILE.gguf [--threads 2] [--rows 1 4] [--reps 20]
+    python scripts/bench_gguf_kernels.py FILE.gguf [--threads 2] [--rows 1 4] [--reps 20] [--step]
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+import warnings
 
 import torch
 from gguf import GGUFReader
@@ -35,6 +39,33 @@ def converted(rows, qtype: str, n: int, k: int):
     return mod
 
 
+def stored(t, n: int) -> torch.Tensor:
+    """The tensor's bytes in the map, ``[N, bytes per row]`` uint8, no copy."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(t.data.view("uint8").reshape(n, -1))
+
+
+def whole_step(reader, rows: list[int], reps: int) -> None:
+    """Every matmul of the model in a decode step's order (layers, then the LM head), each path
+    over all its own copies: weights from memory, not the cache."""
+    mats = []
+    for t in reader.tensors:
+        if t.name.endswith(".weight") and (t.name.startswith("blk.") and t.name.split(".")[2] in ROLES
+                                            or t.name == "output.weight"):
+            qtype, k, n = t.tensor_type.name, int(t.shape[0]), int(t.shape[1])
+            blocks = stored(t, n)
+            mats.append((qtype, k, n, blocks, repack(blocks, qtype, n, k), converted(blocks.numpy(), qtype, n, k)))
+    for m in rows:
+        xs = {k: torch.randn(m, k) for k in {k for _, k, *_ in mats}}
+        paths = [lambda: [gguf_matmul_packed(xs[k], p, q, n, k) for q, k, n, b, p, c in mats],
+                 lambda: [gguf_matmul(xs[k], b, q, n, k) for q, k, n, b, p, c in mats],
+                 lambda: [c(xs[k]) for q, k, n, b, p, c in mats]]
+        tn, ts, ti = timed(paths, reps)
+        print(f"whole step, M={m}, {len(mats)} matmuls from memory: new {tn * 1e3:.1f} ms ({m / tn:.1f} tok/s), "
+              f"stored {ts * 1e3:.1f} ms, int4/8 {ti * 1e3:.1f} ms; new/stored {tn / ts:.2f}, new/int {tn / ti:.2f}")
+
+
 def timed(fns: list, reps: int) -> list[float]:
     """Fastest seconds of each of ``fns`` over ``reps`` rounds (one call of each a round, after
     a warm-up round): on a shared machine the minimum is the kernel, the rest other load."""
@@ -55,6 +86,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--layers", type=int, nargs="+", default=[0, 1], help="layers to time (types differ by layer)")
+    ap.add_argument("--step", action="store_true", help="also time a whole decode step's matmuls from memory")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     reader = GGUFReader(a.gguf)
@@ -68,7 +100,7 @@ def main() -> None:
     for name in names:
         t = by_name[name]
         qtype, k, n = t.tensor_type.name, int(t.shape[0]), int(t.shape[1])
-        blocks = torch.from_numpy(t.data.view("uint8").reshape(n, -1).copy())  # [N, bytes per row]
+        blocks = stored(t, n)
         packed, conv = repack(blocks, qtype, n, k), converted(blocks.numpy(), qtype, n, k)
         for m in a.rows:
             x = torch.randn(m, k)
@@ -84,6 +116,8 @@ def main() -> None:
         print(f"M={m}: all matmuls of one step (layers scaled to {n_layers}, + LM head): new {tn * 1e3:.1f} ms "
               f"({m / tn:.1f} tok/s), stored {ts * 1e3:.1f} ms ({m / ts:.1f}), int4/8 {ti * 1e3:.1f} ms "
               f"({m / ti:.1f}); new/stored {tn / ts:.2f}, new/int {tn / ti:.2f}")
+    if a.step:
+        whole_step(reader, a.rows, max(2, a.reps // 5))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,10 @@ Not yet what ``quantization="gguf"`` loads (that still converts to ``Int4Linear`
 
 from __future__ import annotations
 
+import mmap
 import warnings
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -65,7 +67,10 @@ class GGUFLinear(nn.Module):
         with warnings.catch_warnings():  # the map is read-only; the kernel only reads it
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             blocks = torch.from_numpy(tensor.data).view(n, -1)  # [N, bytes per row], no copy
-        return cls(blocks, qtype, k, n, bias)
+        layer = cls(blocks, qtype, k, n, bias)
+        if layer.packed is not None:  # the interleaved copy is what runs: the file's pages can go
+            drop_mapped_pages(tensor.data)
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -81,3 +86,22 @@ class GGUFLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}"
+
+
+def drop_mapped_pages(arr: np.ndarray) -> bool:
+    """``MADV_DONTNEED`` on the pages of ``arr`` where it lies in a file map (``np.memmap``, as
+    ``gguf.GGUFReader`` gives), so bytes read once (to interleave them) stop counting in the
+    resident set; a later read faults them back in from the file. Returns whether it did
+    (False: not in a file map, or the OS lacks ``madvise``)."""
+    base = arr
+    while base is not None and not isinstance(base, np.memmap):
+        base = base.base
+    mm = getattr(base, "_mmap", None)
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED") or arr.nbytes == 0:
+        return False
+    lo = arr.ctypes.data - np.frombuffer(mm, dtype=np.uint8).ctypes.data  # offset of arr in the map
+    start, end = lo // mmap.PAGESIZE * mmap.PAGESIZE, min(lo + arr.nbytes, len(mm))
+    if start < 0 or end <= start:
+        return False
+    mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+    return True

@@ -206,7 +206,7 @@ def test_gguf_linear_reads_the_mapped_file_in_place(tmp_path):
     copy) and its output is gguf_matmul's on the same bytes (leading dims and bias kept)."""
     from gguf import GGUFReader, GGUFWriter
 
-    from atlas_vlm.layers.gguf_linear import GGUFLinear
+    from atlas_vlm.layers.gguf_linear import GGUFLinear, drop_mapped_pages
 
     path, k = tmp_path / "w.gguf", 512
     w = GGUFWriter(str(path), "llama")
@@ -221,7 +221,8 @@ def test_gguf_linear_reads_the_mapped_file_in_place(tmp_path):
     x = torch.randn(2, 3, k, generator=torch.Generator().manual_seed(0))
     for t in reader.tensors:
         bias = torch.randn(int(t.shape[1]))
-        layer = GGUFLinear.from_tensor(t, bias)
+        layer = GGUFLinear.from_tensor(t, bias)  # (interleaved: the map's pages dropped, read back on demand)
+        assert drop_mapped_pages(t.data) and not drop_mapped_pages(np.zeros(8, np.uint8))
         p = layer.blocks.untyped_storage().data_ptr()
         assert start <= p and p + layer.blocks.numel() <= start + size, t.name
         assert layer.blocks.numel() == int(t.n_bytes)
