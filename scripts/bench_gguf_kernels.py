@@ -66,6 +66,27 @@ def whole_step(reader, rows: list[int], reps: int) -> None:
               f"stored {ts * 1e3:.1f} ms, int4/8 {ti * 1e3:.1f} ms; new/stored {tn / ts:.2f}, new/int {tn / ti:.2f}")
 
 
+def prefill(reader, names: list[str], m: int, reps: int) -> None:
+    """``m``-row matmuls (a prompt's prefill): the interleaved kernel against the converted
+    int4 / int8 path and ``F.linear`` on the weight dequantized beforehand (fp32), the
+    reference's GEMM without its per-call dequantization."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    by_name = {t.name: t for t in reader.tensors}
+    for name in names:
+        t = by_name[name]
+        qtype, k, n = t.tensor_type.name, int(t.shape[0]), int(t.shape[1])
+        blocks = stored(t, n)
+        packed, conv = repack(blocks, qtype, n, k), converted(blocks.numpy(), qtype, n, k)
+        w = torch.from_numpy(dequantize(blocks.numpy(), GGMLQuantizationType[qtype]))  # [N, K] fp32
+        x = torch.randn(m, k)
+        tn, ti, tf = timed([lambda: gguf_matmul_packed(x, packed, qtype, n, k), lambda: conv(x),
+                            lambda: torch.nn.functional.linear(x, w)], reps)
+        print(f"prefill {name:24s} {qtype} M={m}: new {tn * 1e3:.1f} ms, int4/8 {ti * 1e3:.1f} ms, fp32 dense "
+              f"{tf * 1e3:.1f} ms; new/int {tn / ti:.2f}, new/dense {tn / tf:.2f}")
+
+
 def timed(fns: list, reps: int) -> list[float]:
     """Fastest seconds of each of ``fns`` over ``reps`` rounds (one call of each a round, after
     a warm-up round): on a shared machine the minimum is the kernel, the rest other load."""
@@ -87,6 +108,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--layers", type=int, nargs="+", default=[0, 1], help="layers to time (types differ by layer)")
     ap.add_argument("--step", action="store_true", help="also time a whole decode step's matmuls from memory")
+    ap.add_argument("--prefill", type=int, default=0, help="also time layer 0's matmuls at this many rows")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     reader = GGUFReader(a.gguf)
@@ -116,6 +138,8 @@ def main() -> None:
         print(f"M={m}: all matmuls of one step (layers scaled to {n_layers}, + LM head): new {tn * 1e3:.1f} ms "
               f"({m / tn:.1f} tok/s), stored {ts * 1e3:.1f} ms ({m / ts:.1f}), int4/8 {ti * 1e3:.1f} ms "
               f"({m / ti:.1f}); new/stored {tn / ts:.2f}, new/int {tn / ti:.2f}")
+    if a.prefill:
+        prefill(reader, [f"blk.0.{r}.weight" for r in ROLES], a.prefill, max(2, a.reps // 10))
     if a.step:
         whole_step(reader, a.rows, max(2, a.reps // 5))
 

@@ -49,7 +49,7 @@ class _QLinear(ctypes.Structure):
 class GGUFTensors(NamedTuple):
     """A GGUF projection as stored for the C step: ``parts`` ``(packed, qtype, rows)`` (up to 4,
     outputs side by side: a fused q / k / v or gate / up), each ``gguf_kernel.repack``'s bytes
-    of a Q4_K / Q6_K tensor; ``bias`` fp32 ``[out_features]`` or None. The step runs them with
+    of a Q4_K / Q6_K / Q8_0 tensor; ``bias`` fp32 ``[out_features]`` or None. The step runs them with
     ``gguf_matmul_packed``'s bits (q8_K activations, the bias added in fp32)."""
 
     parts: tuple[tuple[torch.Tensor, str, int], ...]

@@ -38,7 +38,7 @@ QK_K = 256  # values per super-block and per activation scale, as the C source
 MAX_ROWS = 8  # activation rows per weight read, as the C source
 # GGUF type name -> (ggml_type id, values per block, bytes per block)
 TYPES = {"Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
-PACKED_TYPES = ("Q4_K", "Q6_K")  # types with a 16-row interleaved kernel (csrc/gguf_repack.h)
+PACKED_TYPES = ("Q4_K", "Q6_K", "Q8_0")  # types with a 16-row interleaved kernel (csrc/gguf_repack.h)
 PACK_ROWS = 16  # rows per interleaved group, as the C source
 
 

@@ -1,8 +1,8 @@
 """A linear layer on a GGUF tensor as stored: ``GGUFLinear`` holds the file's own bytes (a uint8
 view of the reader's memory map, no copy, no conversion) and multiplies through
-``kernels.gguf_kernel.gguf_matmul`` (Q4_K, Q5_K, Q6_K, Q8_0). Q4_K and Q6_K rows are
+``kernels.gguf_kernel.gguf_matmul`` (Q4_K, Q5_K, Q6_K, Q8_0). Q4_K, Q6_K and Q8_0 rows are
 interleaved 16 at a time once, at construction, into anonymous memory (``gguf_kernel.repack``:
-the same quants and scales, 148 / 210 bytes a row per 256 values) and multiplied by
+the same quants and scales; Q4_K 148 bytes a row per 256 values, Q6_K 210 and Q8_0 272 as stored) and multiplied by
 ``gguf_matmul_packed``, the fast kernel; the file's bytes are then no longer read.
 
 Not yet what ``quantization="gguf"`` loads (that still converts to ``Int4Linear`` /

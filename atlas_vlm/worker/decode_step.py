@@ -6,7 +6,7 @@ from the model (each layer's quantized projections through ``kernel_tensors()``,
 slice of the KV cache) and reads a step's attention metadata into the call's arguments.
 
 It serves a model whose every decoder projection is an ``Int8Linear`` / ``Int4Linear`` on
-the kernel path or a ``GGUFLinear`` with interleaved rows (Q4_K / Q6_K as stored), SwiGLU, fp32 or bf16, a KV cache in the model dtype, sizes the C kernels
+the kernel path or a ``GGUFLinear`` with interleaved rows (Q4_K / Q6_K / Q8_0 as stored), SwiGLU, fp32 or bf16, a KV cache in the model dtype, sizes the C kernels
 take (``head_dim`` <= 256, <= 16 query heads per KV head), and a step whose every row is a
 decode row (``DecodeBatch.all_tokens``: a decode token or a speculative verification row), at
 most ``KERNEL_MAX_ROWS`` rows, no media rows. ``ModelRunner`` builds it once
@@ -77,7 +77,7 @@ class DecodeStep:
                                                        layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         if not all(_kernel_tensors(p) is not None for p in projections):
             return None, ("its decoder projections are not all quantized linears on the kernel path (Int4Linear / "
-                          "Int8Linear, or GGUFLinear of Q4_K / Q6_K)")
+                          "Int8Linear, or GGUFLinear of Q4_K / Q6_K / Q8_0)")
         if arch.hidden_act != "silu" or dtype not in (torch.float32, torch.bfloat16):
             return None, f"hidden_act {arch.hidden_act} / dtype {dtype} (needs SwiGLU, fp32 or bf16)"
         if attention_backend != "decode_kernel" or kv_cache.k_cache.dtype != dtype:

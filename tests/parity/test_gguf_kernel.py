@@ -1,6 +1,6 @@
 """The GGUF stored-block kernels (``kernels/gguf_kernel.py``, ``csrc/gguf_gemm.c``) on Q4_K,
 Q5_K, Q6_K and Q8_0, and the 16-row interleaved kernels (``repack`` + ``gguf_matmul_packed``)
-on Q4_K and Q6_K: against ``gguf``'s dequantize + ``F.linear`` within the bound q8_K's
+on Q4_K, Q6_K and Q8_0: against ``gguf``'s dequantize + ``F.linear`` within the bound q8_K's
 rounding allows, against the same product with the activations quantized to q8_K in numpy
 (exact integers: fp32 rounding only), every variant this CPU runs (AVX512-VNNI, AVX2, plain C;
 ``ATLAS_VLM_CPU_FLAGS`` fakes a smaller CPU) against that, over shapes from hypothesis.
@@ -147,7 +147,7 @@ def test_interleaved_kernels_are_the_q8_k_product_with_the_same_bits(variants, q
     ys = {}
     for name, lib in variants.items():
         packed = repack(blocks, qtype, n, k, lib=lib)
-        assert packed.numel() == -(-n // 16) * k_blocks * {"Q4_K": 2368, "Q6_K": 3360}[qtype]
+        assert packed.numel() == -(-n // 16) * k_blocks * {"Q4_K": 2368, "Q6_K": 3360, "Q8_0": 4352}[qtype]
         ys[name] = gguf_matmul_packed(x, packed, qtype, n, k, lib=lib)
         assert ys[name].shape == (m, n) and _rel(ys[name], ref) <= Q8K_EXACT_REL, (name, qtype, m, n, k)
     first = next(iter(ys.values()))

@@ -33,7 +33,7 @@
 typedef struct { /* a GGUF projection as stored, its rows interleaved (gguf_gemm.c's gguf_repack) */
   const uint8_t *w[4]; /* up to 4 parts (a fused q / k / v or gate / up), outputs side by side */
   int64_t n[4];        /* each part's rows */
-  int32_t type[4];     /* each part's ggml type: Q4_K or Q6_K */
+  int32_t type[4];     /* each part's ggml type: Q4_K, Q6_K or Q8_0 */
   int32_t nparts;
 } GParts;
 

@@ -212,7 +212,8 @@ static void r16_group(const uint8_t *g, int type, const Q8K *q, int64_t m0, int 
 #else
 #define R4(n) q4k_r16(g, q, m0, n, res)
 #define R6(n) q6k_r16(g, q, m0, n, res)
-  if (type == GGML_Q4_K) GG_CASES(R4) else GG_CASES(R6)
+#define R8(n) q80_r16(g, q, m0, n, res)
+  if (type == GGML_Q4_K) GG_CASES(R4) else if (type == GGML_Q6_K) GG_CASES(R6) else GG_CASES(R8)
 #endif
 }
 
@@ -239,7 +240,7 @@ static void r16_range(const uint8_t *p, int type, int64_t N, const Q8K *q, int64
   }
 }
 
-/* y = x W^T (+ bias, fp32 [N] or NULL) on a packed weight (gguf_repack): as gguf_gemm, Q4_K and Q6_K. */
+/* y = x W^T (+ bias, fp32 [N] or NULL) on a packed weight (gguf_repack): as gguf_gemm, Q4_K, Q6_K, Q8_0. */
 int gguf_gemm_packed(const float *x, int64_t M, int64_t K, const uint8_t *p, int type, int64_t N, const float *bias,
                      float *out, int num_threads) {
   const int64_t G = (N + R16 - 1) / R16;

@@ -107,3 +107,40 @@ static inline __attribute__((always_inline)) void q6k_r16(const uint8_t *g, cons
     for (int i = 0; i < mt; i++) _mm256_storeu_ps(res + R16 * i + 8 * h, acc[i]);
   }
 }
+
+/* Q8_0: the signed quants back (u ^ 0x80), then vpmaddubsw(|w|, sign(x, w)) (|pair| <= 2 * 128 *
+ * 127, no saturation) and vpmaddwd with ones: the exact dot per block of 32. */
+static inline __attribute__((always_inline)) void q80_r16(const uint8_t *g, const Q8K *q, int64_t m0, const int mt,
+                                                          float *res) {
+  const __m256i flip = _mm256_set1_epi8((char)0x80), one = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; h++) {
+    __m256 acc[MAX_ROWS];
+    for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t ib = 0; ib < q->nb; ib++) {
+      const uint8_t *b = g + ib * 4352;
+      __m256 t8[MAX_ROWS];
+      for (int i = 0; i < mt; i++) t8[i] = _mm256_setzero_ps();
+      for (int j = 0; j < 8; j++) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 32 * j + 16 * h)));
+        __m256i w[8], aw[8];
+        for (int t = 0; t < 8; t++) {
+          w[t] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 256 + 512 * j + 64 * t + 32 * h)), flip);
+          aw[t] = _mm256_abs_epi8(w[t]);
+        }
+        for (int i = 0; i < mt; i++) {
+          const int8_t *x = q->qs + (m0 + i) * q->K + ib * QK_K + 32 * j;
+          __m256i s = _mm256_setzero_si256();
+          for (int t = 0; t < 8; t += 2) {
+            const __m256i p0 = _mm256_maddubs_epi16(aw[t], _mm256_sign_epi8(_mm256_set1_epi32(ld32(x + 4 * t)), w[t]));
+            const __m256i p1 = _mm256_maddubs_epi16(aw[t + 1], _mm256_sign_epi8(_mm256_set1_epi32(ld32(x + 4 * t + 4)), w[t + 1]));
+            s = _mm256_add_epi32(s, _mm256_add_epi32(_mm256_madd_epi16(p0, one), _mm256_madd_epi16(p1, one)));
+          }
+          t8[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), t8[i]);
+        }
+      }
+      for (int i = 0; i < mt; i++)
+        acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(q->d[(m0 + i) * q->nb + ib]), t8[i], acc[i]);
+    }
+    for (int i = 0; i < mt; i++) _mm256_storeu_ps(res + R16 * i + 8 * h, acc[i]);
+  }
+}

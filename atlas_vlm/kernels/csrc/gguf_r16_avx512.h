@@ -103,3 +103,31 @@ static inline __attribute__((always_inline)) void q6k_r16(const uint8_t *g, cons
   }
   for (int i = 0; i < mt; i++) _mm512_storeu_ps(res + R16 * i, acc[i]);
 }
+
+/* Q8_0: the quants stored + 128 (unsigned), so vpdpbusd started at -128 * bsum32 is the exact
+ * signed dot product of each block of 32; its fp16 scales per row and block in lanes. */
+static inline __attribute__((always_inline)) void q80_r16(const uint8_t *g, const Q8K *q, int64_t m0, const int mt,
+                                                          float *res) {
+  __m512 acc[MAX_ROWS];
+  for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
+  for (int64_t ib = 0; ib < q->nb; ib++) {
+    const uint8_t *b = g + ib * 4352;
+    __m512 t8[MAX_ROWS];
+    for (int i = 0; i < mt; i++) t8[i] = _mm512_setzero_ps();
+    for (int j = 0; j < 8; j++) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 32 * j)));
+      __m512i w[8];
+      for (int t = 0; t < 8; t++) w[t] = _mm512_loadu_si512((const void *)(b + 256 + 512 * j + 64 * t));
+      for (int i = 0; i < mt; i++) {
+        const int64_t qi = (m0 + i) * q->nb + ib;
+        const int8_t *x = q->qs + (m0 + i) * q->K + ib * QK_K + 32 * j;
+        __m512i s = _mm512_set1_epi32(-128 * q->bs32[qi * 8 + j]);
+        for (int t = 0; t < 8; t++) s = _mm512_dpbusd_epi32(s, w[t], _mm512_set1_epi32(ld32(x + 4 * t)));
+        t8[i] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), t8[i]);
+      }
+    }
+    for (int i = 0; i < mt; i++)
+      acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(q->d[(m0 + i) * q->nb + ib]), t8[i], acc[i]);
+  }
+  for (int i = 0; i < mt; i++) _mm512_storeu_ps(res + R16 * i, acc[i]);
+}

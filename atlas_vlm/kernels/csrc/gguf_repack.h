@@ -13,15 +13,19 @@
  *     [0, 32) d[r] fp16   [32 + 16 s + r] int8 scale of sub-block s (16 values)
  *     [288 + 64 (4 c + t) + 4 r + i] = low4(v[32 c + 4 t + i]) | low4(v[32 c + 16 + 4 t + i]) << 4
  *     [2336 + 64 s + 4 r + i] = sum_t high2(v[16 s + 4 t + i]) << 2 t
+ *   Q8_0, 4352 bytes (272 a row, as stored): [32 j + 2 r] fp16 d of block j (32 values)
+ *     [256 + 64 (8 j + t) + 4 r + i] = v[32 j + 4 t + i] + 128 (unsigned; the 128 comes off
+ *     through the activation's sums per 32: vpdpbusd started at -128 * bsum32)
  * Every variant computes per row the same int32s, sumi = sum_j scale_j * dot_j (Q6_K:
  * dot_j - 32 * bsum_j) and Q4_K's summ = sum_j min_j * bsum32_j, and then, per super-block,
  *   acc = fmaf(d_x * d, (float)sumi, acc)   (Q4_K: acc = fmaf(-d_x * dmin, (float)summ, acc))
- * in this order: the variants give the same bits. */
+ * in this order (Q8_0: t = fmaf(d_j, (float)dot_j, t) over the 8 blocks, then
+ * acc = fmaf(d_x, t, acc)): the variants give the same bits. */
 
 #define R16 16
 
 static int64_t packed_super_bytes(int type) { /* bytes per 16 rows and 256 values */
-  return type == GGML_Q4_K ? 2368 : type == GGML_Q6_K ? 3360 : 0;
+  return type == GGML_Q4_K ? 2368 : type == GGML_Q6_K ? 3360 : type == GGML_Q8_0 ? 4352 : 0;
 }
 
 /* One stored super-block unpacked: w[256] unsigned quants in value order, sc / mn its scales. */
@@ -65,6 +69,12 @@ static void pack_row(const uint8_t *b, int type, int r, uint8_t *o) {
       for (int t = 0; t < 4; t++)
         for (int i = 0; i < 4; i++)
           o[320 + 64 * (4 * j + t) + 4 * r + i] = (uint8_t)(v[32 * j + 4 * t + i] | v[32 * j + 16 + 4 * t + i] << 4);
+  } else if (type == GGML_Q8_0) {
+    for (int j = 0; j < 8; j++) {
+      memcpy(o + 32 * j + 2 * r, b + 34 * j, 2);
+      for (int t = 0; t < 8; t++)
+        for (int i = 0; i < 4; i++) o[256 + 64 * (8 * j + t) + 4 * r + i] = (uint8_t)(v[32 * j + 4 * t + i] + 128);
+    }
   } else {
     memcpy(o + 2 * r, b + 208, 2);
     for (int s = 0; s < 16; s++) o[32 + 16 * s + r] = (uint8_t)sc[s];
@@ -103,6 +113,14 @@ __attribute__((unused)) static void r16_plain(const uint8_t *g, int type, const 
           }
           res[i * R16 + r] = fmaf(dx * f16_at(b + 2 * r), (float)sumi, res[i * R16 + r]);
           res[i * R16 + r] = fmaf(-dx * f16_at(b + 32 + 2 * r), (float)summ, res[i * R16 + r]);
+        } else if (type == GGML_Q8_0) {
+          float t8 = 0.0f;
+          for (int j = 0; j < 8; j++) {
+            int32_t dot = 0;
+            for (int l = 0; l < 32; l++) dot += (b[256 + 64 * (8 * j + l / 4) + 4 * r + l % 4] - 128) * x[32 * j + l];
+            t8 = fmaf(f16_at(b + 32 * j + 2 * r), (float)dot, t8);
+          }
+          res[i * R16 + r] = fmaf(dx, t8, res[i * R16 + r]);
         } else {
           for (int s = 0; s < 16; s++) {
             int32_t dot = q->b6[qi * 16 + s];
