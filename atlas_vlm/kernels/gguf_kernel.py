@@ -11,6 +11,10 @@ Variants by ``hardware.cpu_features()`` (``ATLAS_VLM_CPU_FLAGS`` fakes a CPU): A
 fp32 sums in a different order (tests bound the difference). Without a C compiler
 :func:`gguf_matmul` is :func:`gguf_matmul_reference` (dequantize, then ``F.linear``).
 
+The fast path (:func:`repack` once, then :func:`gguf_matmul_packed`): Q4_K, Q6_K and Q8_0 rows
+interleaved 16 at a time (after ik_llama.cpp's ``_r4`` layouts), so one 512-bit ``vpdpbusd``
+holds 4 values of each of 16 output rows; every variant gives the same bits there.
+
 The activation quantization makes the kernel approximate against the fp32 reference (each
 value rounded to one of 255 levels of its 256-block's max: ``docs/quantization.md`` states the bound
 the tests hold); against the same product with the activations quantized the same way it is

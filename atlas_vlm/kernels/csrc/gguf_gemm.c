@@ -13,7 +13,12 @@
  * (gguf_gemm_avx2.h), plain C (below), by the compiler's target.
  * Up to MAX_ROWS activation rows share one unpacking of each weight super-block; OpenMP over
  * output rows n. Returns 0, or -1 (nothing written) for a type it does not know, K not a
- * multiple of 256, M or N < 1, or a failed allocation. */
+ * multiple of 256, M or N < 1, or a failed allocation.
+ *
+ * The fast path: gguf_repack interleaves Q4_K / Q6_K / Q8_0 rows 16 at a time (gguf_repack.h,
+ * once, at load) and gguf_gemm_packed runs the same q8_K activations on them
+ * (gguf_r16_avx512.h, gguf_r16_avx2.h, r16_plain: the same bits in every variant); its
+ * r16_range is what the one-call decode step (decode_step.c) calls per thread. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -224,11 +229,24 @@ static void r16_range(const uint8_t *p, int type, int64_t N, const Q8K *q, int64
                       const float *bias, void *out, int64_t ldo, int64_t col0, int out_bf16) {
   const int64_t gb = q->nb * packed_super_bytes(type);
   float res[MAX_ROWS * R16];
+#ifdef GG_Q6_PRE
+  __m512i *pre = type == GGML_Q6_K && M > MAX_ROWS ? aligned_alloc(64, (size_t)(q->nb * 4096)) : NULL;
+#endif
   for (int64_t g = g0; g < g1; g++) {
     const int nv = N - g * R16 < R16 ? (int)(N - g * R16) : R16;
+#ifdef GG_Q6_PRE
+    if (pre != NULL)
+      for (int64_t ib = 0; ib < q->nb; ib++) q6_unpack(p + g * gb + ib * 3360, pre + 64 * ib);
+#endif
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
       const int mt = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
-      r16_group(p + g * gb, type, q, m0, mt, res);
+#ifdef GG_Q6_PRE
+      if (pre != NULL) {
+#define R6P(n) q6k_r16_w(p + g * gb, pre, q, m0, n, res)
+        GG_CASES(R6P)
+      } else
+#endif
+        r16_group(p + g * gb, type, q, m0, mt, res);
       for (int i = 0; i < mt; i++)
         for (int r = 0; r < nv; r++) {
           const float v = bias != NULL ? res[i * R16 + r] + bias[g * R16 + r] : res[i * R16 + r];
@@ -238,6 +256,9 @@ static void r16_range(const uint8_t *p, int type, int64_t N, const Q8K *q, int64
         }
     }
   }
+#ifdef GG_Q6_PRE
+  free(pre);
+#endif
 }
 
 /* y = x W^T (+ bias, fp32 [N] or NULL) on a packed weight (gguf_repack): as gguf_gemm, Q4_K, Q6_K, Q8_0. */

@@ -64,9 +64,24 @@ static inline __m512i q6_hi(__m512i h, int t) {
                           : t == 2 ? h : _mm512_srli_epi16(h, 2), m30);
 }
 
-static inline __attribute__((always_inline)) void q6k_r16(const uint8_t *g, const Q8K *q, int64_t m0, const int mt,
-                                                          float *res) {
+/* Q6_K's 64-byte weight vectors of super-block b, in the order q6k_r16 uses them: [c][8] */
+static inline void q6_unpack(const uint8_t *b, __m512i *wv) {
   const __m512i mf = _mm512_set1_epi8(0x0f);
+  for (int c = 0; c < 8; c++) {
+    const __m512i ha = _mm512_loadu_si512((const void *)(b + 2336 + 128 * c));
+    const __m512i hb = _mm512_loadu_si512((const void *)(b + 2400 + 128 * c));
+    for (int t = 0; t < 4; t++) {
+      const __m512i v = _mm512_loadu_si512((const void *)(b + 288 + 256 * c + 64 * t));
+      wv[8 * c + t] = _mm512_or_si512(_mm512_and_si512(v, mf), q6_hi(ha, t));
+      wv[8 * c + 4 + t] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), mf), q6_hi(hb, t));
+    }
+  }
+}
+
+/* pre: NULL, or the group's weight vectors already unpacked (q6_unpack per super-block, 4096
+ * bytes each: many activation rows against one group read them instead of unpacking again) */
+static inline __attribute__((always_inline)) void q6k_r16_w(const uint8_t *g, const __m512i *pre, const Q8K *q,
+                                                            int64_t m0, const int mt, float *res) {
   __m512 acc[MAX_ROWS];
   for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
   for (int64_t ib = 0; ib < q->nb; ib++) {
@@ -76,13 +91,18 @@ static inline __attribute__((always_inline)) void q6k_r16(const uint8_t *g, cons
     for (int c = 0; c < 8; c++) {
       const __m512i sca = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 32 + 32 * c)));
       const __m512i scb = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 48 + 32 * c)));
-      const __m512i ha = _mm512_loadu_si512((const void *)(b + 2336 + 128 * c));
-      const __m512i hb = _mm512_loadu_si512((const void *)(b + 2400 + 128 * c));
       __m512i w[8];
-      for (int t = 0; t < 4; t++) {
-        const __m512i v = _mm512_loadu_si512((const void *)(b + 288 + 256 * c + 64 * t));
-        w[t] = _mm512_or_si512(_mm512_and_si512(v, mf), q6_hi(ha, t));
-        w[4 + t] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), mf), q6_hi(hb, t));
+      if (pre != NULL) {
+        for (int t = 0; t < 8; t++) w[t] = _mm512_load_si512((const void *)(pre + 64 * ib + 8 * c + t));
+      } else {
+        const __m512i mf = _mm512_set1_epi8(0x0f);
+        const __m512i ha = _mm512_loadu_si512((const void *)(b + 2336 + 128 * c));
+        const __m512i hb = _mm512_loadu_si512((const void *)(b + 2400 + 128 * c));
+        for (int t = 0; t < 4; t++) {
+          const __m512i v = _mm512_loadu_si512((const void *)(b + 288 + 256 * c + 64 * t));
+          w[t] = _mm512_or_si512(_mm512_and_si512(v, mf), q6_hi(ha, t));
+          w[4 + t] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), mf), q6_hi(hb, t));
+        }
       }
       for (int i = 0; i < mt; i++) {
         const int64_t qi = (m0 + i) * q->nb + ib;
@@ -103,6 +123,8 @@ static inline __attribute__((always_inline)) void q6k_r16(const uint8_t *g, cons
   }
   for (int i = 0; i < mt; i++) _mm512_storeu_ps(res + R16 * i, acc[i]);
 }
+#define q6k_r16(g, q, m0, mt, res) q6k_r16_w(g, NULL, q, m0, mt, res)
+#define GG_Q6_PRE 1 /* r16_range unpacks a Q6_K group once for 9+ activation rows */
 
 /* Q8_0: the quants stored + 128 (unsigned), so vpdpbusd started at -128 * bsum32 is the exact
  * signed dot product of each block of 32; its fp16 scales per row and block in lanes. */
