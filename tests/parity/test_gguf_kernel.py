@@ -15,7 +15,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from atlas_vlm import hardware
@@ -136,6 +136,8 @@ def test_every_variant_is_the_q8_k_product(variants, qtype, m, n, k_blocks, seed
 @settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(qtype=st.sampled_from(PACKED_TYPES), m=st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 32, 37]),
        n=st.integers(1, 50), k_blocks=st.integers(1, 3), seed=st.integers(0, 2**16))
+@example(qtype="Q6_K", m=37, n=33, k_blocks=2, seed=1)  # 9+ rows: Q6_K's group unpacked once (AVX512)
+@example(qtype="Q8_0", m=9, n=17, k_blocks=1, seed=2)
 def test_interleaved_kernels_are_the_q8_k_product_with_the_same_bits(variants, qtype, m, n, k_blocks, seed):
     """The 16-row kernels: rows 1-8 (one weight read), 9+ and 32+, N not a multiple of 16 (the
     zero-padded last group), every variant the q8_K product and all bit-equal (the same int32s,
