@@ -9,7 +9,7 @@ norms / RoPE / SwiGLU, ``decode_kernel``'s attention), in the same order and rou
 its output has the same bits (tested); only the overhead between them goes.
 
 This module takes tensors only (each layer's ``LayerTensors``: quantized projections as
-``quant_kernel.KernelTensors``, norm weights, the layer's K/V cache); walking a model to
+``quant_kernel.KernelTensors`` or GGUF ones as stored as ``GGUFTensors``, norm weights, the layer's K/V cache); walking a model to
 collect them, deciding where the step serves and reading a step's attention metadata is
 ``worker.decode_step.DecodeStep``'s job. Rows: a decode row is a request's one decode token or
 one of its speculative verification rows (``1 + d`` consecutive rows at consecutive positions,
@@ -29,16 +29,33 @@ from typing import NamedTuple
 import torch
 
 from atlas_vlm import hardware
-from atlas_vlm.kernels import cbuild, quant_kernel
+from atlas_vlm.kernels import cbuild, gguf_kernel, quant_kernel
 from atlas_vlm.kernels.quant_kernel import KernelTensors
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_step.c"
 
 
+class _GParts(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p * 4), ("n", ctypes.c_int64 * 4), ("type", ctypes.c_int32 * 4),
+                ("nparts", ctypes.c_int32)]
+
+
 class _QLinear(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("min", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("gs", ctypes.c_int64),
-                ("scale_f16", ctypes.c_int32), ("int4", ctypes.c_int32)]
+                ("scale_f16", ctypes.c_int32), ("int4", ctypes.c_int32), ("gguf", ctypes.POINTER(_GParts))]
+
+
+class GGUFTensors(NamedTuple):
+    """A GGUF projection as stored for the C step: ``parts`` ``(packed, qtype, rows)`` (up to 4,
+    outputs side by side: a fused q / k / v or gate / up), each ``gguf_kernel.repack``'s bytes
+    of a Q4_K / Q6_K / Q8_0 tensor; ``bias`` fp32 ``[out_features]`` or None. The step runs them with
+    ``gguf_matmul_packed``'s bits (q8_K activations, the bias added in fp32)."""
+
+    parts: tuple[tuple[torch.Tensor, str, int], ...]
+    bias: torch.Tensor | None
+    in_features: int
+    out_features: int
 
 
 class _Layer(ctypes.Structure):
@@ -49,14 +66,14 @@ class _Layer(ctypes.Structure):
 
 class LayerTensors(NamedTuple):
     """One decoder layer as the C step reads it: the four projections (``qkv``, ``o``,
-    ``gate_up``, ``down``), the RMSNorm weights (``q_norm`` / ``k_norm``: Qwen3's per-head
+    ``gate_up``, ``down``: int4 / int8 ``KernelTensors`` or ``GGUFTensors``), the RMSNorm weights (``q_norm`` / ``k_norm``: Qwen3's per-head
     norms, else None) and the layer's ``k_cache`` / ``v_cache`` ``[num_blocks, block_size,
     kv_heads, head_dim]`` in the model dtype."""
 
-    qkv: KernelTensors
-    o: KernelTensors
-    gate_up: KernelTensors
-    down: KernelTensors
+    qkv: KernelTensors | GGUFTensors
+    o: KernelTensors | GGUFTensors
+    gate_up: KernelTensors | GGUFTensors
+    down: KernelTensors | GGUFTensors
     in_norm: torch.Tensor
     post_norm: torch.Tensor
     q_norm: torch.Tensor | None
@@ -90,7 +107,19 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
-def _qlinear(t: KernelTensors) -> _QLinear:
+def _qlinear(t: KernelTensors | GGUFTensors, keep: list) -> _QLinear:
+    """The C struct of one projection; ``keep`` holds what its pointers point at."""
+    if isinstance(t, GGUFTensors):
+        if not 1 <= len(t.parts) <= 4 or sum(n for _, _, n in t.parts) != t.out_features:
+            raise ValueError(f"a GGUF projection takes 1-4 parts of {t.out_features} rows in all, got "
+                             f"{[(q, n) for _, q, n in t.parts]}")
+        g = _GParts(nparts=len(t.parts))
+        for i, (packed, qtype, n) in enumerate(t.parts):
+            if qtype not in gguf_kernel.PACKED_TYPES or not packed.is_contiguous():
+                raise ValueError(f"GGUF part {i} is {qtype}: the step runs {gguf_kernel.PACKED_TYPES} repacked")
+            g.w[i], g.n[i], g.type[i] = packed.data_ptr(), n, gguf_kernel.TYPES[qtype][0]
+        keep.append(g)
+        return _QLinear(None, None, None, _ptr(t.bias), t.out_features, t.in_features, 0, 0, 0, ctypes.pointer(g))
     return _QLinear(t.qweight.data_ptr(), t.scales.data_ptr(), _ptr(t.mins), _ptr(t.bias), t.out_features,
                     t.in_features, t.group_size, int(t.scales.dtype == torch.float16), int(t.int4))
 
@@ -110,16 +139,18 @@ class DecodeLayers:
     """
 
     def __init__(self, layers: list[LayerTensors], norm_weight: torch.Tensor, eps: float,
-                 head: KernelTensors | None, sizes: tuple[int, int, int, int, int], num_slots: int, block_size: int):
+                 head: KernelTensors | GGUFTensors | None, sizes: tuple[int, int, int, int, int], num_slots: int, block_size: int):
         self.lib = _library()
         if self.lib is None:
             raise RuntimeError("the decode step does not build here (csrc/decode_step.c)")
         self.tensors, self.norm_weight = list(layers), norm_weight  # kept alive: the structs hold pointers
+        self.keep: list = [head]
+        ql = functools.partial(_qlinear, keep=self.keep)
         self.layers = (_Layer * len(layers))(*(
-            _Layer(_qlinear(t.qkv), _qlinear(t.o), _qlinear(t.gate_up), _qlinear(t.down), t.in_norm.data_ptr(),
+            _Layer(ql(t.qkv), ql(t.o), ql(t.gate_up), ql(t.down), t.in_norm.data_ptr(),
                    t.post_norm.data_ptr(), _ptr(t.q_norm), _ptr(t.k_norm), t.k_cache.data_ptr(), t.v_cache.data_ptr())
             for t in layers))
-        self.head = None if head is None else _qlinear(head)
+        self.head = None if head is None else ql(head)
         self.vocab = 0 if head is None else head.out_features
         self.eps, self.sizes, self.num_slots, self.block_size = eps, sizes, num_slots, block_size
         self.scale = sizes[3] ** -0.5

@@ -11,6 +11,10 @@ Variants by ``hardware.cpu_features()`` (``ATLAS_VLM_CPU_FLAGS`` fakes a CPU): A
 fp32 sums in a different order (tests bound the difference). Without a C compiler
 :func:`gguf_matmul` is :func:`gguf_matmul_reference` (dequantize, then ``F.linear``).
 
+The fast path (:func:`repack` once, then :func:`gguf_matmul_packed`): Q4_K, Q6_K and Q8_0 rows
+interleaved 16 at a time (after ik_llama.cpp's ``_r4`` layouts), so one 512-bit ``vpdpbusd``
+holds 4 values of each of 16 output rows; every variant gives the same bits there.
+
 The activation quantization makes the kernel approximate against the fp32 reference (each
 value rounded to one of 255 levels of its 256-block's max: ``docs/quantization.md`` states the bound
 the tests hold); against the same product with the activations quantized the same way it is
@@ -38,6 +42,8 @@ QK_K = 256  # values per super-block and per activation scale, as the C source
 MAX_ROWS = 8  # activation rows per weight read, as the C source
 # GGUF type name -> (ggml_type id, values per block, bytes per block)
 TYPES = {"Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
+PACKED_TYPES = ("Q4_K", "Q6_K", "Q8_0")  # types with a 16-row interleaved kernel (csrc/gguf_repack.h)
+PACK_ROWS = 16  # rows per interleaved group, as the C source
 
 
 def compile_flags(cpu: hardware.CpuFeatures | None = None) -> list[str]:
@@ -57,6 +63,12 @@ def load_variant(flags: list[str]) -> ctypes.CDLL | None:
     lib.gguf_gemm.argtypes = [p, i64, i64, p, i32, i64, p, i32]
     lib.gguf_gemm.restype = ctypes.c_int
     lib.gguf_gemm_isa.restype = ctypes.c_char_p
+    lib.gguf_packed_bytes.argtypes = [i32, i64, i64]
+    lib.gguf_packed_bytes.restype = i64
+    lib.gguf_repack.argtypes = [p, i32, i64, i64, p, i32]
+    lib.gguf_repack.restype = ctypes.c_int
+    lib.gguf_gemm_packed.argtypes = [p, i64, i64, p, i32, i64, p, p, i32]
+    lib.gguf_gemm_packed.restype = ctypes.c_int
     return lib
 
 
@@ -146,4 +158,62 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, out_features:
     if status != 0:
         raise RuntimeError(f"GGUF matmul kernel refused x {list(x.shape)} against a [{out_features}, {in_features}] "
                            f"{qtype} weight (out of memory?)")
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def repack(blocks: torch.Tensor, qtype: str, out_features: int, in_features: int,
+           lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
+    """The stored rows interleaved 16 at a time for :func:`gguf_matmul_packed` (layout:
+    ``csrc/gguf_repack.h``; the last group zero-padded), a new uint8 tensor in anonymous memory
+    (Q4_K 148 bytes a row per 256 values against 144 stored, Q6_K 210 as stored); None where
+    ``qtype`` has no interleaved kernel or there is no C kernel.
+
+    Raises:
+        ValueError: ``blocks`` not ``[out_features, bytes per row]`` uint8 of ``qtype``.
+    """
+    _check(torch.empty(0, in_features), blocks, qtype, out_features, in_features)
+    lib = lib or _library()
+    if lib is None or qtype not in PACKED_TYPES:
+        return None
+    tid = TYPES[qtype][0]
+    packed = torch.empty(lib.gguf_packed_bytes(tid, out_features, in_features), dtype=torch.uint8)
+    w = blocks if blocks.is_contiguous() else blocks.contiguous()
+    if lib.gguf_repack(w.data_ptr(), tid, out_features, in_features, packed.data_ptr(), torch.get_num_threads()):
+        raise ValueError(f"cannot repack a [{out_features}, {in_features}] {qtype} weight")
+    return packed
+
+
+def gguf_matmul_packed(x: torch.Tensor, packed: torch.Tensor, qtype: str, out_features: int, in_features: int,
+                       lib: ctypes.CDLL | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`gguf_matmul` on :func:`repack`'s output (made by the same ``lib``): the same
+    integers per output (q8_K activations, exact int32 dot products), one fp32 multiply-add per
+    256 values, summed over super-blocks in order: every variant gives the same bits. ``bias``
+    (``[N]``, any float dtype, taken as fp32) is added in fp32 before the result is rounded
+    to ``x``'s dtype (the one-call decode step does the same).
+
+    Raises:
+        ValueError: ``x`` not fp32 / bf16 ``[M, in_features]``, or ``packed`` not the size
+            :func:`repack` makes; RuntimeError: no C kernel, or it refused (out of memory).
+    """
+    if x.dim() != 2 or x.shape[1] != in_features or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"x must be fp32 or bf16 [M, {in_features}], got {x.dtype} {list(x.shape)}")
+    lib = lib or _library()
+    if lib is None:
+        raise RuntimeError("gguf_matmul_packed needs the C kernel (repack returned None without one)")
+    tid = TYPES[qtype][0] if qtype in PACKED_TYPES else -1
+    want = lib.gguf_packed_bytes(tid, out_features, in_features)
+    if want == 0 or packed.dtype != torch.uint8 or packed.numel() != want or not packed.is_contiguous():
+        raise ValueError(f"packed must be repack()'s {want} contiguous uint8 bytes for a [{out_features}, "
+                         f"{in_features}] {qtype} weight, got {packed.dtype} {packed.numel()}")
+    m = x.shape[0]
+    out = torch.empty(m, out_features, dtype=torch.float32)
+    if m == 0:
+        return out.to(x.dtype)
+    xf = x.float().contiguous()  # [M, K] fp32: the kernel quantizes it to q8_K
+    b = None if bias is None else bias.float().contiguous()
+    if b is not None and tuple(b.shape) != (out_features,):
+        raise ValueError(f"bias must be [{out_features}], got {list(b.shape)}")
+    if lib.gguf_gemm_packed(xf.data_ptr(), m, in_features, packed.data_ptr(), tid, out_features,
+                            None if b is None else b.data_ptr(), out.data_ptr(), torch.get_num_threads()):
+        raise RuntimeError(f"GGUF packed kernel refused x {list(x.shape)} (out of memory?)")
     return out if x.dtype == torch.float32 else out.to(x.dtype)

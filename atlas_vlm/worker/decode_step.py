@@ -6,7 +6,7 @@ from the model (each layer's quantized projections through ``kernel_tensors()``,
 slice of the KV cache) and reads a step's attention metadata into the call's arguments.
 
 It serves a model whose every decoder projection is an ``Int8Linear`` / ``Int4Linear`` on
-the kernel path, SwiGLU, fp32 or bf16, a KV cache in the model dtype, sizes the C kernels
+the kernel path or a ``GGUFLinear`` with interleaved rows (Q4_K / Q6_K / Q8_0 as stored), SwiGLU, fp32 or bf16, a KV cache in the model dtype, sizes the C kernels
 take (``head_dim`` <= 256, <= 16 query heads per KV head), and a step whose every row is a
 decode row (``DecodeBatch.all_tokens``: a decode token or a speculative verification row), at
 most ``KERNEL_MAX_ROWS`` rows, no media rows. ``ModelRunner`` builds it once
@@ -21,13 +21,21 @@ import torch
 from atlas_vlm.kernels import decode_step as kernel
 from atlas_vlm.kernels import fused
 from atlas_vlm.layers.attention import AttentionMetadata
+from atlas_vlm.layers.gguf_linear import GGUFLinear
 from atlas_vlm.layers.quant_linear import KERNEL_MAX_ROWS
 
 __all__ = ["DecodeStep"]
 
 
 def _kernel_tensors(module):
-    """A projection's kernel tensors, or None where it is not a quantized linear on the kernel path."""
+    """A projection's kernel tensors (``KernelTensors``, or ``GGUFTensors`` for a ``GGUFLinear``
+    with interleaved rows), or None where it is neither on a kernel path."""
+    if isinstance(module, GGUFLinear):
+        if module.packed is None:  # a type without the interleaved kernel, or no C kernel
+            return None
+        bias = None if module.bias is None else module.bias.float().contiguous()  # [N], held by the step
+        return kernel.GGUFTensors(((module.packed, module.qtype, module.out_features),), bias, module.in_features,
+                                  module.out_features)
     tensors = getattr(module, "kernel_tensors", None)
     return tensors() if callable(tensors) else None
 
@@ -68,7 +76,8 @@ class DecodeStep:
         projections = [p for layer in layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                        layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         if not all(_kernel_tensors(p) is not None for p in projections):
-            return None, "its decoder projections are not all quantized linears on the kernel path"
+            return None, ("its decoder projections are not all quantized linears on the kernel path (Int4Linear / "
+                          "Int8Linear, or GGUFLinear of Q4_K / Q6_K / Q8_0)")
         if arch.hidden_act != "silu" or dtype not in (torch.float32, torch.bfloat16):
             return None, f"hidden_act {arch.hidden_act} / dtype {dtype} (needs SwiGLU, fp32 or bf16)"
         if attention_backend != "decode_kernel" or kv_cache.k_cache.dtype != dtype:

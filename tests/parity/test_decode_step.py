@@ -199,3 +199,60 @@ def test_a_step_that_samples_no_row_runs_on_the_quantized_lm_head():
                 max_num_batched_tokens=budget).generate([prompt], params, use_tqdm=False)[0].token_ids
             for budget in (2, 256)]
     assert outs[0] == outs[1] and len(outs[0]) == 6
+
+
+def _gguf_model(folder, dtype: str):
+    """An LLM on ``folder`` whose projections and LM head are swapped for ``GGUFLinear`` on
+    random Q4_K (q/k/v, gate/up) and Q6_K (o, down, head) blocks (the same for every call), its
+    one-call step rebuilt: what a GGUF-as-stored model gives the runner."""
+    from test_gguf_kernel import _blocks
+
+    from atlas_vlm.layers.gguf_linear import GGUFLinear
+    from atlas_vlm.worker.decode_step import DecodeStep
+
+    llm = LLM(str(folder), dtype=dtype, max_model_len=128, num_kvcache_blocks=32)
+    runner, seed = llm.engine.runner, 0
+
+    def swap(parent, name, qtype):
+        nonlocal seed
+        old = getattr(parent, name)
+        n, k = old.out_features, old.in_features
+        seed += 1
+        blocks = _blocks(qtype, n, k, seed=seed)
+        bias = None if old.bias is None else old.bias.detach().float()
+        setattr(parent, name, GGUFLinear(blocks, qtype, k, n, bias))
+
+    for layer in runner.model.model.layers:
+        for parent, name, qtype in [(layer.self_attn, "qkv_proj", "Q4_K"), (layer.self_attn, "o_proj", "Q6_K"),
+                                    (layer.mlp, "gate_up_proj", "Q4_K"), (layer.mlp, "down_proj", "Q6_K")]:
+            swap(parent, name, qtype)
+    swap(runner.model, "lm_head", "Q6_K")
+    step, why = DecodeStep.build(runner.model, runner.kv_cache, runner.attention_backend)
+    assert step is not None, why
+    runner.decode_step = step
+    return llm
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gguf_as_stored_same_bits_as_op_by_op(dtype, tmp_path, tiny_models):
+    """GGUFLinear projections (interleaved Q4_K / Q6_K, Qwen2's q/k/v bias) and LM head in the
+    one call: the op-by-op path's logits bit for bit, and its tokens."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from atlas_vlm.kernels import gguf_kernel
+    from transformers import AutoTokenizer
+
+    if not gguf_kernel.available():
+        pytest.skip("no C compiler: GGUFLinear runs its reference, the step does not serve")
+    config = Qwen2Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         bos_token_id=1, eos_token_id=2, architectures=["Qwen2ForCausalLM"])
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_models["qwen2"][0]).save_pretrained(tmp_path)  # the Qwen tokenizer
+    prompts = [list(range(100, 140)), list(range(300, 311)), list(range(500, 517))]
+    tokens_on, logits_on, calls = _run(_gguf_model(tmp_path, dtype), True, prompts)
+    tokens_off, logits_off, _ = _run(_gguf_model(tmp_path, dtype), False, prompts)
+    assert calls == [3] * 9 and tokens_on == tokens_off
+    assert len(logits_on) == len(logits_off) and all(torch.equal(a, b) for a, b in zip(logits_on, logits_off))
+    assert not any(lg.isnan().any() for lg in logits_on)

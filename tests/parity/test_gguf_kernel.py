@@ -1,5 +1,6 @@
-"""The GGUF stored-block kernel (``kernels/gguf_kernel.py``, ``csrc/gguf_gemm.c``) on Q4_K,
-Q5_K, Q6_K and Q8_0: against ``gguf``'s dequantize + ``F.linear`` within the bound q8_K's
+"""The GGUF stored-block kernels (``kernels/gguf_kernel.py``, ``csrc/gguf_gemm.c``) on Q4_K,
+Q5_K, Q6_K and Q8_0, and the 16-row interleaved kernels (``repack`` + ``gguf_matmul_packed``)
+on Q4_K, Q6_K and Q8_0: against ``gguf``'s dequantize + ``F.linear`` within the bound q8_K's
 rounding allows, against the same product with the activations quantized to q8_K in numpy
 (exact integers: fp32 rounding only), every variant this CPU runs (AVX512-VNNI, AVX2, plain C;
 ``ATLAS_VLM_CPU_FLAGS`` fakes a smaller CPU) against that, over shapes from hypothesis.
@@ -14,13 +15,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from atlas_vlm import hardware
 from atlas_vlm.hardware import X86_64_V3, X86_64_V4
 from atlas_vlm.kernels import cbuild, gguf_kernel
-from atlas_vlm.kernels.gguf_kernel import TYPES, gguf_matmul, gguf_matmul_reference
+from atlas_vlm.kernels.gguf_kernel import (PACKED_TYPES, TYPES, gguf_matmul, gguf_matmul_packed, gguf_matmul_reference,
+                                           repack)
 
 pytestmark = pytest.mark.text
 
@@ -105,12 +107,16 @@ def test_within_q8_k_rounding_of_the_fp32_reference(qtype):
     256-block's step d_x = amax / 127) plus fp32 slack: the bound q8_K's rounding allows."""
     n, k = 67, 768
     blocks, x = _blocks(qtype, n, k, seed=1), torch.randn(5, k, generator=torch.Generator().manual_seed(1))
-    y, ref = gguf_matmul(x, blocks, qtype, n, k), gguf_matmul_reference(x, blocks, qtype, n, k)
+    ref = gguf_matmul_reference(x, blocks, qtype, n, k)
+    ys = [gguf_matmul(x, blocks, qtype, n, k)]
+    if qtype in PACKED_TYPES and gguf_kernel.available():
+        ys.append(gguf_matmul_packed(x, repack(blocks, qtype, n, k), qtype, n, k))
     _, d = _q8_k(x.numpy())
     bound = 0.5 * np.repeat(d.astype(np.float64), 256, axis=1) @ np.abs(_weight(blocks, qtype)).T
     slack = Q8K_EXACT_REL * float(ref.abs().max())
-    assert np.all(np.abs(y.double().numpy() - ref.double().numpy()) <= bound * 1.001 + slack)
-    assert _rel(y, ref) < 3e-2  # the bound, in the figure docs/quantization.md states
+    for y in ys:
+        assert np.all(np.abs(y.double().numpy() - ref.double().numpy()) <= bound * 1.001 + slack)
+        assert _rel(y, ref) < 3e-2  # the bound, in the figure docs/quantization.md states
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -125,6 +131,49 @@ def test_every_variant_is_the_q8_k_product(variants, qtype, m, n, k_blocks, seed
     for name, lib in variants.items():
         y = gguf_matmul(x, blocks, qtype, n, k, lib=lib)
         assert y.shape == (m, n) and _rel(y, ref) <= Q8K_EXACT_REL, (name, qtype, m, n, k)
+
+
+@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(qtype=st.sampled_from(PACKED_TYPES), m=st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 32, 37]),
+       n=st.integers(1, 50), k_blocks=st.integers(1, 3), seed=st.integers(0, 2**16))
+@example(qtype="Q6_K", m=37, n=33, k_blocks=2, seed=1)  # 9+ rows: Q6_K's group unpacked once (AVX512)
+@example(qtype="Q8_0", m=9, n=17, k_blocks=1, seed=2)
+def test_interleaved_kernels_are_the_q8_k_product_with_the_same_bits(variants, qtype, m, n, k_blocks, seed):
+    """The 16-row kernels: rows 1-8 (one weight read), 9+ and 32+, N not a multiple of 16 (the
+    zero-padded last group), every variant the q8_K product and all bit-equal (the same int32s,
+    the same fp32 order; docs/quantization.md)."""
+    k = 256 * k_blocks
+    blocks = _blocks(qtype, n, k, seed)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 3.0
+    ref = _q8k_reference(x, blocks, qtype)
+    ys = {}
+    for name, lib in variants.items():
+        packed = repack(blocks, qtype, n, k, lib=lib)
+        assert packed.numel() == -(-n // 16) * k_blocks * {"Q4_K": 2368, "Q6_K": 3360, "Q8_0": 4352}[qtype]
+        ys[name] = gguf_matmul_packed(x, packed, qtype, n, k, lib=lib)
+        assert ys[name].shape == (m, n) and _rel(ys[name], ref) <= Q8K_EXACT_REL, (name, qtype, m, n, k)
+    first = next(iter(ys.values()))
+    assert all(torch.equal(y, first) for y in ys.values()), (qtype, m, n, k)
+
+
+def test_interleaved_nan_zero_rows_and_refusals(variants):
+    n, k = 21, 512
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(4))
+    x[1] = 0.0
+    x[2, 7] = float("inf")
+    for qtype in PACKED_TYPES:
+        blocks = _blocks(qtype, n, k, seed=4)
+        for name, lib in variants.items():
+            y = gguf_matmul_packed(x, repack(blocks, qtype, n, k, lib=lib), qtype, n, k, lib=lib)
+            assert torch.all(y[1] == 0) and torch.all(y[2].isnan()) and not y[[0, 3]].isnan().any(), name
+    blocks = _blocks("Q4_K", n, k, seed=4)
+    assert repack(_blocks("Q5_K", n, k, seed=4), "Q5_K", n, k) is None  # no interleaved kernel: stored rows
+    with pytest.raises(ValueError, match="uint8"):
+        repack(blocks, "Q4_K", n + 1, k)
+    with pytest.raises(ValueError, match="packed must be"):
+        gguf_matmul_packed(x, repack(blocks, "Q4_K", n, k), "Q6_K", n, k)
+    with pytest.raises(ValueError, match="x must be"):
+        gguf_matmul_packed(x[:, :256], repack(blocks, "Q4_K", n, k), "Q4_K", n, k)
 
 
 def test_bf16_nan_and_zero_rows(variants):
@@ -159,7 +208,7 @@ def test_gguf_linear_reads_the_mapped_file_in_place(tmp_path):
     copy) and its output is gguf_matmul's on the same bytes (leading dims and bias kept)."""
     from gguf import GGUFReader, GGUFWriter
 
-    from atlas_vlm.layers.gguf_linear import GGUFLinear
+    from atlas_vlm.layers.gguf_linear import GGUFLinear, drop_mapped_pages
 
     path, k = tmp_path / "w.gguf", 512
     w = GGUFWriter(str(path), "llama")
@@ -174,13 +223,21 @@ def test_gguf_linear_reads_the_mapped_file_in_place(tmp_path):
     x = torch.randn(2, 3, k, generator=torch.Generator().manual_seed(0))
     for t in reader.tensors:
         bias = torch.randn(int(t.shape[1]))
-        layer = GGUFLinear.from_tensor(t, bias)
+        layer = GGUFLinear.from_tensor(t, bias)  # (interleaved: the map's pages dropped, read back on demand)
+        assert drop_mapped_pages(t.data) and not drop_mapped_pages(np.zeros(8, np.uint8))
         p = layer.blocks.untyped_storage().data_ptr()
         assert start <= p and p + layer.blocks.numel() <= start + size, t.name
         assert layer.blocks.numel() == int(t.n_bytes)
         y = layer(x)
-        want = gguf_matmul(x.reshape(6, k), layer.blocks, t.tensor_type.name, int(t.shape[1]), k) + bias
-        assert y.shape == (2, 3, int(t.shape[1])) and torch.equal(y.reshape(6, -1), want)
+        qtype, n = t.tensor_type.name, int(t.shape[1])
+        if gguf_kernel.available():  # the rows interleaved once, in anonymous memory
+            q = layer.packed.untyped_storage().data_ptr()
+            assert not (start <= q < start + size) and torch.equal(layer.packed, repack(layer.blocks, qtype, n, k))
+            want = gguf_matmul_packed(x.reshape(6, k), layer.packed, qtype, n, k) + bias
+        else:
+            assert layer.packed is None
+            want = gguf_matmul(x.reshape(6, k), layer.blocks, qtype, n, k) + bias
+        assert y.shape == (2, 3, n) and torch.equal(y.reshape(6, -1), want)
     with pytest.raises(ValueError, match="Q4_K"):
         GGUFLinear(torch.zeros(3, 10, dtype=torch.uint8), "Q4_K", 256, 3)
 

@@ -15,7 +15,9 @@
  * consecutive with consecutive slots and lengths (all rows' K/V are written before any row
  * attends, so row j sees rows 0 .. j of its request and no later one).
  * then res += m and the final norm into x, and with a quantized LM head its logits (in the
- * dtype, [B, V]). Returns 0, or -1 for an input out of range (a slot
+ * dtype, [B, V]). A projection is int4 / int8 (quant_gemm.c) or a GGUF one as stored, its rows
+ * interleaved (QLinear.gguf: gguf_gemm.c's q8_K kernels, its bias added in fp32, one rounding to
+ * the dtype: gguf_gemm_packed's bits). Returns 0, or -1 for an input out of range (a slot
  * or context outside the cache / block table, a size the kernels refuse), checked before
  * anything is written, or a failed allocation.
  */
@@ -24,14 +26,23 @@
 #include "quant_gemm.c"
 #include "fused_ops.c"
 #include "paged_decode.c"
+#include "gguf_gemm.c"
 
 #define PREFETCH_CAP (512 << 10) /* bytes a thread prefetches ahead: well inside its L2 */
+
+typedef struct { /* a GGUF projection as stored, its rows interleaved (gguf_gemm.c's gguf_repack) */
+  const uint8_t *w[4]; /* up to 4 parts (a fused q / k / v or gate / up), outputs side by side */
+  int64_t n[4];        /* each part's rows */
+  int32_t type[4];     /* each part's ggml type: Q4_K, Q6_K or Q8_0 */
+  int32_t nparts;
+} GParts;
 
 typedef struct {
   const void *w, *scale, *min; /* min NULL: no mins */
   const float *bias;           /* fp32 [N] or NULL */
   int64_t N, K, gs;
   int32_t scale_f16, int4; /* int4: the nibble layout, else int8 */
+  const GParts *gguf;      /* non-NULL: a GGUF projection (q8_K activations, gguf_gemm.c's kernels) */
 } QLinear;
 
 typedef struct {
@@ -44,10 +55,19 @@ typedef struct { /* per-step scratch, shared by the team */
   int8_t *xq;
   float *d, *xg;
   int32_t *xs;
+  Q8K q8;    /* GGUF projections' q8_K activations (q8k_alloc for B rows of the widest K) */
+  float *xf; /* their fp32 input rows */
 } Quant;
 
-/* Quantize a GEMM's input rows (one thread), then its tiles across the team (out[B, N] = in W). */
+/* Quantize a GEMM's input rows (one thread), then its tiles across the team (out[B, N] = in W):
+ * a GGUF projection's to q8_K from the rows in fp32, as gguf_gemm_packed does. */
 static void quantize_in(const QLinear *l, const void *in, int64_t B, int bf16, Quant *qs) {
+  if (l->gguf != NULL) {
+    for (int64_t r = 0; r < B; r++) load_row(in, r * l->K, l->K, bf16, qs->xf + r * l->K);
+    qs->q8.K = l->K, qs->q8.nb = l->K / QK_K;
+    quantize_q8_K(qs->xf, B, l->K, &qs->q8);
+    return;
+  }
   quantize_rows(in, bf16, B, l->K, l->gs, qs->xq, qs->d, qs->xs, l->min != NULL ? qs->xg : NULL);
 }
 
@@ -61,7 +81,7 @@ static void static_share(int64_t T, int tid, int nt, int64_t *t0, int64_t *t1) {
 /* While thread 0 does a step alone, the others pull the tiles they read next into their cache
  * (the weights stream from memory during the serial steps instead of after them). */
 static void prefetch_share(const QLinear *l, int tid, int nt) {
-  if (nt < 2) return;
+  if (nt < 2 || l->gguf != NULL) return;
   const int64_t T = (l->N + TILE - 1) / TILE, tile_bytes = TILE * (l->int4 ? l->K / 2 : l->K);
   int64_t t0, t1;
   static_share(T, tid, nt, &t0, &t1);
@@ -82,7 +102,27 @@ static void prefetch_share(const QLinear *l, int tid, int nt) {
     _Pragma("omp barrier")                                                  \
   } while (0)
 
+/* A GGUF projection across the team: thread tid's static share of all parts' 16-row groups. */
+static void gguf_team(const QLinear *l, int64_t B, void *out, int bf16, const Quant *qs) {
+  const GParts *p = l->gguf;
+  int64_t T = 0, t0, t1, base = 0, col = 0;
+  for (int i = 0; i < p->nparts; i++) T += (p->n[i] + R16 - 1) / R16;
+  static_share(T, omp_get_thread_num(), omp_get_num_threads(), &t0, &t1);
+  for (int i = 0; i < p->nparts; i++) {
+    const int64_t G = (p->n[i] + R16 - 1) / R16, g0 = t0 - base > 0 ? t0 - base : 0, g1 = t1 - base < G ? t1 - base : G;
+    if (g1 > g0)
+      r16_range(p->w[i], p->type[i], p->n[i], &qs->q8, B, g0, g1, l->bias != NULL ? l->bias + col : NULL, out, l->N,
+                col, bf16);
+    base += G, col += p->n[i];
+  }
+#pragma omp barrier
+}
+
 static void tiles_team(const QLinear *l, int64_t B, void *out, int bf16, const Quant *qs) {
+  if (l->gguf != NULL) {
+    gguf_team(l, B, out, bf16, qs);
+    return;
+  }
   const Args a = {l->w, l->scale, l->min, l->scale_f16, l->int4, l->K, l->gs, qs->xq, qs->d, qs->xg, qs->xs};
 #pragma omp for schedule(static)
   for (int64_t t = 0; t < (l->N + TILE - 1) / TILE; t++) tile_rows(&a, t, B, l->N, l->bias, out, bf16);
@@ -128,11 +168,18 @@ int decode_layers(const Layer *layers, int64_t L, const void *final_norm, const 
   kmax = kmax > H * Dh ? kmax : H * Dh;
   if (head != NULL && (head->K != D || head->K % QBLOCK)) return -1;
   Quant qs = {malloc((size_t)(B * kmax)), malloc(sizeof(float) * (size_t)(B * kmax / QBLOCK)),
-              malloc(sizeof(float) * (size_t)(B * kmax / 16)), malloc(sizeof(int32_t) * (size_t)(B * kmax / 16))};
+              malloc(sizeof(float) * (size_t)(B * kmax / 16)), malloc(sizeof(int32_t) * (size_t)(B * kmax / 16)),
+              {0}, NULL};
   /* xg, xs: per group / unit, 16 values at the least (groups of 16) */
   char *buf = malloc((size_t)(esz * B * (3 * D + QKV + 2 * H * Dh + 3 * I)));
-  if (qs.xq == NULL || qs.d == NULL || qs.xg == NULL || qs.xs == NULL || buf == NULL) {
-    free(qs.xq), free(qs.d), free(qs.xg), free(qs.xs), free(buf);
+  int gguf = head != NULL && head->gguf != NULL, bad = 0;
+  for (int64_t l = 0; l < L; l++)
+    gguf |= layers[l].qkv.gguf != NULL || layers[l].o.gguf != NULL || layers[l].gate_up.gguf != NULL ||
+            layers[l].down.gguf != NULL;
+  if (gguf) /* q8_K scratch for the widest input */
+    bad = kmax % QK_K || q8k_alloc(B, kmax, &qs.q8) || (qs.xf = malloc(sizeof(float) * (size_t)(B * kmax))) == NULL;
+  if (bad || qs.xq == NULL || qs.d == NULL || qs.xg == NULL || qs.xs == NULL || buf == NULL) {
+    free(qs.xq), free(qs.d), free(qs.xg), free(qs.xs), free(buf), free((void *)qs.q8.qs), free(qs.xf);
     return -1;
   }
   void *res = buf, *h = buf + esz * B * D, *m = buf + esz * B * 2 * D, *qkv = buf + esz * B * 3 * D;
@@ -177,6 +224,6 @@ int decode_layers(const Layer *layers, int64_t L, const void *final_norm, const 
       SERIAL(rms_norm(m, res, final_norm, B, D, eps, x, bf16, 1), &layers[0].qkv);
     }
   }
-  free(qs.xq), free(qs.d), free(qs.xg), free(qs.xs), free(buf);
+  free(qs.xq), free(qs.d), free(qs.xg), free(qs.xs), free(buf), free((void *)qs.q8.qs), free(qs.xf);
   return status;
 }

@@ -13,11 +13,19 @@
  * (gguf_gemm_avx2.h), plain C (below), by the compiler's target.
  * Up to MAX_ROWS activation rows share one unpacking of each weight super-block; OpenMP over
  * output rows n. Returns 0, or -1 (nothing written) for a type it does not know, K not a
- * multiple of 256, M or N < 1, or a failed allocation. */
+ * multiple of 256, M or N < 1, or a failed allocation.
+ *
+ * The fast path: gguf_repack interleaves Q4_K / Q6_K / Q8_0 rows 16 at a time (gguf_repack.h,
+ * once, at load) and gguf_gemm_packed runs the same q8_K activations on them
+ * (gguf_r16_avx512.h, gguf_r16_avx2.h, r16_plain: the same bits in every variant); its
+ * r16_range is what the one-call decode step (decode_step.c) calls per thread. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define QK_K 256
 #define MAX_ROWS 8
@@ -28,9 +36,12 @@ typedef struct { /* the activations as q8_K: qs [M][K], d [M][nb], bsums [M][nb]
   const float *d;
   const int16_t *bsums;
   int64_t K, nb;
+  const int16_t *bs32; /* [M][nb][8] sums per 32 (the r16 Q4_K kernels' mins) */
+  const int32_t *b6;   /* [M][nb][16] -32 * bsums (the r16 Q6_K kernels' offset) */
 } Q8K;
 
 #include "half.h"
+#include "bf16.h"
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -55,44 +66,19 @@ static inline void unpack_k4_scales(const uint8_t *s, uint32_t u[4]) {
   u[3] = ((a[2] >> 4) & 0x0f0f0f0fu) | (((a[1] >> 6) & 0x03030303u) << 4);
 }
 
+#include "gguf_repack.h"
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define GG_ISA "avx512vnni"
 #include "gguf_gemm_avx512.h"
-#elif defined(__AVX2__) && defined(__FMA__)
+#include "gguf_r16_avx512.h"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define GG_ISA "avx2"
 #include "gguf_gemm_avx2.h"
+#include "gguf_r16_avx2.h"
 #else
 #define GG_ISA "scalar"
 #define GG_PLAIN 1
-/* plain C: per super-block the weights unpacked to ints in x's order, then per row the same integers */
-static inline void unpack_super(const uint8_t *b, int type, int32_t *w, int32_t *sc, int32_t *mn, float *dw) {
-  if (type == GGML_Q6_K) {
-    for (int h = 0; h < 2; h++)
-      for (int l = 0; l < 64; l++) {
-        const uint8_t ql = b[64 * h + l], qh = b[128 + 32 * h + l % 32] >> (l < 32 ? 0 : 2);
-        w[128 * h + l] = (ql & 15) | (qh & 3) << 4;
-        w[128 * h + 64 + l] = (ql >> 4) | ((qh >> 4) & 3) << 4;
-      }
-    for (int j = 0; j < 16; j++) sc[j] = (int8_t)b[192 + j];
-    dw[0] = f16_at(b + 208);
-  } else if (type == GGML_Q8_0) {
-    for (int j = 0; j < 8; j++) {
-      dw[j] = f16_at(b + 34 * j);
-      for (int l = 0; l < 32; l++) w[32 * j + l] = (int8_t)b[34 * j + 2 + l];
-    }
-  } else { /* Q4_K, Q5_K */
-    const int five = type == GGML_Q5_K;
-    const uint8_t *qs = b + (five ? 48 : 16);
-    uint32_t u[4];
-    unpack_k4_scales(b + 4, u);
-    for (int j = 0; j < 8; j++) sc[j] = ((const uint8_t *)u)[j], mn[j] = ((const uint8_t *)u)[8 + j];
-    for (int j = 0; j < 8; j++)
-      for (int l = 0; l < 32; l++)
-        w[32 * j + l] = ((qs[32 * (j / 2) + l] >> (j % 2 ? 4 : 0)) & 15) | (five ? ((b[16 + l] >> j) & 1) << 4 : 0);
-    dw[0] = f16_at(b), dw[1] = f16_at(b + 2);
-  }
-}
-
 static void rows_plain(const uint8_t *row, int type, int64_t bb, const Q8K *q, int64_t m0, int mt, float *res) {
   int32_t w[QK_K], sc[16], mn[8];
   float dw[8];
@@ -145,9 +131,13 @@ static void row_dot(const uint8_t *row, int type, const Q8K *q, int64_t m0, int 
 #endif
 }
 
-/* x [M][K] fp32 -> q8_K (see the top of this file) */
-static void quantize_q8_K(const float *x, int64_t M, int64_t K, int8_t *qs, float *d, int16_t *bsums) {
+/* x [M][K] fp32 -> q8_K (see the top of this file), with the r16 kernels' bs32 and b6 */
+static void quantize_q8_K(const float *x, int64_t M, int64_t K, Q8K *out) {
   const int64_t nb = K / QK_K;
+  int8_t *qs = (int8_t *)out->qs;
+  float *d = (float *)out->d;
+  int16_t *bsums = (int16_t *)out->bsums, *bs32 = (int16_t *)out->bs32;
+  int32_t *b6 = (int32_t *)out->b6;
   for (int64_t r = 0; r < M * nb; r++) {
     const float *v = x + r * QK_K;
     float amax = 0.0f;
@@ -163,25 +153,30 @@ static void quantize_q8_K(const float *x, int64_t M, int64_t K, int8_t *qs, floa
     for (int j = 0; j < 16; j++) {
       int s = 0;
       for (int i = 0; i < 16; i++) s += q[16 * j + i];
-      bsums[r * 16 + j] = (int16_t)s;
+      bsums[r * 16 + j] = (int16_t)s, b6[r * 16 + j] = -32 * s;
     }
+    for (int j = 0; j < 8; j++) bs32[r * 8 + j] = (int16_t)(bsums[r * 16 + 2 * j] + bsums[r * 16 + 2 * j + 1]);
     d[r] = bad ? NAN : db;
   }
+}
+
+/* scratch for M rows of q8_K (one allocation, freed with free(q->qs)); 0 or -1 */
+static int q8k_alloc(int64_t M, int64_t K, Q8K *q) {
+  const int64_t nb = K / QK_K, n = M * nb;
+  char *p = (char *)malloc((size_t)(M * K + n * (4 + 32 + 16 + 64)));
+  if (p == NULL) return -1;
+  q->qs = (int8_t *)p, q->d = (float *)(p + M * K), q->b6 = (int32_t *)(p + M * K + 4 * n);
+  q->bsums = (int16_t *)(p + M * K + 68 * n), q->bs32 = (int16_t *)(p + M * K + 100 * n);
+  q->K = K, q->nb = nb;
+  return 0;
 }
 
 int gguf_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, int type, int64_t N, float *out,
               int num_threads) {
   const int64_t bb = block_bytes(type), nb = K / QK_K, row_bytes = nb * bb;
-  if (bb == 0 || M < 1 || N < 1 || K < QK_K || K % QK_K) return -1;
-  int8_t *qs = (int8_t *)malloc((size_t)(M * K));
-  float *d = (float *)malloc(sizeof(float) * (size_t)(M * nb));
-  int16_t *bsums = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * nb * 16));
-  if (qs == NULL || d == NULL || bsums == NULL) {
-    free(qs), free(d), free(bsums);
-    return -1;
-  }
-  quantize_q8_K(x, M, K, qs, d, bsums);
-  const Q8K q = {qs, d, bsums, K, nb};
+  Q8K q;
+  if (bb == 0 || M < 1 || N < 1 || K < QK_K || K % QK_K || q8k_alloc(M, K, &q)) return -1;
+  quantize_q8_K(x, M, K, &q);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && N > 1)
   for (int64_t n = 0; n < N; n++) {
     float res[MAX_ROWS];
@@ -191,6 +186,8 @@ int gguf_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, int type, 
       for (int i = 0; i < mt; i++) out[(m0 + i) * N + n] = res[i];
     }
   }
-  free(qs), free(d), free(bsums);
+  free((void *)q.qs);
   return 0;
 }
+
+#include "gguf_r16.h"
