@@ -65,9 +65,15 @@ def _projection(reader, parts: list, perms: list, biases: list, in_features: int
         blocks = torch.cat(rows) if len(rows) > 1 else rows[0].contiguous()  # [sum N, bytes per row]
         for t in parts:
             drop_pages(reader, t)
-        return stored_linear(blocks, kinds.pop(), in_features, blocks.shape[0], bias)
+        mod = stored_linear(blocks, kinds.pop(), in_features, blocks.shape[0], bias)
+        if getattr(mod, "packed", None) is not None:  # the interleaved copy runs: the concatenation would
+            mod.blocks = None  # only double the memory
+        return mod
     if len(parts) == 1:
-        return stored_linear(_blocks(parts[0]), parts[0].tensor_type.name, in_features, int(parts[0].shape[-1]), bias)
+        mod = stored_linear(_blocks(parts[0]), parts[0].tensor_type.name, in_features, int(parts[0].shape[-1]), bias)
+        if getattr(mod, "packed", None) is not None:  # the interleaved copy runs: the file's pages can go
+            drop_pages(reader, parts[0])
+        return mod
     mods = [_projection(reader, [t], [p], [b], in_features, dtype)  # mixed types: one module per part
             for t, p, b in zip(parts, perms, biases)]
     return GGUFFusedLinear(mods)

@@ -22,6 +22,7 @@ from atlas_vlm.kernels import decode_step as kernel
 from atlas_vlm.kernels import fused
 from atlas_vlm.layers.attention import AttentionMetadata
 from atlas_vlm.layers.gguf_linear import GGUFLinear
+from atlas_vlm.layers.gguf_stored import GGUFFusedLinear
 from atlas_vlm.layers.quant_linear import KERNEL_MAX_ROWS
 
 __all__ = ["DecodeStep"]
@@ -29,12 +30,21 @@ __all__ = ["DecodeStep"]
 
 def _kernel_tensors(module):
     """A projection's kernel tensors (``KernelTensors``, or ``GGUFTensors`` for a ``GGUFLinear``
-    with interleaved rows), or None where it is neither on a kernel path."""
+    with interleaved rows or a ``GGUFFusedLinear`` of such parts), or None where it is not on a
+    kernel path."""
     if isinstance(module, GGUFLinear):
         if module.packed is None:  # a type without the interleaved kernel, or no C kernel
             return None
         bias = None if module.bias is None else module.bias.float().contiguous()  # [N], held by the step
         return kernel.GGUFTensors(((module.packed, module.qtype, module.out_features),), bias, module.in_features,
+                                  module.out_features)
+    if isinstance(module, GGUFFusedLinear):  # parts of different types (Q4_K q / k beside a Q6_K v)
+        parts = [_kernel_tensors(p) for p in module.parts]
+        if not all(isinstance(t, kernel.GGUFTensors) for t in parts) or sum(len(t.parts) for t in parts) > 4:
+            return None
+        bias = None if all(t.bias is None for t in parts) else torch.cat(
+            [t.bias if t.bias is not None else torch.zeros(t.out_features) for t in parts])  # [N] fp32
+        return kernel.GGUFTensors(tuple(pp for t in parts for pp in t.parts), bias, module.in_features,
                                   module.out_features)
     tensors = getattr(module, "kernel_tensors", None)
     return tensors() if callable(tensors) else None

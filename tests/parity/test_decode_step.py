@@ -203,11 +203,13 @@ def test_a_step_that_samples_no_row_runs_on_the_quantized_lm_head():
 
 def _gguf_model(folder, dtype: str):
     """An LLM on ``folder`` whose projections and LM head are swapped for ``GGUFLinear`` on
-    random Q4_K (q/k/v, gate/up) and Q6_K (o, down, head) blocks (the same for every call), its
-    one-call step rebuilt: what a GGUF-as-stored model gives the runner."""
+    random Q4_K (q/k/v, gate/up) and Q6_K (o, down, head) blocks (the same for every call; layer
+    0's q/k/v a ``GGUFFusedLinear`` of Q4_K q / k and a Q6_K v, as a Q4_K_M file), its one-call
+    step rebuilt: what a GGUF-as-stored model gives the runner."""
     from test_gguf_kernel import _blocks
 
     from atlas_vlm.layers.gguf_linear import GGUFLinear
+    from atlas_vlm.layers.gguf_stored import GGUFFusedLinear
     from atlas_vlm.worker.decode_step import DecodeStep
 
     llm = LLM(str(folder), dtype=dtype, max_model_len=128, num_kvcache_blocks=32)
@@ -222,10 +224,24 @@ def _gguf_model(folder, dtype: str):
         bias = None if old.bias is None else old.bias.detach().float()
         setattr(parent, name, GGUFLinear(blocks, qtype, k, n, bias))
 
-    for layer in runner.model.model.layers:
+    def swap_mixed_qkv(attn):  # Q4_K_M's layout: Q4_K q / k beside a Q6_K v, a GGUFFusedLinear
+        nonlocal seed
+        old, arch = attn.qkv_proj, runner.model.arch
+        sizes = [arch.num_heads * arch.head_dim] + [arch.num_kv_heads * arch.head_dim] * 2
+        biases = [None] * 3 if old.bias is None else list(old.bias.detach().float().split(sizes))
+        parts = []
+        for n, qtype, bias in zip(sizes, ["Q4_K", "Q4_K", "Q6_K"], biases):
+            seed += 1
+            parts.append(GGUFLinear(_blocks(qtype, n, old.in_features, seed=seed), qtype, old.in_features, n, bias))
+        attn.qkv_proj = GGUFFusedLinear(parts)
+
+    for i, layer in enumerate(runner.model.model.layers):
         for parent, name, qtype in [(layer.self_attn, "qkv_proj", "Q4_K"), (layer.self_attn, "o_proj", "Q6_K"),
                                     (layer.mlp, "gate_up_proj", "Q4_K"), (layer.mlp, "down_proj", "Q6_K")]:
-            swap(parent, name, qtype)
+            if (i, name) == (0, "qkv_proj"):
+                swap_mixed_qkv(layer.self_attn)
+            else:
+                swap(parent, name, qtype)
     swap(runner.model, "lm_head", "Q6_K")
     step, why = DecodeStep.build(runner.model, runner.kv_cache, runner.attention_backend)
     assert step is not None, why
