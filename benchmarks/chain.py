@@ -60,12 +60,16 @@ def bytes_per_token(path: Path) -> int:
 
 TARGET = ("Qwen2.5-VL-3B LM", "Q4_K_M")  # the shaped file the targets are stated on
 REAL = ("Qwen2.5-Coder-1.5B-Instruct (real)", "Q4_K_M")  # benchmarks.real_file
+WORKER_TIMEOUT_S = 3 * 3600  # one system on one file; the full protocol takes minutes on 2 idle cores
 
 
 def _worker(system: str, path: Path, quick: bool, threads: int, extra: list[str] = ()) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.chain_worker", system, str(path), "--threads", str(threads), *extra]
-    done = subprocess.run(cmd + (["--quick"] if quick else []), capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parent.parent)
+    try:
+        done = subprocess.run(cmd + (["--quick"] if quick else []), capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent.parent, timeout=WORKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {WORKER_TIMEOUT_S} s"}
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
     return json.loads(done.stdout.strip().splitlines()[-1])

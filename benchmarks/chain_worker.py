@@ -29,6 +29,7 @@ import argparse
 import json
 import random
 import resource
+import sys
 
 import torch
 
@@ -49,6 +50,11 @@ def mixed(num: int, seed: int = 3) -> tuple[list[list[int]], list[int]]:
     """``num`` prompts of 32-512 random ids and their new-token counts (16-128)."""
     rng = random.Random(seed)
     return random_prompts(num, 32, 512, VOCAB, seed), [rng.randint(16, 128) for _ in range(num)]
+
+
+def _progress(out: dict, what: str) -> None:
+    """One progress line on stderr (the figure just measured), for a run watched by hand."""
+    print(f"chain_worker {out['system']}: {what}", file=sys.stderr, flush=True)
 
 
 def _rss() -> int:
@@ -87,6 +93,7 @@ def measure(system: str, path: str, quick: bool, threads: int | None = None, qua
         out["quantization"] = llm.engine.config.model_config.quantization
         out["kernel"] = llm.engine.runner.decode_step is not None
         out["kv_bytes"] = llm.engine.runner.kv_cache.nbytes
+        _progress(out, f"loaded in {out['load_s']:.1f} s ({out['quantization']}, {out['threads']} threads)")
         stream = lambda: _ours(llm, ids, n)  # noqa: E731
 
         def first_token(p):
@@ -100,25 +107,31 @@ def measure(system: str, path: str, quick: bool, threads: int | None = None, qua
             return now() - t0
         if agree:
             out["chat"] = _agree_ours(llm)
+            _progress(out, "chat prompts done")
     else:
         t0 = now()
         lcpp = llamacpp.load(path, n_ctx=2560, threads=threads)
         out["load_s"] = now() - t0
+        _progress(out, f"loaded in {out['load_s']:.1f} s ({threads} threads)")
         stream = lambda: llamacpp.stream(lcpp, ids, n)  # noqa: E731
         first_token = lambda p: llamacpp.stream(lcpp, p, 1)  # noqa: E731
         batch = lambda prompts, outs: llamacpp.sequential(lcpp, prompts, outs)[0]  # noqa: E731
         if chat_ids:
             out["chat"] = [{"prompt_ids": p, "tokens": llamacpp.stream(lcpp, p, AGREE_TOKENS)["tokens"]}
                            for p in chat_ids]
+            _progress(out, "chat prompts done")
     r = _best(stream, 2)
     out["decode_tok_s"], out["tokens"] = (n - 1) / r["decode_s"], r["tokens"]
+    _progress(out, f"decode {out['decode_tok_s']:.1f} tok/s")
     for T in prefills:
         p = random_prompts(1, T, T, VOCAB, seed=7)[0]
         out[f"ttft_{T}_s"] = best_of(lambda: first_token(p), 2)[0]
+        _progress(out, f"TTFT {T}: {out[f'ttft_{T}_s']:.2f} s")
     for num in counts:
         prompts, outs = mixed(num)
         seconds = batch(prompts, outs)
         out[f"mixed_{num}_s"], out[f"mixed_{num}_tok_s"] = seconds, sum(outs) / seconds
+        _progress(out, f"{num} mixed: {out[f'mixed_{num}_tok_s']:.1f} tok/s")
     out["peak_rss_bytes"] = _rss()
     return out
 
