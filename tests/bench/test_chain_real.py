@@ -77,3 +77,16 @@ def test_the_copy_heavy_edit_is_a_41_line_function():
     assert len(lines) == 41 and lines[0].startswith("def ")
     assert "amount" in served_real.FUNCTION and "order_amount" not in served_real.FUNCTION
     assert served_real.FUNCTION in served_real.EDIT
+
+
+def test_bench_cli_keeps_served_out_of_the_default_run():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_cli", Path(__file__).resolve().parents[2] / "scripts" / "bench.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    quick = cli.parse_args(["--quick"])
+    assert quick.chain and not quick.served and quick.chain_quantization is None and quick.chain_match is None
+    served = cli.parse_args(["--served", "--chain-quantization", "gguf", "--chain-match", "Coder"])
+    assert served.served and not served.chain and not served.text
+    assert (served.chain_quantization, served.chain_match) == ("gguf", "Coder")
