@@ -9,6 +9,8 @@
     python scripts/bench.py --structured --quick  # JSON-schema grammars: compile, mask, tok/s vs unconstrained
     python scripts/bench.py --video --quick  # video only: 3 s / 60 s clip TTFT, tok/s vs HF; load_video peak RSS
     python scripts/bench.py --chain --quick  # chain-size Q4_K_M / Q8_0 files vs llama.cpp (setup.sh --bench first)
+    python scripts/bench.py --chain --chain-match Coder  # the real Qwen2.5-Coder-1.5B Q4_K_M alone vs llama.cpp
+    python scripts/bench.py --served         # our server on the real file: int8 vs default KV, ngram vs one stream
     python scripts/bench.py --spec --kv      # speculative decoding on/off; 8-bit KV and the disk tier
     python scripts/bench.py --qwen35 --threads 1  # Qwen3.5 (scaled-down 0.8B shapes): 16 / 64 requests vs HF
     python scripts/bench.py --hybrid-prefix  # Qwen3.5 prefix caching (state snapshots): hit vs miss TTFT, < 3 min
@@ -61,6 +63,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chain", action="store_true",
                    help="chain-size GGUF files (0.5B / 3B / 4B shapes, Q4_K_M and Q8_0 by llama.cpp's tools): ours vs "
                         "llama.cpp on the same file; part of the default run")
+    p.add_argument("--chain-quantization", default=None, metavar="Q",
+                   help="with --chain / --served: the quantization ours loads each file with, as LLM(quantization=Q) "
+                        "and serve --quantization Q take it (e.g. gguf; default: none named, as a user runs LLM(FILE))")
+    p.add_argument("--chain-match", default=None, metavar="TEXT",
+                   help="with --chain: only the files whose label contains TEXT (e.g. Coder: the real file, 3B)")
+    p.add_argument("--served", action="store_true",
+                   help="the real Qwen2.5-Coder-1.5B file as served (atlas-vlm serve at the same threads): "
+                        "--kv-cache-dtype int8 vs default KV, --speculative ngram vs one stream on a copy-heavy "
+                        "edit; not part of the default run")
     p.add_argument("--spec", action="store_true",
                    help="n-gram speculative decoding on vs off: copy-heavy and free-writing tasks, batches 16 / 64")
     p.add_argument("--spec-quantization", choices=["gguf", "int8", "int4"], default=None,
@@ -84,7 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "with other work, 1 avoids OpenMP waits that slow small ops 10-100x")
     args = p.parse_args(argv)
     if not (args.text or args.vlm or args.video or args.serve or args.detok or args.server or args.replicas or args.quant
-            or args.structured or args.chain or args.spec or args.kv or args.qwen35 or args.hybrid_prefix):
+            or args.structured or args.chain or args.spec or args.kv or args.qwen35 or args.hybrid_prefix
+            or args.served):
         args.text = args.vlm = args.serve = args.detok = args.quant = args.structured = args.chain = True
         args.spec = args.kv = True
     args.video = args.video or args.vlm
@@ -100,8 +112,8 @@ def main(argv=None) -> int:
     import torch
 
     from atlas_vlm import EngineConfig
-    from benchmarks import (chain, detokenize, hybrid_prefix, kv_tiers, quant, qwen3_5, serve, server, spec_decode,
-                            structured, targets, text, video, vlm)
+    from benchmarks import (chain, detokenize, hybrid_prefix, kv_tiers, quant, qwen3_5, serve, served_real, server,
+                            spec_decode, structured, targets, text, video, vlm)
 
     replicas = None
     if args.replicas:
@@ -132,12 +144,16 @@ def main(argv=None) -> int:
     for name, module in (("text", text), ("quant", quant), ("vlm", vlm), ("video", video), ("serve", serve), ("detok", detokenize),
                          ("structured", structured), ("chain", chain), ("spec", spec_decode), ("kv", kv_tiers),
                          ("server", server), ("replicas", replicas), ("qwen35", qwen3_5),
-                         ("hybrid_prefix", hybrid_prefix)):
+                         ("hybrid_prefix", hybrid_prefix), ("served", served_real)):
         if getattr(args, name):
             kwargs = {"dtype": dtype} if name in ("text", "quant", "vlm", "video", "serve", "structured", "spec",
                                                   "kv", "qwen35") else {}
             if name == "spec" and args.spec_quantization:
                 kwargs["quantization"] = args.spec_quantization
+            if name == "chain":
+                kwargs.update(quantization=args.chain_quantization, match=args.chain_match)
+            if name == "served":
+                kwargs["quantization"] = args.chain_quantization
             results[name] = module.run(quick=args.quick, **kwargs)
     results["targets"] = targets.report(results)
     results["wall_s"] = time.perf_counter() - start
