@@ -51,7 +51,7 @@ if [ "${1:-}" = "--bench" ]; then
   flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
   args="-DGGML_NATIVE=OFF"
   for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI avx512f:AVX512 \
-              avx512_vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 \
+              avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 \
               amx_tile:AMX_TILE amx_int8:AMX_INT8 amx_bf16:AMX_BF16; do
     if [[ $flags == *" ${pair%%:*} "* ]]; then args="$args -DGGML_${pair##*:}=ON"
     else args="$args -DGGML_${pair##*:}=OFF"; fi  # some default ON without GGML_NATIVE
