@@ -12,12 +12,11 @@ int4 type, else an ``Int8Linear`` with the finest group of its parts and mins wh
 
 from __future__ import annotations
 
-import mmap
-
 import numpy as np
 import torch
 from torch import nn
 
+from atlas_vlm.layers.gguf_linear import drop_mapped_pages
 from atlas_vlm.layers.quant_linear import Int4Linear, Int8Linear
 from atlas_vlm.quantization import UnsupportedQuantizationError
 from atlas_vlm.quantization.gguf_types import DECODERS, HAS_MIN, INT4_TYPES, INT8_TYPES, group_of, int8_form
@@ -90,18 +89,32 @@ def _module_for(parts: list, linear: nn.Linear) -> nn.Module:
     return Int8Linear(*args, group_size=min(group_of(k) for k in kinds), has_min=bool(kinds & set(HAS_MIN)))
 
 
+def copy_dense_params(params: dict, tensors: dict, num_layers: int, file_name: str, used: set) -> None:
+    """Copy every per-layer dense parameter (``_PARAM``: norms, biases) and the final norm from
+    the GGUF ``tensors`` (name -> reader tensor) into ``params`` (``model.named_parameters()``),
+    adding the tensor names to ``used``.
+
+    Raises:
+        ValueError: a parameter the model has whose tensor the file lacks (named, with the file).
+    """
+    for i in range(num_layers):
+        for part, ours in _PARAM.items():
+            name, target = f"blk.{i}.{part}", f"model.layers.{i}.{ours}"
+            if target in params:
+                if name not in tensors:
+                    raise ValueError(f"GGUF {file_name} lacks {name}")
+                params[target].data.copy_(dense_tensor(tensors[name]))
+                used.add(name)
+    params["model.norm.weight"].data.copy_(dense_tensor(tensors["output_norm.weight"]))
+    used.add("output_norm.weight")
+
+
 def drop_pages(reader, t) -> None:
     """Drop the resident pages of tensor ``t``'s bytes from ``reader``'s memory map once the
-    tensor is converted, so a load's peak RSS does not hold the file beside what was made
-    from it (``MADV_DONTNEED`` on a read-only file mapping: a later read faults them back in).
-    A no-op where the reader exposes no ``mmap`` (numpy's ``memmap._mmap``) or the OS lacks it."""
-    mm = getattr(reader.data, "_mmap", None)
-    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
-    end = min(int(t.data_offset) + int(t.n_bytes), len(mm))
-    if end > start:
-        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+    tensor is converted or interleaved, so a load's peak RSS does not hold the file beside what
+    was made from it (``layers.gguf_linear.drop_mapped_pages``: ``MADV_DONTNEED`` on a read-only
+    file mapping, a later read faults them back in). A no-op where ``t`` is not in a file map."""
+    drop_mapped_pages(t.data)
 
 
 def _load_rows(module: nn.Module, row: int, t, perm: torch.Tensor | None) -> int:

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from atlas_vlm.layers.quant_linear import Int8Linear, QuantEmbedding
 from atlas_vlm.quantization import build_empty, materialize
-from atlas_vlm.quantization.gguf import (_PARAM, _PROJ, DENSE_TYPES, _load_rows, _module_for, _row_permutation,
+from atlas_vlm.quantization.gguf import (_PROJ, DENSE_TYPES, _load_rows, _module_for, _row_permutation, copy_dense_params,
                                          _rows_of, check_types, dense_tensor, drop_pages)
 from atlas_vlm.quantization.gguf_types import HAS_MIN, group_of, int8_form
 
@@ -104,17 +104,7 @@ def load_gguf_converted(gguf_path: str | os.PathLike, *, dtype: torch.dtype = to
             model.lm_head = table
     materialize(model)
     params = dict(model.named_parameters())
-    for i in range(arch.num_layers):
-        for part, ours in _PARAM.items():
-            name = f"blk.{i}.{part}"
-            target = f"model.layers.{i}.{ours}"
-            if target in params:
-                if name not in tensors:
-                    raise ValueError(f"GGUF {gguf_path.name} lacks {name}")
-                params[target].data.copy_(dense_tensor(tensors[name]))
-                used.add(name)
-    params["model.norm.weight"].data.copy_(dense_tensor(tensors["output_norm.weight"]))
-    used.add("output_norm.weight")
+    copy_dense_params(params, tensors, arch.num_layers, gguf_path.name, used)
     if kind in DENSE_TYPES:
         model.model.embed_tokens.weight.data.copy_(dense_tensor(emb))
         if head is None:

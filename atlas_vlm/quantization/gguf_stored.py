@@ -26,7 +26,7 @@ from torch import nn
 
 from atlas_vlm.layers.gguf_stored import GGUFDequantLinear, GGUFEmbedding, GGUFFusedLinear, stored_linear
 from atlas_vlm.quantization import UnsupportedQuantizationError, build_empty, materialize
-from atlas_vlm.quantization.gguf import (_PARAM, _PROJ, DENSE_TYPES, _row_permutation, check_types, dense_tensor,
+from atlas_vlm.quantization.gguf import (_PROJ, DENSE_TYPES, _row_permutation, check_types, copy_dense_params, dense_tensor,
                                          drop_pages)
 
 __all__ = ["FamilyNotStoredError", "load_gguf_stored"]
@@ -159,15 +159,7 @@ def load_gguf_stored(gguf_path: str | os.PathLike, *, dtype: torch.dtype = torch
         model.lm_head = _projection(reader, [head if head is not None else emb], [None], [None], arch.hidden_size, dtype)
     materialize(model)
     params = dict(model.named_parameters())
-    for i in range(arch.num_layers):
-        for part, ours in _PARAM.items():
-            name, target = f"blk.{i}.{part}", f"model.layers.{i}.{ours}"
-            if target in params:
-                if name not in tensors:
-                    raise ValueError(f"GGUF {gguf_path.name} lacks {name}")
-                params[target].data.copy_(dense_tensor(tensors[name]))
-                used.add(name)
-    params["model.norm.weight"].data.copy_(dense_tensor(tensors["output_norm.weight"]))
+    copy_dense_params(params, tensors, arch.num_layers, gguf_path.name, used)
     if not stored_emb:
         model.model.embed_tokens.weight.data.copy_(dense_tensor(emb))
         if head is None:
