@@ -29,6 +29,8 @@ def probe_environment(config: EngineConfig, loaded: LoadedModel, max_model_len: 
     may use it (``auto`` / ``decode_kernel`` / ``deterministic``)."""
     from atlas_vlm.kernels import decode_kernel
     from atlas_vlm.layers.attention import triton_unsupported_reason
+    from atlas_vlm.layers.gguf_linear import GGUFLinear
+    from atlas_vlm.layers.gguf_stored import GGUFDequantLinear
     from atlas_vlm.layers.quant_linear import quantized_modules
     from atlas_vlm.memory_plan import engine_max_pixels
     from atlas_vlm.worker.compiled_decode import resolve_compile_decode
@@ -47,7 +49,9 @@ def probe_environment(config: EngineConfig, loaded: LoadedModel, max_model_len: 
         budget = max(0, budget - sum(t.numel() for t in model.mtp_state_dict.values()) * dtype.itemsize)
     if device.type == "cuda" and config.lora_config.enable_lora:  # the adapter slots, allocated after the plan
         budget = max(0, budget - runner_build.lora_slot_bytes(model, config.lora_config, dtype))
-    return Environment(device, dtype, arch, quantized=bool(quantized_modules(model)), decode_kernel_reason=why_not,
+    quantized = bool(quantized_modules(model)) or any(isinstance(m, (GGUFLinear, GGUFDequantLinear))
+                                                      for m in model.modules())  # a .gguf as stored counts too
+    return Environment(device, dtype, arch, quantized=quantized, decode_kernel_reason=why_not,
                        triton_reason=triton_why,
                        compile_decode=resolve_compile_decode(dev.compile_decode, device, kv_dtype),
                        budget_bytes=budget, max_model_len=max_model_len)

@@ -47,7 +47,8 @@ def _locked(method):
 
 
 def _load(config: EngineConfig):
-    """Set the CPU threads, then ``load_model`` with the model config's checkpoint options.
+    """Set the CPU threads, then ``load_model`` with the model config's checkpoint options (a
+    ``.gguf`` with ``deterministic=True`` and no quantization named: its dense copy).
 
     Raises:
         ModelNotFoundError, UnsupportedModelError: from loading.
@@ -55,9 +56,11 @@ def _load(config: EngineConfig):
     device, model_config = config.torch_device(), config.model_config
     if device.type == "cpu":
         hardware.apply_num_threads(config.device_config.num_threads)
+    quantization = model_config.quantization
+    if quantization is None and config.device_config.deterministic and str(model_config.model).endswith(".gguf"):
+        quantization = "dequantize"  # batch-invariant mode runs dense weights: a .gguf's dense copy, not as stored
     return load_model(model_config.model, dtype=config.torch_dtype(), device=device, revision=model_config.revision,
-                      quantization=model_config.quantization, mmproj=model_config.mmproj,
-                      hf_file=model_config.hf_file)
+                      quantization=quantization, mmproj=model_config.mmproj, hf_file=model_config.hf_file)
 
 
 class LLMEngine:

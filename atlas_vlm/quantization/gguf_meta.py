@@ -16,6 +16,10 @@ __all__ = ["gguf_config", "gguf_tokenizer"]
 _BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                "tokenizer.ggml.scores")
 
+#: GGUF architectures whose transformers model type differs (transformers' own GGUF loader
+#: renames these the same way: a text-only Gemma 3 file is ``gemma3_text``)
+GGUF_MODEL_TYPES = {"gemma3": "gemma3_text"}
+
 
 def _value(field):
     """A field's value as transformers' ``load_gguf_checkpoint`` gives it: arrays of one unwrapped."""
@@ -65,8 +69,7 @@ def gguf_config(reader, path: Path):
         config[target] = value.replace(arch, updated) if isinstance(value, str) and arch in value else value
     if "vocab_size" not in config and "tokenizer.ggml.tokens" in fields:
         config["vocab_size"] = len(fields["tokenizer.ggml.tokens"].data)
-    if config.get("model_type") == "gemma3":
-        config["model_type"] = "gemma3_text"
+    config["model_type"] = GGUF_MODEL_TYPES.get(config.get("model_type"), config.get("model_type"))
     return AutoConfig.for_model(**config)
 
 

@@ -150,6 +150,21 @@ def test_uncovered_settings_are_refused_at_load(tiny_models, kwargs, match):
         LLM(str(tiny_models["qwen2"][0]), dtype="float32", **BASE, **kwargs)
 
 
+def test_gguf_as_stored_is_refused_and_the_default_runs_its_dense_copy():
+    """A .gguf named as stored (its quantized blocks) is refused like any quantized model; with no
+    quantization named, deterministic mode loads the file's dense copy."""
+    from atlas_vlm.default_models import default_text_model
+    from atlas_vlm.layers.gguf_linear import GGUFLinear
+    from atlas_vlm.layers.gguf_stored import GGUFDequantLinear
+
+    with pytest.raises(ValueError, match="deterministic=True cannot run here: .*quantized"):
+        LLM(default_text_model(), quantization="gguf", dtype="float32", **BASE)
+    llm = LLM(default_text_model(), dtype="float32", **BASE)
+    layers = list(llm.engine.runner.model.modules())
+    assert not any(isinstance(m, (GGUFLinear, GGUFDequantLinear)) for m in layers)
+    assert any(isinstance(m, RowTiledLinear) for m in layers)  # the batch-invariant dense linears
+
+
 def test_bad_value_and_cli_flags():
     from atlas_vlm.config import EngineConfig
     from atlas_vlm.entrypoints import cli
