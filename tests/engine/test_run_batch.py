@@ -5,6 +5,7 @@ without redoing a line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -175,6 +176,14 @@ def test_ctrl_c_then_rerun_continues(tiny_models, tmp_path):
     assert all(r["response"]["status_code"] == 200 for r in after)
 
 
+class _OneModel:
+    """A server context for a faked endpoint: ``lease`` holds itself (one model)."""
+
+    @contextlib.asynccontextmanager
+    async def lease(self, name):
+        yield self
+
+
 def _fake_endpoint(monkeypatch, answers: list):
     """``/v1/completions`` answered by popping ``answers`` (an exception is raised)."""
     from atlas_vlm.entrypoints.openai.batch import runner
@@ -209,14 +218,14 @@ def test_a_full_queue_is_waited_out_and_a_dead_engine_stops_the_run(monkeypatch,
            (3, completion_line("c", "p3").encode())]
     with ResultFiles(tmp_path / "out.jsonl") as files:
         with pytest.raises(EngineDeadError):
-            asyncio.run(run_lines(None, iter(src), files, max_in_flight=1))
+            asyncio.run(run_lines(_OneModel(), iter(src), files, max_in_flight=1))
     assert calls == ["p1", "p1", "p1", "p2"]  # p1 retried until admitted; p3 never started
     assert [(r["custom_id"], r["response"]["body"]) for r in records(tmp_path / "out.jsonl")] == [("a", ok)]
     aborted = {"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]}
     _fake_endpoint(monkeypatch, [aborted])
     with ResultFiles(tmp_path / "out.jsonl") as files:
         with pytest.raises(EngineDeadError, match="shutting down"):
-            asyncio.run(run_lines(None, iter(src), files, max_in_flight=1))
+            asyncio.run(run_lines(_OneModel(), iter(src), files, max_in_flight=1))
     assert len(records(tmp_path / "out.jsonl")) == 1  # an aborted answer is not recorded: a rerun does it
 
 

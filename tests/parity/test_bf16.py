@@ -51,7 +51,8 @@ def llm_bf16():
 
 def test_engine_runs_in_bf16(llm_bf16):
     model = llm_bf16.engine.runner.model
-    assert model.model.embed_tokens.weight.dtype == torch.bfloat16 and llm_bf16.engine.runner.dtype == torch.bfloat16
+    assert model.model.norm.weight.dtype == torch.bfloat16 and llm_bf16.engine.runner.dtype == torch.bfloat16
+    assert model.model.embed_tokens(torch.tensor([1, 2])).dtype == torch.bfloat16  # the GGUF's table as stored
     assert llm_bf16.engine.runner.kv_cache.k_cache.dtype == torch.bfloat16
 
 
