@@ -5,8 +5,9 @@ Q5_K, Q6_K, Q8_0 with rows a multiple of 256 values):
   Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS, ..., and a kernel type whose rows are not whole
   super-blocks, as SmolLM2's 576): the same constructor as ``GGUFLinear``; ``forward``
   dequantizes the blocks on every call (correct, slow: about 20 ns a weight in numpy), or
-  multiplies a dense copy made once by :meth:`GGUFDequantLinear.keep_dense` (the loader's
-  default: such types then cost their dense size in memory, as before).
+  multiplies a dense copy made once by :meth:`GGUFDequantLinear.keep_dense`; the loader keeps
+  such types as the plain ``nn.Linear`` of :meth:`GGUFDequantLinear.to_linear` (their dense size
+  in memory, as before, and every dense fast path).
 - ``GGUFFusedLinear``: one fused projection (q/k/v, gate/up) whose parts have different
   types (Q4_K_M's Q4_K q/k beside a Q6_K v): each part its own layer, outputs concatenated.
 - ``GGUFEmbedding``: a quantized token table; a lookup dequantizes only the rows asked for.
@@ -70,6 +71,16 @@ class GGUFDequantLinear(nn.Module):
     def keep_dense(self, dtype: torch.dtype = torch.float32) -> None:
         """Dequantize once into memory (``dtype``) and multiply that from now on."""
         self.dense = dequantize_rows(self.blocks, self.qtype).to(dtype)
+
+    def to_linear(self, dtype: torch.dtype = torch.float32) -> nn.Linear:
+        """The dense ``nn.Linear`` of these blocks (``dtype``; values ``gguf``'s dequantization):
+        what the loader keeps for a type without a stored-block kernel, so the dense paths
+        (oneDNN-packed bf16, batch-invariant, the C decode step's dense fallbacks) apply."""
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        lin.weight = nn.Parameter(dequantize_rows(self.blocks, self.qtype).to(dtype), requires_grad=False)
+        if self.bias is not None:
+            lin.bias = nn.Parameter(self.bias.to(dtype), requires_grad=False)
+        return lin
 
     def _apply(self, fn, recurse=True):  # model.to(dtype) moves the dense copy too
         out = super()._apply(fn, recurse)

@@ -168,11 +168,12 @@ def load_gguf_stored(gguf_path: str | os.PathLike, *, dtype: torch.dtype = torch
     if unexpected:
         raise ValueError(f"GGUF {gguf_path.name} has tensors {unexpected[:8]} that {arch.family} does not use")
     model.to(dtype=dtype).eval()
-    for m in model.modules():
-        if isinstance(m, GGUFDequantLinear):
-            m.keep_dense(dtype)
-        elif isinstance(m, GGUFEmbedding):
-            m.dtype = dtype
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, GGUFDequantLinear):  # no stored-block kernel: its dense copy, a plain
+                setattr(parent, name, child.to_linear(dtype))  # nn.Linear (packed / batch-invariant paths)
+            elif isinstance(child, GGUFEmbedding):
+                child.dtype = dtype
     if meta_folder:
         tokenizer = AutoTokenizer.from_pretrained(meta_folder, fix_mistral_regex=False)
     else:

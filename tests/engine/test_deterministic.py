@@ -150,19 +150,18 @@ def test_uncovered_settings_are_refused_at_load(tiny_models, kwargs, match):
         LLM(str(tiny_models["qwen2"][0]), dtype="float32", **BASE, **kwargs)
 
 
-def test_gguf_as_stored_is_refused_and_the_default_runs_its_dense_copy():
-    """A .gguf named as stored (its quantized blocks) is refused like any quantized model; with no
-    quantization named, deterministic mode loads the file's dense copy."""
+def test_gguf_runs_on_dense_weights():
+    """Deterministic mode needs dense weights: a .gguf with no quantization named loads its dense
+    copy; SmolLM2's Q4_1 rows (576 wide: no stored-block kernel) are dense copies as stored too,
+    so both build with the batch-invariant linears and no stored-block layer."""
     from atlas_vlm.default_models import default_text_model
     from atlas_vlm.layers.gguf_linear import GGUFLinear
-    from atlas_vlm.layers.gguf_stored import GGUFDequantLinear
 
-    with pytest.raises(ValueError, match="deterministic=True cannot run here: .*quantized"):
-        LLM(default_text_model(), quantization="gguf", dtype="float32", **BASE)
-    llm = LLM(default_text_model(), dtype="float32", **BASE)
-    layers = list(llm.engine.runner.model.modules())
-    assert not any(isinstance(m, (GGUFLinear, GGUFDequantLinear)) for m in layers)
-    assert any(isinstance(m, RowTiledLinear) for m in layers)  # the batch-invariant dense linears
+    for quantization in (None, "gguf"):
+        layers = list(LLM(default_text_model(), quantization=quantization, dtype="float32", **BASE)
+                      .engine.runner.model.modules())
+        assert not any(isinstance(m, GGUFLinear) for m in layers)
+        assert any(isinstance(m, RowTiledLinear) for m in layers)  # the batch-invariant dense linears
 
 
 def test_bad_value_and_cli_flags():

@@ -16,8 +16,6 @@ from gguf_pairs import CONVERTER, IMAGE_MEAN, IMAGE_STD, Pairs
 from teacher_forcing import record_logits
 from helpers import CPU_FP32, IMAGES, SMALL, assert_matches_hf, chat, conv
 from atlas_vlm import LLM, SamplingParams
-from atlas_vlm.layers.gguf_linear import GGUFLinear
-from atlas_vlm.layers.gguf_stored import GGUFDequantLinear
 from atlas_vlm.layers.quant_linear import Int8Linear
 
 pytestmark = [pytest.mark.vlm, pytest.mark.skipif(not CONVERTER.is_file(), reason=(
@@ -148,8 +146,8 @@ def test_q8_0_pair_agrees_with_f32_pair(pair, pairs, quantization):
     model, mmproj = entry["q8_0"]
     q8 = LLM(str(model), mmproj=str(mmproj), quantization=quantization, **ENGINE)
     mods = list(q8.engine.runner.model.modules())
-    if quantization is None:  # the decoder's Q8_0 projections as stored (the default)
-        assert any(isinstance(m, (GGUFLinear, GGUFDequantLinear)) for m in mods)
+    if quantization is None:  # as stored (the default): GGUFLinear where rows are whole super-blocks, else
+        assert not any(isinstance(m, Int8Linear) for m in mods)  # the dense copy; never int8 tiles
     if quantization == "gguf_int":  # converted to int8 tiles
         assert any(isinstance(m, Int8Linear) for m in mods)
     outs = q8.generate(prefixes, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
