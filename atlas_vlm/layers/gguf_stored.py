@@ -4,10 +4,9 @@ Q5_K, Q6_K, Q8_0 with rows a multiple of 256 values):
 - ``GGUFDequantLinear``: any other type ``gguf.quants.dequantize`` reads (Q4_0, Q4_1, Q5_0,
   Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS, ..., and a kernel type whose rows are not whole
   super-blocks, as SmolLM2's 576): the same constructor as ``GGUFLinear``; ``forward``
-  dequantizes the blocks on every call (correct, slow: about 20 ns a weight in numpy), or
-  multiplies a dense copy made once by :meth:`GGUFDequantLinear.keep_dense`; the loader keeps
-  such types as the plain ``nn.Linear`` of :meth:`GGUFDequantLinear.to_linear` (their dense size
-  in memory, as before, and every dense fast path).
+  dequantizes the blocks on every call (correct, slow: about 20 ns a weight in numpy); the
+  loader keeps such types as the plain ``nn.Linear`` of :meth:`GGUFDequantLinear.to_linear`
+  (their dense size in memory, as before, and every dense fast path).
 - ``GGUFFusedLinear``: one fused projection (q/k/v, gate/up) whose parts have different
   types (Q4_K_M's Q4_K q/k beside a Q6_K v): each part its own layer, outputs concatenated.
 - ``GGUFEmbedding``: a quantized token table; a lookup dequantizes only the rows asked for.
@@ -66,36 +65,24 @@ class GGUFDequantLinear(nn.Module):
         self.qtype, self.in_features, self.out_features = qtype, in_features, out_features
         self.register_buffer("blocks", blocks, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
-        self.dense: torch.Tensor | None = None  # [N, K] once keep_dense() ran
-
-    def keep_dense(self, dtype: torch.dtype = torch.float32) -> None:
-        """Dequantize once into memory (``dtype``) and multiply that from now on."""
-        self.dense = dequantize_rows(self.blocks, self.qtype).to(dtype)
 
     def to_linear(self, dtype: torch.dtype = torch.float32) -> nn.Linear:
         """The dense ``nn.Linear`` of these blocks (``dtype``; values ``gguf``'s dequantization):
         what the loader keeps for a type without a stored-block kernel, so the dense paths
-        (oneDNN-packed bf16, batch-invariant, the C decode step's dense fallbacks) apply."""
+        (oneDNN-packed bf16, batch-invariant) apply."""
         lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         lin.weight = nn.Parameter(dequantize_rows(self.blocks, self.qtype).to(dtype), requires_grad=False)
         if self.bias is not None:
             lin.bias = nn.Parameter(self.bias.to(dtype), requires_grad=False)
         return lin
 
-    def _apply(self, fn, recurse=True):  # model.to(dtype) moves the dense copy too
-        out = super()._apply(fn, recurse)
-        if self.dense is not None:
-            self.dense = fn(self.dense)
-        return out
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.dense if self.dense is not None else dequantize_rows(self.blocks, self.qtype)  # [N, K]
+        w = dequantize_rows(self.blocks, self.qtype)  # [N, K], every call
         b = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, w.to(x.dtype), b)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}, "
-                f"dense={self.dense is not None}")
+        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}"
 
 
 def stored_linear(blocks: torch.Tensor, qtype: str, in_features: int, out_features: int,
