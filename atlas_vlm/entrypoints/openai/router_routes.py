@@ -29,7 +29,7 @@ from atlas_vlm.entrypoints.openai.model_router import ModelRouter
 from atlas_vlm.entrypoints.openai.protocol import SSE_NAMED_EVENT_SCHEMA, ChatCompletionRequest, CompletionRequest
 from atlas_vlm.entrypoints.openai.responses.background import BackgroundResponses
 from atlas_vlm.entrypoints.openai.responses.protocol import ResponsesRequest
-from atlas_vlm.entrypoints.openai.responses.routes import file_reader
+from atlas_vlm.entrypoints.openai.responses.routes import add_stored_response_routes, file_reader
 from atlas_vlm.entrypoints.openai.responses.serving import create_response
 from atlas_vlm.entrypoints.openai.serving_chat import create_chat_completion
 from atlas_vlm.entrypoints.openai.serving_common import until_disconnected
@@ -129,18 +129,7 @@ def add_routed_routes(app: FastAPI, router: ModelRouter, responses, *, files, st
             return background.start(body, read_file)
         return await serve(lambda ctx, req: create_response(ctx, store, req, read_file), body, raw)
 
-    @app.get("/v1/responses/{response_id}", responses=responses(401, 404))
-    async def retrieve(response_id: str):
-        return store.response(response_id)
-
-    @app.delete("/v1/responses/{response_id}", responses=responses(401, 404))
-    async def delete(response_id: str):
-        return store.delete(response_id)
-
-    @app.post("/v1/responses/{response_id}/cancel", responses=responses(400, 401, 404))
-    async def cancel(response_id: str):
-        return background.cancel(response_id)
-
+    add_stored_response_routes(app, store, background, responses)
     jobs = BatchJobs(routed, files, batch_max_in_flight)  # each line ``lease``s its model
     add_batch_routes(app, files, jobs, responses)
     return background, jobs

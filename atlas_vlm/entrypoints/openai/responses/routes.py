@@ -25,6 +25,25 @@ def file_reader(files):
     return read
 
 
+def add_stored_response_routes(app: FastAPI, store: ResponseStore, background: BackgroundResponses,
+                               responses) -> None:
+    """Add ``GET`` / ``DELETE /v1/responses/{response_id}`` and ``POST
+    /v1/responses/{response_id}/cancel`` on ``store`` and ``background`` (one server's or a
+    several-model router's: a stored response does not depend on which model made it)."""
+
+    @app.get("/v1/responses/{response_id}", responses=responses(401, 404))
+    async def retrieve(response_id: str):
+        return store.response(response_id)
+
+    @app.delete("/v1/responses/{response_id}", responses=responses(401, 404))
+    async def delete(response_id: str):
+        return store.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel", responses=responses(400, 401, 404))
+    async def cancel(response_id: str):
+        return background.cancel(response_id)
+
+
 def add_responses_routes(app: FastAPI, ctx: ServerContext, respond, responses, *,
                          store: ResponseStore | None = None, files=None) -> BackgroundResponses:
     """Add ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{response_id}`` and
@@ -52,16 +71,5 @@ def add_responses_routes(app: FastAPI, ctx: ServerContext, respond, responses, *
             return background.start(body, read_file)
         return respond(await until_disconnected(create_response(ctx, store, body, read_file), raw.receive))
 
-    @app.get("/v1/responses/{response_id}", responses=responses(401, 404))
-    async def retrieve(response_id: str):
-        return store.response(response_id)
-
-    @app.delete("/v1/responses/{response_id}", responses=responses(401, 404))
-    async def delete(response_id: str):
-        return store.delete(response_id)
-
-    @app.post("/v1/responses/{response_id}/cancel", responses=responses(400, 401, 404))
-    async def cancel(response_id: str):
-        return background.cancel(response_id)
-
+    add_stored_response_routes(app, store, background, responses)
     return background
